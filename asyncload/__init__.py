@@ -1,0 +1,42 @@
+"""asyncload: a PyTorch data loader without worker processes.
+
+Names are imported on first use, so ``import asyncload`` stays cheap (PyTorch alone takes over
+a second to import).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "AsyncLoader": "asyncload.loader",
+    "SampleError": "asyncload.errors",
+    "ImageDecoder": "asyncload.decode",
+    "Source": "asyncload.sources",
+    "image_folder": "asyncload.sources",
+    "list_files": "asyncload.sources",
+    "manifest": "asyncload.sources",
+}
+
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:
+    from .decode import ImageDecoder
+    from .errors import SampleError
+    from .loader import AsyncLoader
+    from .sources import Source, image_folder, list_files, manifest
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'asyncload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

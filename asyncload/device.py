@@ -1,0 +1,95 @@
+"""The device stage: batch k+1 goes host->GPU on a side CUDA stream while the user's step runs
+on batch k.
+
+The consumer's stream waits on an event, never the host; the pinned buffer is recycled only
+after its copy's event has completed. GPU tensors come from PyTorch's caching allocator and
+are marked with ``record_stream`` so their memory is not reused while the user's stream still
+works on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .buffers import BatchBuffer
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """The CUDA device to copy batches to, or None to stay on the CPU. A CUDA device without
+    CUDA fails here, at construction, rather than at the first batch."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"device must be None, 'cpu' or a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} was asked for, but torch.cuda.is_available() is False")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def is_image_batch(tensor: torch.Tensor) -> bool:
+    """uint8 [B, H, W, C] with C in (1, 3, 4): what ``normalize`` converts."""
+    return tensor.dtype == torch.uint8 and tensor.dim() == 4 and tensor.shape[-1] in (1, 3, 4)
+
+
+def normalize_images(
+    images: torch.Tensor, mean: Sequence[float], std: Sequence[float]
+) -> torch.Tensor:
+    """uint8 NHWC -> float32 NCHW, scaled to [0, 1], then ``(x - mean) / std`` per channel (as
+    torchvision's ToTensor + Normalize). The result keeps channels-last strides, which
+    convolutions on the GPU prefer."""
+    mean_t = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
+    floats = images.permute(0, 3, 1, 2).to(torch.float32).div_(255.0)
+    return floats.sub_(mean_t).div_(std_t)
+
+
+def convert_batch(leaves: list[torch.Tensor], normalize: tuple[Sequence[float], Sequence[float]] | None) -> list[torch.Tensor]:
+    if normalize is None:
+        return leaves
+    return [normalize_images(t, *normalize) if is_image_batch(t) else t for t in leaves]
+
+
+@dataclass
+class PendingCopy:
+    """A batch whose copy to the GPU has been issued on the side stream."""
+
+    leaves: list[torch.Tensor]
+    done: Any  # torch.cuda.Event
+
+
+class DeviceStage:
+    """Issues host->device copies on a side stream and hands the results to the user's stream."""
+
+    def __init__(self, device: torch.device, normalize: tuple[Sequence[float], Sequence[float]] | None) -> None:
+        self.device = device
+        self.normalize = normalize
+        self.stream = torch.cuda.Stream(device)
+
+    def start_copy(self, buffer: BatchBuffer, size: int) -> PendingCopy:
+        """Copies the first ``size`` rows of ``buffer`` asynchronously; the buffer stays out of
+        the ring until the copy's event completes."""
+        host = [t[:size] for t in buffer.tensors]
+        buffer.in_pipeline = False
+        with torch.cuda.stream(self.stream):
+            leaves = [t.to(self.device, non_blocking=True) for t in host]
+            leaves = convert_batch(leaves, self.normalize)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        buffer.copy_done = done
+        return PendingCopy(leaves, done)
+
+    def hand_over(self, pending: PendingCopy) -> list[torch.Tensor]:
+        """Makes the user's current stream wait for the copy (on the GPU, not the host)."""
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(pending.done)
+        for tensor in pending.leaves:
+            tensor.record_stream(consumer)
+        return pending.leaves

@@ -1,0 +1,128 @@
+"""Reads on one asyncio event loop: fsspec filesystems, retries with backoff, a timeout per read.
+
+Async filesystems (s3fs, gcsfs, http) are awaited natively, so hundreds of requests can wait on
+the network at once from one thread; sync ones (local disk, memory) run on a small executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+import fsspec
+from fsspec.core import split_protocol
+
+from .stats import LoaderStats
+
+# Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
+PERMANENT_ERRORS = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+    NotImplementedError,
+)
+
+
+class Reader:
+    """Fetches items on the event loop ``loop``; create and use it on that loop's thread."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        storage_options: dict[str, Any] | None,
+        timeout: float,
+        retries: int,
+        io_threads: int,
+        stats: LoaderStats,
+        user_read: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.loop = loop
+        self.storage_options = storage_options or {}
+        self.timeout = timeout
+        self.retries = retries
+        self.stats = stats
+        self.user_read = user_read
+        self._user_read_is_async = user_read is not None and _is_async_callable(user_read)
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="asyncload-read")
+        self._filesystems: dict[str, Any] = {}
+
+    async def read(self, key: Any) -> Any:
+        """The bytes at URL ``key`` (or what the user's ``read`` returns for it), retried on
+        transient errors with exponential backoff and full jitter."""
+        started = time.perf_counter()
+        for attempt in range(self.retries + 1):
+            try:
+                data = await asyncio.wait_for(self._fetch(key), self.timeout)
+                break
+            except PERMANENT_ERRORS:
+                raise
+            except Exception:
+                if attempt == self.retries:
+                    raise
+                self.stats.add_retry()
+                await asyncio.sleep(random.uniform(0, min(5.0, 0.1 * 2**attempt)))
+        nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+        self.stats.add("read", time.perf_counter() - started, nbytes)
+        return data
+
+    def _fetch(self, key: Any) -> Awaitable[Any]:
+        if self.user_read is not None:
+            if self._user_read_is_async:
+                return self.user_read(key)
+            return self.loop.run_in_executor(self._executor, self.user_read, key)
+        fs, read_kwargs = self._filesystem(key)
+        path = fs._strip_protocol(key)
+        if fs.async_impl:
+            return fs._cat_file(path, **read_kwargs)
+        return self.loop.run_in_executor(self._executor, fs.cat_file, path)
+
+    def _filesystem(self, url: str) -> tuple[Any, dict[str, Any]]:
+        """The filesystem for ``url``'s protocol (one instance per protocol, bound to our loop)
+        and the keyword arguments that make its read a single request."""
+        protocol = split_protocol(url)[0] or "file"
+        if protocol not in self._filesystems:
+            cls = fsspec.get_filesystem_class(protocol)
+            options = dict(self.storage_options)
+            if cls.async_impl:
+                options.update(asynchronous=True, loop=self.loop)
+            fs = cls(skip_instance_cache=True, **options)
+            read_kwargs = {}
+            if fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
+                # s3fs sends a HEAD before the GET to split large objects; one request is enough.
+                read_kwargs["max_concurrency"] = 1
+            self._filesystems[protocol] = (fs, read_kwargs)
+        return self._filesystems[protocol]
+
+    async def aclose(self) -> None:
+        """Closes the async filesystems' HTTP sessions on this loop and stops the executor."""
+        for fs, _ in self._filesystems.values():
+            if fs.async_impl:
+                await _close_sessions(fs)
+        self._filesystems.clear()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def _close_sessions(fs: Any) -> None:
+    """fsspec has no public close for async filesystems; these are the clients s3fs, gcsfs and
+    http keep. Errors while closing are of no use to anyone and are ignored."""
+    try:
+        creator = getattr(fs, "_s3creator", None)
+        if creator is not None:
+            await creator.__aexit__(None, None, None)
+        close = getattr(getattr(fs, "_session", None), "close", None)  # aiohttp (http, gcsfs)
+        if close is not None and inspect.iscoroutinefunction(close):
+            await close()
+    except Exception:
+        pass
+
+
+def _is_async_callable(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))

@@ -1,0 +1,83 @@
+"""The order of one epoch, from ``(seed, epoch)`` alone, sharded like ``DistributedSampler``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size: the given ones, else those of an initialised torch.distributed, else 0/1."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialised else 1
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+    return rank, world_size
+
+
+class EpochSampler:
+    """Splits an epoch's order into this rank's batches of source indices.
+
+    Sharding keeps ``DistributedSampler``'s semantics so every rank gets the same number of
+    samples (no DDP hang at epoch end): with ``drop_last`` the tail that does not divide evenly
+    is dropped, otherwise the order is padded by repeating its start. ``drop_last`` also drops
+    this rank's final short batch.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.num_items = num_items
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def samples_per_rank(self) -> int:
+        if self.drop_last:
+            return self.num_items // self.world_size
+        return math.ceil(self.num_items / self.world_size)
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        if self.drop_last:
+            return self.samples_per_rank // self.batch_size
+        return math.ceil(self.samples_per_rank / self.batch_size)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """This rank's source indices for ``epoch``, in delivery order (int64)."""
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(self.num_items)
+        else:
+            order = np.arange(self.num_items)
+        total = self.samples_per_rank * self.world_size
+        if total > len(order) and len(order) > 0:
+            order = np.resize(order, total)  # pads by repeating from the start
+        order = order[:total]
+        return order[self.rank :: self.world_size].astype(np.int64, copy=False)
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches for ``epoch``: ``len(self)`` arrays of source indices."""
+        order = self.order(epoch)
+        return [order[start : start + self.batch_size] for start in range(0, len(self) * self.batch_size, self.batch_size)]
