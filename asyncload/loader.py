@@ -128,7 +128,8 @@ class AsyncLoader:
         )
         self.epoch = 0
         self.stats = LoaderStats()
-        self._delivered = _Delivered()
+        self._delivered = _Delivered()  # batches of this epoch handed to the user, for state_dict()
+        self._resume_from: _Delivered | None = None  # set by load_state_dict()
         self._run: _EpochRun | None = None
         self._closed = False
         self._settings = _Settings(
@@ -166,11 +167,15 @@ class AsyncLoader:
         if epoch != self.epoch:
             self.epoch = epoch
             self._delivered = _Delivered()
+            self._resume_from = None
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
-        self._stop_run()  # a new iteration replaces an unfinished one, as with DataLoader
+        self._stop_run()  # a new iteration replaces an unfinished one
+        # As with DataLoader, a new iteration starts the epoch afresh, unless load_state_dict()
+        # asked to resume it.
+        self._delivered, self._resume_from = self._resume_from or _Delivered(), None
         batches = self.sampler.batches(self.epoch)
         todo = [k for k in range(len(batches)) if not self._delivered.contains(k)]
         run = _EpochRun(self._settings, self.epoch, batches, todo)
@@ -182,7 +187,7 @@ class AsyncLoader:
             for number, batch in run:
                 self._delivered.add(number)
                 yield batch
-            self._delivered = _Delivered()  # the epoch is complete; iterating again repeats it
+            self._delivered = _Delivered()  # the epoch is complete
         finally:
             run.stop()
             if self._run is run:
@@ -208,7 +213,8 @@ class AsyncLoader:
             if state[key] != mine[key]:
                 raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has {mine[key]}")
         self.epoch = state["epoch"]
-        self._delivered = _Delivered(state["delivered_prefix"], set(state["delivered_after_prefix"]))
+        self._resume_from = _Delivered(state["delivered_prefix"], set(state["delivered_after_prefix"]))
+        self._delivered = self._resume_from
 
     def _stop_run(self) -> None:
         if self._run is not None:
@@ -322,8 +328,11 @@ class _EpochRun:
         in flight and at most ``prefetch`` batches ahead of the user."""
         if not self.todo:
             return
-        if self.s.ring.layout is None and not await self._learn_layout(reader):
-            return
+        first_sample = None
+        if self.s.ring.layout is None:
+            first_sample = await self._learn_layout(reader)
+            if first_sample is None:
+                return
         read_slots = asyncio.Semaphore(self.s.io_concurrency)
         for produced, number in enumerate(self.todo):
             while produced - self._handed_out >= self.s.prefetch:
@@ -334,28 +343,38 @@ class _EpochRun:
             self._in_pipeline.append(batch)
             for row, index in enumerate(indices):
                 await read_slots.acquire()
-                task = self.loop.create_task(self._load(batch, row, int(index), reader, read_slots))
+                if first_sample is not None:  # row 0 of the first batch: already decoded
+                    read_slots.release()
+                    load = self._write_decoded(batch, row, *first_sample)
+                    first_sample = None
+                else:
+                    load = self._load(batch, row, int(index), reader, read_slots)
+                task = self.loop.create_task(load)
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 
-    async def _learn_layout(self, reader: Reader) -> bool:
-        """Loads the epoch's first sample to learn the batch layout from it. On failure, its
-        batch carries the error and nothing more is produced."""
+    async def _learn_layout(self, reader: Reader) -> tuple[Any, Any] | None:
+        """Loads the epoch's first sample to learn the batch layout from it; returns its key and
+        labelled sample, to be written into its row without a second read. On failure, its
+        batch carries the error, nothing more is produced, and None is returned."""
         first = self.batches[self.todo[0]]
-        index = int(first[0])
+        key: Any = f"source[{int(first[0])}]"
         try:
-            key, label = self._split(index)
+            key, label = self._split(int(first[0]))
             data = await self._fetch(reader, key)
+            started = time.perf_counter()
             sample = await self.loop.run_in_executor(self.decode_pool, self.s.decode, data)
+            self.s.stats.add("decode", time.perf_counter() - started)
         except SampleError as error:
             self._finish(_Batch(self.todo[0], first, None, 0, {0: error}))
-            return False
+            return None
         except Exception as error:
             self._finish(_Batch(self.todo[0], first, None, 0, {0: SampleError(key, "decode", error)}))
-            return False
+            return None
+        sample = self._labelled(sample, label)
         capacity = len(self.batches[0])  # the epoch's first batch is never a short one
-        self.s.ring.configure(SampleLayout.of(self._labelled(sample, label)), capacity)
-        return True
+        self.s.ring.configure(SampleLayout.of(sample), capacity)
+        return key, sample
 
     def _split(self, index: int) -> tuple[Any, int | None]:
         """The source item at ``index`` -> (what to read, label or None)."""
@@ -378,6 +397,7 @@ class _EpochRun:
             raise SampleError(key, "read", error) from error
 
     async def _load(self, batch: _Batch, row: int, index: int, reader: Reader, read_slots: asyncio.Semaphore) -> None:
+        """Reads and decodes source item ``index`` into ``row`` of ``batch``."""
         try:
             try:
                 key, label = self._split(index)
@@ -386,8 +406,23 @@ class _EpochRun:
                 read_slots.release()
             await self.loop.run_in_executor(self.decode_pool, self._decode_into, batch.buffer, row, key, data, label, index)
         except SampleError as error:
-            batch.errors[row] = error
-            self.s.stats.add_failure(error.item, error.stage, error.cause)
+            self._record_error(batch, row, error)
+        self._row_done(batch)
+
+    async def _write_decoded(self, batch: _Batch, row: int, key: Any, sample: Any) -> None:
+        """Copies an already decoded sample into ``row`` of ``batch``."""
+        assert batch.buffer is not None
+        try:
+            await self.loop.run_in_executor(self.decode_pool, batch.buffer.write, row, sample)
+        except Exception as error:
+            self._record_error(batch, row, SampleError(key, "decode", error))
+        self._row_done(batch)
+
+    def _record_error(self, batch: _Batch, row: int, error: SampleError) -> None:
+        batch.errors[row] = error
+        self.s.stats.add_failure(error.item, error.stage, error.cause)
+
+    def _row_done(self, batch: _Batch) -> None:
         batch.remaining -= 1
         if batch.remaining == 0:
             self._finish(batch)
@@ -421,6 +456,8 @@ class _EpochRun:
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         for position in range(len(self.todo)):
+            if self._stopped:
+                raise RuntimeError("this iteration has ended: the loader was closed or iterated anew")
             batch = self._wait_for(self.todo[position] if self.s.in_order else None)
             error = batch.first_error()
             if error is not None:
@@ -460,8 +497,15 @@ class _EpochRun:
             out = batch.buffer.batch(size)
         self._in_pipeline.remove(batch)
         self._handed_out += 1
-        self.loop.call_soon_threadsafe(self._room.set)
+        self._call_in_loop(self._room.set)
         return out
+
+    def _call_in_loop(self, callback: Callable[[], Any]) -> None:
+        """Schedules ``callback`` on the event loop, unless the loop has already finished."""
+        try:
+            self.loop.call_soon_threadsafe(callback)
+        except RuntimeError:
+            pass  # closed: everything was produced, or the run was stopped
 
     def _prefetch_copy(self, position: int) -> None:
         """With a device stage: if the next batch is already complete, start its copy now, so
@@ -482,10 +526,7 @@ class _EpochRun:
         if self._stopped:
             return
         self._stopped = True
-        try:
-            self.loop.call_soon_threadsafe(self._main.cancel)
-        except RuntimeError:
-            pass  # the loop has already closed
+        self._call_in_loop(self._main.cancel)
         self.thread.join()
         self.decode_pool.shutdown(wait=True, cancel_futures=True)
         for batch in self._in_pipeline:

@@ -1,0 +1,96 @@
+"""Shared fixtures: real JPEG files, a real S3-compatible server on 127.0.0.1, and a check that
+no asyncload thread outlives a test."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+
+from bench.s3server import S3_ENV, MotoServer, storage_options
+
+CLASSES = ("cat", "dog", "fox")
+PER_CLASS = 8
+IMAGE_SIZE = (72, 96)  # height, width: not square, so crops matter
+
+
+def image_colour(label: int, index: int) -> tuple[int, int, int]:
+    """A flat colour per image, far enough apart to survive JPEG and identify the sample."""
+    return (20 + 25 * index, 40 + 80 * label, 230 - 25 * index)
+
+
+def make_jpeg(colour: tuple[int, int, int], size: tuple[int, int] = IMAGE_SIZE, quality: int = 95) -> bytes:
+    image = np.empty((*size, 3), dtype=np.uint8)
+    image[...] = colour
+    return simplejpeg.encode_jpeg(image, quality=quality)
+
+
+def asyncload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("asyncload")]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left():
+    """Every test must end with no asyncload thread alive (checked right away, no grace period,
+    except a short one for the garbage collector's work in a test that relies on it)."""
+    yield
+    leftover = asyncload_threads()
+    assert not leftover, f"threads left running: {[t.name for t in leftover]}"
+
+
+@pytest.fixture(scope="session")
+def jpeg_folder(tmp_path_factory) -> Path:
+    """``root/<class>/<i>.jpg``, each a flat colour given by ``image_colour(label, i)``."""
+    root = tmp_path_factory.mktemp("jpegs")
+    for label, name in enumerate(CLASSES):
+        (root / name).mkdir()
+        for index in range(PER_CLASS):
+            (root / name / f"{index}.jpg").write_bytes(make_jpeg(image_colour(label, index)))
+    return root
+
+
+def identify(image: np.ndarray) -> tuple[int, int]:
+    """(label, index) of a decoded test image, from its centre pixel."""
+    centre = image[image.shape[0] // 2, image.shape[1] // 2].astype(int)
+    candidates = [(l, i) for l in range(len(CLASSES)) for i in range(PER_CLASS)]
+    return min(candidates, key=lambda li: np.abs(centre - image_colour(*li)).sum())
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1 for the whole session."""
+    for key, value in S3_ENV.items():
+        os.environ.setdefault(key, value)
+    with MotoServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_options(s3_server) -> dict:
+    return storage_options(s3_server.endpoint_url)
+
+
+@pytest.fixture(scope="session")
+def s3_jpeg_bucket(s3_options, jpeg_folder) -> str:
+    """The JPEG folder uploaded to ``s3://asyncload-test/jpegs``; returns that URL."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    fs.mkdir("asyncload-test")
+    for path in sorted(jpeg_folder.rglob("*.jpg")):
+        fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
+    return "s3://asyncload-test/jpegs"
+
+
+def wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()

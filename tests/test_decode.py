@@ -1,0 +1,108 @@
+import cv2
+import numpy as np
+import pytest
+import simplejpeg
+
+from asyncload.decode import ImageDecoder, centre_square_box, decode_rgb, random_resized_crop_box
+
+
+def gradient_image(height: int, width: int) -> np.ndarray:
+    """Smooth content with a different value at every position, so crops and flips show."""
+    y, x = np.mgrid[0:height, 0:width]
+    return np.stack([x * 255 // width, y * 255 // height, (x + y) * 127 // (width + height)], -1).astype(np.uint8)
+
+
+def png(image_rgb: np.ndarray) -> bytes:
+    return cv2.imencode(".png", cv2.cvtColor(image_rgb, cv2.COLOR_RGB2BGR))[1].tobytes()
+
+
+def test_eval_transform_is_centre_square_resized():
+    image = gradient_image(60, 100)
+    out = ImageDecoder(size=30)(png(image))
+    expected = cv2.resize(image[:, 20:80], (30, 30), interpolation=cv2.INTER_LINEAR)
+    assert out.shape == (30, 30, 3) and out.dtype == np.uint8
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_decode_writes_into_the_given_row():
+    batch = np.zeros((3, 16, 16, 3), dtype=np.uint8)
+    ImageDecoder(size=16).decode_into(png(np.full((20, 20, 3), 200, np.uint8)), batch[1])
+    assert (batch[1] == 200).all()
+    assert not batch[0].any() and not batch[2].any()
+
+
+def test_large_jpeg_uses_dct_downscale_and_stays_close_to_full_decode():
+    image = gradient_image(800, 1000)
+    data = simplejpeg.encode_jpeg(image, quality=95)
+    out = ImageDecoder(size=100)(data)
+    full = simplejpeg.decode_jpeg(data)
+    reference = cv2.resize(full[:, 100:900], (100, 100), interpolation=cv2.INTER_AREA)
+    assert np.abs(out.astype(int) - reference).mean() < 2.0
+    # the downscaled decode the decoder asks for is at most half size
+    small = simplejpeg.decode_jpeg(data, min_height=100, min_width=125)
+    assert small.shape[0] <= 400
+
+
+def test_train_transform_repeats_for_the_same_key_and_varies_otherwise():
+    data = simplejpeg.encode_jpeg(gradient_image(120, 160), quality=95)
+    decoder = ImageDecoder(size=32, train=True, seed=3)
+    first = decoder(data, key=(0, 7))
+    np.testing.assert_array_equal(first, decoder(data, key=(0, 7)))
+    others = [decoder(data, key=(epoch, 7)) for epoch in range(1, 6)]
+    assert all(not np.array_equal(first, other) for other in others)
+    assert not np.array_equal(first, ImageDecoder(size=32, train=True, seed=4)(data, key=(0, 7)))
+
+
+def test_train_transform_flips_about_half_the_time():
+    image = gradient_image(64, 64)
+    decoder = ImageDecoder(size=64, train=True, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    data = png(image)
+    flipped = sum(bool(decoder(data, key=(0, i))[0, 0, 0] > decoder(data, key=(0, i))[0, -1, 0]) for i in range(200))
+    assert 70 < flipped < 130
+    no_flip = ImageDecoder(size=64, train=True, scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    np.testing.assert_array_equal(no_flip(data, key=(0, 1)), image)
+
+
+def test_random_resized_crop_box_stays_inside_and_in_range():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        top, left, h, w = random_resized_crop_box(375, 500, rng)
+        assert 0 <= top and 0 <= left and top + h <= 375 and left + w <= 500
+        assert 0.08 * 375 * 500 * 0.9 <= h * w <= 375 * 500
+        assert 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1
+
+
+def test_random_resized_crop_falls_back_to_centre_crop_for_extreme_shapes():
+    # a 10x1000 strip: no random try fits the ratio range, so the centre crop clamps the ratio
+    assert random_resized_crop_box(10, 1000, np.random.default_rng(0), scale=(0.9, 1.0)) == (0, 493, 10, 13)
+
+
+def test_centre_square_box():
+    assert centre_square_box(375, 500) == (0, 62, 375, 375)
+    assert centre_square_box(500, 375) == (62, 0, 375, 375)
+
+
+def test_greyscale_jpeg_becomes_rgb():
+    grey = np.full((40, 40, 1), 90, dtype=np.uint8)
+    out = ImageDecoder(size=20)(simplejpeg.encode_jpeg(grey, colorspace="GRAY", quality=95))
+    assert out.shape == (20, 20, 3)
+    assert np.abs(out.astype(int) - 90).max() <= 2
+
+
+def test_png_with_alpha_becomes_rgb():
+    rgba = np.zeros((30, 30, 4), dtype=np.uint8)
+    rgba[..., 0], rgba[..., 3] = 255, 128
+    data = cv2.imencode(".png", cv2.cvtColor(rgba, cv2.COLOR_RGBA2BGRA))[1].tobytes()
+    out = ImageDecoder(size=10)(data)
+    assert out.shape == (10, 10, 3) and (out[..., 0] == 255).all() and not out[..., 1:].any()
+
+
+def test_bytes_that_are_no_image_raise_a_clear_error():
+    with pytest.raises(ValueError, match="not an image OpenCV can decode"):
+        decode_rgb(b"hello, world")
+
+
+def test_truncated_jpeg_is_an_error_not_a_grey_image():
+    data = simplejpeg.encode_jpeg(gradient_image(64, 64), quality=90)
+    with pytest.raises(ValueError):
+        ImageDecoder(size=16)(data[: len(data) // 2])

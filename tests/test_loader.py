@@ -1,0 +1,334 @@
+import gc
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
+from tests.conftest import CLASSES, PER_CLASS, asyncload_threads, identify, make_jpeg, wait_until
+
+
+def index_loader(n=23, **kwargs) -> AsyncLoader:
+    """Items are integers; each sample is a row of its own index, so batches show what was delivered."""
+    kwargs.setdefault("batch_size", 5)
+    return AsyncLoader(list(range(n)), read=False, decode=lambda i: np.full(3, i, np.int64), **kwargs)
+
+
+def delivered(batches) -> list[int]:
+    return [int(row[0]) for batch in batches for row in batch]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_sample_exactly_once_per_epoch(shuffle):
+    with index_loader(shuffle=shuffle, seed=1) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            assert [len(b) for b in batches] == [5, 5, 5, 5, 3]
+            assert sorted(delivered(batches)) == list(range(23))
+
+
+def test_rows_hold_the_sample_at_that_position_of_the_order():
+    with index_loader(shuffle=True, seed=4) as loader:
+        got = delivered(loader)
+        assert got == loader.sampler.order(0).tolist()
+
+
+def test_images_and_labels_match_the_files(jpeg_folder):
+    source = image_folder(str(jpeg_folder))
+    with AsyncLoader(source, batch_size=7, decode=ImageDecoder(size=32), num_threads=2) as loader:
+        seen = []
+        for images, labels in loader:
+            assert images.shape[1:] == (32, 32, 3) and images.dtype == torch.uint8
+            assert labels.dtype == torch.int64
+            for image, label in zip(images.numpy(), labels.tolist()):
+                found_label, index = identify(image)
+                assert found_label == label
+                seen.append((label, index))
+    assert sorted(seen) == [(l, i) for l in range(len(CLASSES)) for i in range(PER_CLASS)]
+
+
+def test_default_decode_gives_224_uint8(jpeg_folder):
+    with AsyncLoader(image_folder(str(jpeg_folder)), batch_size=4) as loader:
+        images, labels = next(iter(loader))
+    assert images.shape == (4, 224, 224, 3) and labels.shape == (4,)
+
+
+def test_items_without_labels_yield_the_images_alone(jpeg_folder):
+    urls = [str(p) for p in sorted(jpeg_folder.rglob("*.jpg"))][:6]
+    with AsyncLoader(urls, batch_size=3, decode=ImageDecoder(size=16)) as loader:
+        batch = next(iter(loader))
+    assert isinstance(batch, torch.Tensor) and batch.shape == (3, 16, 16, 3)
+
+
+def test_same_seed_same_order_and_set_epoch_reshuffles():
+    def order(seed, epoch):
+        with index_loader(seed=seed) as loader:
+            loader.set_epoch(epoch)
+            return delivered(loader)
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+
+
+def test_drop_last_gives_full_batches_only():
+    with index_loader(drop_last=True) as loader:
+        batches = list(loader)
+    assert len(batches) == len(loader) == 4 and all(len(b) == 5 for b in batches)
+
+
+def test_shards_are_disjoint_and_cover_the_epoch():
+    shards = []
+    for rank in range(3):
+        with index_loader(n=30, rank=rank, world_size=3, seed=2) as loader:
+            shards.append(delivered(loader))
+            assert len(loader) == 2
+    assert sorted(sum(shards, [])) == list(range(30))
+
+
+def test_kept_batches_stay_intact():
+    """list(loader) keeps every batch: none may be overwritten by a later one."""
+    with index_loader(n=40, batch_size=4, prefetch=1) as loader:
+        batches = list(loader)
+        expected = loader.sampler.order(0).reshape(10, 4)
+    for batch, rows in zip(batches, expected):
+        assert batch[:, 0].tolist() == rows.tolist()
+
+
+def test_released_batches_are_recycled():
+    """In a plain loop the ring reuses its buffers instead of allocating one per batch."""
+    with index_loader(n=200, batch_size=4, prefetch=2) as loader:
+        pointers = {batch.data_ptr() for batch in loader}
+    assert len(pointers) <= 2 + 2
+
+
+@pytest.mark.parametrize("with_labels", [False, True])
+def test_user_decode_returning_tuple_and_dict(with_labels):
+    items = [(i, i % 3) for i in range(10)] if with_labels else list(range(10))
+
+    def read(item):
+        return item
+
+    def as_tuple(i):
+        return np.full((2, 2), i, np.float32), np.int32(i * 2)
+
+    with AsyncLoader(items, batch_size=4, shuffle=False, read=read, decode=as_tuple) as loader:
+        first = next(iter(loader))
+    (values, doubled), labels = first if with_labels else (first, None)
+    assert values.shape == (4, 2, 2) and values.dtype == torch.float32
+    assert doubled.tolist() == [0, 2, 4, 6] and doubled.dtype == torch.int32
+    if with_labels:
+        assert labels.tolist() == [0, 1, 2, 0]
+
+    with AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False,
+                     decode=lambda i: {"x": np.full(3, i), "name_len": len(str(i))}) as loader:
+        batch = next(iter(loader))
+    assert set(batch) == {"x", "name_len"} and batch["x"][:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_async_read_function_is_awaited():
+    import asyncio
+
+    async def read(key):
+        await asyncio.sleep(0.001)
+        return key * 10
+
+    with AsyncLoader(list(range(12)), batch_size=4, shuffle=False, read=read, decode=lambda v: np.int64(v)) as loader:
+        assert [b.tolist() for b in loader] == [[0, 10, 20, 30], [40, 50, 60, 70], [80, 90, 100, 110]]
+
+
+def test_in_order_false_still_delivers_each_batch_once():
+    def decode(i):
+        if i < 5:
+            time.sleep(0.05)  # the first batch is slow; later ones may pass it
+        return np.int64(i)
+
+    with AsyncLoader(list(range(25)), batch_size=5, shuffle=False, read=False, decode=decode, in_order=False, prefetch=4) as loader:
+        batches = [b.tolist() for b in loader]
+    assert sorted(batches) == [list(range(k, k + 5)) for k in range(0, 25, 5)]
+    assert batches[0] != [0, 1, 2, 3, 4]
+
+
+def test_missing_file_raises_sample_error_naming_it(tmp_path, jpeg_folder):
+    good = str(next(jpeg_folder.rglob("*.jpg")))
+    missing = str(tmp_path / "gone.jpg")
+    with AsyncLoader([good, good, missing, good], batch_size=2, shuffle=False, decode=ImageDecoder(16)) as loader:
+        batches = iter(loader)
+        next(batches)
+        with pytest.raises(SampleError) as caught:
+            next(batches)
+    assert caught.value.item == missing and caught.value.stage == "read"
+    assert missing in str(caught.value)
+    assert isinstance(caught.value.__cause__, FileNotFoundError)
+    assert len(loader.stats.failures) == 1
+
+
+def test_corrupt_jpeg_raises_sample_error_at_decode(tmp_path):
+    path = tmp_path / "broken.jpg"
+    path.write_bytes(make_jpeg((1, 2, 3))[:300])
+    with AsyncLoader([str(path)], batch_size=1, decode=ImageDecoder(16)) as loader:
+        with pytest.raises(SampleError, match="broken.jpg.*decode") as caught:
+            list(loader)
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
+def test_error_in_first_sample_of_a_user_decode(tmp_path):
+    def decode(i):
+        raise RuntimeError(f"cannot decode {i}")
+
+    with index_loader(n=4, shuffle=False) as loader:
+        loader._settings.decode = decode
+        with pytest.raises(SampleError, match="sample 0 failed at decode: RuntimeError: cannot decode 0"):
+            list(loader)
+
+
+def test_decoded_shape_that_changes_is_an_error():
+    with AsyncLoader(list(range(6)), batch_size=3, shuffle=False, read=False, decode=lambda i: np.zeros(1 + (i == 4))) as loader:
+        with pytest.raises(SampleError, match=r"sample 4 failed at decode: ValueError: .*shape \(2,\)"):
+            list(loader)
+
+
+def test_break_stops_every_thread():
+    loader = index_loader(n=500, batch_size=2)
+    for _ in loader:
+        assert asyncload_threads(), "the pipeline runs while iterating"
+        break
+    assert not asyncload_threads()
+    loader.close()
+
+
+def test_exception_in_the_users_loop_stops_every_thread():
+    loader = index_loader(n=500, batch_size=2)
+    with pytest.raises(ZeroDivisionError):
+        for _ in loader:
+            1 / 0
+    assert not asyncload_threads()
+
+
+def test_close_during_iteration_stops_every_thread_and_refuses_new_epochs():
+    loader = index_loader(n=500, batch_size=2)
+    batches = iter(loader)
+    next(batches)
+    loader.close()
+    assert not asyncload_threads()
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+
+
+def test_garbage_collection_stops_every_thread():
+    loader = index_loader(n=500, batch_size=2)
+    batches = iter(loader)
+    next(batches)
+    del batches, loader
+    gc.collect()
+    assert not asyncload_threads()
+
+
+def test_ctrl_c_while_waiting_for_a_batch_stops_every_thread():
+    def slow_read(key):
+        time.sleep(0.2)
+        return key
+
+    loader = AsyncLoader(list(range(100)), batch_size=50, read=slow_read, decode=lambda i: np.int64(i), io_concurrency=2)
+    main = threading.main_thread().ident
+    threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()  # a real Ctrl-C
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    assert time.monotonic() - started < 2.0
+    assert not asyncload_threads()
+    loader.close()
+
+
+def test_a_new_iteration_starts_the_epoch_afresh_and_ends_the_old_one():
+    with index_loader(n=50) as loader:
+        first = iter(loader)
+        next(first)
+        assert sorted(delivered(iter(loader))) == list(range(50))
+        assert not asyncload_threads()
+        with pytest.raises(RuntimeError, match="iteration has ended"):
+            next(first)
+
+
+def test_state_dict_resumes_with_the_remaining_batches_in_order():
+    with index_loader(n=40, batch_size=4, shuffle=True, seed=9) as loader:
+        loader.set_epoch(3)
+        uninterrupted = [b.tolist() for b in loader]
+    with index_loader(n=40, batch_size=4, shuffle=True, seed=9) as loader:
+        loader.set_epoch(3)
+        batches = iter(loader)
+        head = [next(batches).tolist() for _ in range(4)]
+        state = loader.state_dict()
+        del batches
+    assert head == uninterrupted[:4]
+    assert state["delivered_prefix"] == 4 and len(repr(state)) < 300
+
+    reads = []
+
+    def counting_decode(i):
+        reads.append(i)
+        return np.full(3, i, np.int64)
+
+    with AsyncLoader(list(range(40)), batch_size=4, shuffle=True, seed=9, read=False, decode=counting_decode) as resumed:
+        resumed.load_state_dict(state)
+        rest = [b.tolist() for b in resumed]
+    assert rest == uninterrupted[4:]
+    delivered_before = {row[0] for batch in head for row in batch}
+    assert not delivered_before & set(reads), "delivered samples must not be read again"
+    assert sorted(reads) == sorted(set(range(40)) - delivered_before), "the rest is read once each"
+
+
+def test_load_state_dict_rejects_another_configuration():
+    with index_loader(seed=1) as a, index_loader(seed=2) as b:
+        with pytest.raises(ValueError, match="seed"):
+            b.load_state_dict(a.state_dict())
+
+
+def test_normalize_gives_float_nchw_on_the_cpu(jpeg_folder):
+    source = image_folder(str(jpeg_folder))
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    with AsyncLoader(source, batch_size=4, shuffle=False, decode=ImageDecoder(16)) as plain, \
+         AsyncLoader(source, batch_size=4, shuffle=False, decode=ImageDecoder(16), normalize=(mean, std)) as normed:
+        raw, _ = next(iter(plain))
+        floats, labels = next(iter(normed))
+    assert floats.shape == (4, 3, 16, 16) and floats.dtype == torch.float32
+    expected = (raw.permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(floats, expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_device_without_cuda_fails_at_construction():
+    with pytest.raises(RuntimeError, match=r"device='cuda'.*torch.cuda.is_available\(\) is False"):
+        AsyncLoader(["x"], device="cuda")
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="on_error"):
+        AsyncLoader([], on_error="ignore")
+    with pytest.raises(ValueError, match="prefetch"):
+        AsyncLoader([], prefetch=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        AsyncLoader([], batch_size=0)
+
+
+def test_empty_source_gives_no_batches():
+    with AsyncLoader([], batch_size=4) as loader:
+        assert len(loader) == 0 and list(loader) == []
+
+
+def test_memory_filesystem(jpeg_folder):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for label, path in enumerate(sorted(jpeg_folder.glob("*/0.jpg"))):
+        fs.pipe_file(f"/asyncload-test/{label}.jpg", path.read_bytes())
+    items = [(f"memory://asyncload-test/{label}.jpg", label) for label in range(len(CLASSES))]
+    with AsyncLoader(items, batch_size=3, shuffle=False, decode=ImageDecoder(16)) as loader:
+        images, labels = next(iter(loader))
+    assert [identify(image) for image in images.numpy()] == [(label, 0) for label in range(len(CLASSES))]
+    fs.rm("/asyncload-test", recursive=True)

@@ -1,0 +1,97 @@
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from asyncload import AsyncLoader, SampleError
+
+
+class FlakyStore:
+    """A read function whose first ``failures`` calls per key fail with ``error``."""
+
+    def __init__(self, failures: int, error: Exception) -> None:
+        self.failures = failures
+        self.error = error
+        self.calls: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, key: int) -> int:
+        with self.lock:
+            self.calls[key] = self.calls.get(key, 0) + 1
+            if self.calls[key] <= self.failures:
+                raise self.error
+        return key
+
+
+def loader_for(read, n=6, **kwargs):
+    return AsyncLoader(list(range(n)), batch_size=3, shuffle=False, read=read, decode=lambda v: np.int64(v), **kwargs)
+
+
+def test_transient_errors_are_retried_and_counted():
+    store = FlakyStore(failures=2, error=ConnectionResetError("reset by peer"))
+    with loader_for(store, read_retries=3) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+    assert store.calls == {key: 3 for key in range(6)}, "each object is read until it succeeds, once"
+    assert loader.stats.retries == 12
+
+
+def test_retries_run_out_into_a_sample_error():
+    store = FlakyStore(failures=10, error=ConnectionResetError("reset by peer"))
+    with loader_for(store, read_retries=2) as loader:
+        with pytest.raises(SampleError, match="sample 0 failed at read: ConnectionResetError: reset by peer"):
+            list(loader)
+    assert store.calls[0] == 3
+
+
+def test_permanent_errors_are_not_retried():
+    store = FlakyStore(failures=1, error=PermissionError("access denied"))
+    with loader_for(store, read_retries=3) as loader:
+        with pytest.raises(SampleError, match="PermissionError: access denied"):
+            list(loader)
+    assert store.calls[0] == 1 and loader.stats.retries == 0
+
+
+def test_a_stalled_read_times_out():
+    async def stall(key):
+        await asyncio.sleep(3600)
+
+    started = time.monotonic()
+    with loader_for(stall, read_timeout=0.2, read_retries=1) as loader:
+        with pytest.raises(SampleError, match="failed at read: TimeoutError") as caught:
+            list(loader)
+    assert isinstance(caught.value.__cause__, TimeoutError)
+    assert time.monotonic() - started < 3.0
+
+
+def test_reads_overlap_up_to_io_concurrency():
+    in_flight, peak = 0, 0
+
+    async def slow(key):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        return key
+
+    with AsyncLoader(list(range(64)), batch_size=16, read=slow, decode=lambda v: np.int64(v), io_concurrency=8, prefetch=4) as loader:
+        started = time.monotonic()
+        assert sorted(v for b in loader for v in b.tolist()) == list(range(64))
+        elapsed = time.monotonic() - started
+    assert peak == 8
+    assert elapsed < 64 * 0.05 / 2, "reads must overlap"
+
+
+def test_stats_count_bytes_read(jpeg_folder):
+    from asyncload import ImageDecoder, image_folder
+
+    source = image_folder(str(jpeg_folder))
+    total = sum(p.stat().st_size for p in jpeg_folder.rglob("*.jpg"))
+    with AsyncLoader(source, batch_size=8, decode=ImageDecoder(16)) as loader:
+        list(loader)
+    assert loader.stats.read.items == len(source) and loader.stats.read.bytes == total
+    assert loader.stats.decode.items == len(source)
+    assert loader.stats.batches == 3 and loader.stats.samples == len(source)
+    assert "read" in loader.stats.report() and "decode" in loader.stats.report()

@@ -1,0 +1,55 @@
+import pytest
+
+from asyncload import Source, image_folder, list_files, manifest
+from tests.conftest import CLASSES, PER_CLASS
+
+
+def test_image_folder_labels_follow_sorted_class_folders(jpeg_folder):
+    source = image_folder(str(jpeg_folder))
+    assert source.classes == list(CLASSES)
+    assert len(source) == len(CLASSES) * PER_CLASS
+    for url, label in source:
+        assert url.startswith(str(jpeg_folder))
+        assert url.split("/")[-2] == CLASSES[label]
+
+
+def test_image_folder_ignores_files_at_the_root_and_other_extensions(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.JPG").write_bytes(b"")
+    (tmp_path / "a" / "notes.txt").write_text("")
+    (tmp_path / "loose.jpg").write_bytes(b"")
+    source = image_folder(str(tmp_path))
+    assert list(source) == [(str(tmp_path / "a" / "x.JPG"), 0)]
+
+
+def test_list_files_has_no_labels(jpeg_folder):
+    source = list_files(str(jpeg_folder))
+    assert len(source) == len(CLASSES) * PER_CLASS and isinstance(source[0], str)
+
+
+def test_source_indexing():
+    source = Source(["a", "bé", "c"], [0, 1, 2])
+    assert source[1] == ("bé", 1) and source[-1] == ("c", 2)
+    with pytest.raises(IndexError):
+        source[3]
+
+
+def test_manifest_with_and_without_labels(tmp_path):
+    (tmp_path / "labelled.tsv").write_text("s3://b/x.jpg\t3\ns3://b/y.jpg\t0\n")
+    (tmp_path / "plain.txt").write_text("s3://b/x.jpg\n\ns3://b/y.jpg\n")
+    assert list(manifest(str(tmp_path / "labelled.tsv"))) == [("s3://b/x.jpg", 3), ("s3://b/y.jpg", 0)]
+    assert list(manifest(str(tmp_path / "plain.txt"))) == ["s3://b/x.jpg", "s3://b/y.jpg"]
+
+
+def test_manifest_with_a_bad_line_names_it(tmp_path):
+    (tmp_path / "bad.csv").write_text("x.jpg,1\ny.jpg,one\n")
+    with pytest.raises(ValueError, match="y.jpg,one"):
+        manifest(str(tmp_path / "bad.csv"))
+
+
+def test_image_folder_on_a_bucket_prefix(s3_jpeg_bucket, s3_options, jpeg_folder):
+    remote = image_folder(s3_jpeg_bucket, storage_options=s3_options)
+    local = image_folder(str(jpeg_folder))
+    assert remote.classes == local.classes
+    assert [label for _, label in remote] == [label for _, label in local]
+    assert remote[0][0] == "s3://asyncload-test/jpegs/cat/0.jpg"
