@@ -401,10 +401,16 @@ class _EpochRun:
         try:
             try:
                 key, label = self._split(index)
-                data = await self._fetch(reader, key)
+                local = self.s.read is None and reader.is_local(key)
+                data = None if local else await self._fetch(reader, key)
             finally:
                 read_slots.release()
-            await self.loop.run_in_executor(self.decode_pool, self._decode_into, batch.buffer, row, key, data, label, index)
+            if local:
+                await self.loop.run_in_executor(
+                    self.decode_pool, self._read_and_decode_into, reader, batch.buffer, row, key, label, index
+                )
+            else:
+                await self.loop.run_in_executor(self.decode_pool, self._decode_into, batch.buffer, row, key, data, label, index)
         except SampleError as error:
             self._record_error(batch, row, error)
         self._row_done(batch)
@@ -426,6 +432,14 @@ class _EpochRun:
         batch.remaining -= 1
         if batch.remaining == 0:
             self._finish(batch)
+
+    def _read_and_decode_into(self, reader: Reader, buffer: BatchBuffer, row: int, key: str, label: int | None, index: int) -> None:
+        """On a decode thread: reads a local URL, then decodes it into its row (one hand-off)."""
+        try:
+            data = reader.read_local(key)
+        except Exception as error:
+            raise SampleError(key, "read", error) from error
+        self._decode_into(buffer, row, key, data, label, index)
 
     def _decode_into(self, buffer: BatchBuffer, row: int, key: Any, data: Any, label: int | None, index: int) -> None:
         """On a decode thread: decode ``data`` and write it into row ``row`` of ``buffer``."""

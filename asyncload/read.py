@@ -18,6 +18,8 @@ from fsspec.core import split_protocol
 
 from .stats import LoaderStats
 
+LOCAL_PROTOCOLS = ("file", "local", "memory")
+
 # Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
 PERMANENT_ERRORS = (
     FileNotFoundError,
@@ -73,6 +75,23 @@ class Reader:
         self.stats.add("read", time.perf_counter() - started, nbytes)
         return data
 
+    def is_local(self, key: Any) -> bool:
+        """True for URLs on local disk or in memory. These are read by the decode thread itself
+        (``read_local``): a page-cache read costs tens of microseconds, less than handing the
+        sample from an I/O thread through the event loop to a decode thread."""
+        if self.user_read is not None or not isinstance(key, str):
+            return False
+        fs, _ = self._filesystem(key)
+        return not fs.async_impl and _protocol(fs) in LOCAL_PROTOCOLS
+
+    def read_local(self, key: str) -> bytes:
+        """Reads a local URL on the calling thread (see ``is_local``)."""
+        started = time.perf_counter()
+        fs, _ = self._filesystems[split_protocol(key)[0] or "file"]
+        data = fs.cat_file(fs._strip_protocol(key))
+        self.stats.add("read", time.perf_counter() - started, len(data))
+        return data
+
     def _fetch(self, key: Any) -> Awaitable[Any]:
         if self.user_read is not None:
             if self._user_read_is_async:
@@ -122,6 +141,10 @@ async def _close_sessions(fs: Any) -> None:
             await close()
     except Exception:
         pass
+
+
+def _protocol(fs: Any) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
 def _is_async_callable(fn: Callable[..., Any]) -> bool:
