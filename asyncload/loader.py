@@ -397,7 +397,8 @@ class _EpochRun:
             raise SampleError(key, "read", error) from error
 
     async def _load(self, batch: _Batch, row: int, index: int, reader: Reader, read_slots: asyncio.Semaphore) -> None:
-        """Reads and decodes source item ``index`` into ``row`` of ``batch``."""
+        """Reads and decodes source item ``index`` into ``row`` of ``batch``. Every outcome ends
+        in ``_row_done``, so a batch always completes and the user never waits forever."""
         try:
             try:
                 key, label = self._split(index)
@@ -413,6 +414,8 @@ class _EpochRun:
                 await self.loop.run_in_executor(self.decode_pool, self._decode_into, batch.buffer, row, key, data, label, index)
         except SampleError as error:
             self._record_error(batch, row, error)
+        except Exception as error:  # not the sample's fault, but it must not be lost either
+            self._record_error(batch, row, SampleError(f"source[{index}]", "load", error))
         self._row_done(batch)
 
     async def _write_decoded(self, batch: _Batch, row: int, key: Any, sample: Any) -> None:
