@@ -308,7 +308,7 @@ class _EpochRun:
             storage_options=self.s.storage_options,
             timeout=self.s.read_timeout,
             retries=self.s.read_retries,
-            io_threads=min(self.s.io_concurrency, 32),
+            io_concurrency=self.s.io_concurrency,
             stats=self.s.stats,
             user_read=self.s.read if callable(self.s.read) else None,
         )

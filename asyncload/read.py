@@ -42,7 +42,7 @@ class Reader:
         storage_options: dict[str, Any] | None,
         timeout: float,
         retries: int,
-        io_threads: int,
+        io_concurrency: int,
         stats: LoaderStats,
         user_read: Callable[[Any], Any] | None = None,
     ) -> None:
@@ -52,8 +52,11 @@ class Reader:
         self.retries = retries
         self.stats = stats
         self.user_read = user_read
+        self.io_concurrency = io_concurrency
         self._user_read_is_async = user_read is not None and _is_async_callable(user_read)
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="asyncload-read")
+        # Sync reads (user functions, sync remote filesystems) wait here; 32 threads are plenty to
+        # wait on and few enough not to crowd the decode threads out of the GIL.
+        self._executor = ThreadPoolExecutor(min(io_concurrency, 32), thread_name_prefix="asyncload-read")
         self._filesystems: dict[str, Any] = {}
 
     async def read(self, key: Any) -> Any:
@@ -112,6 +115,11 @@ class Reader:
             options = dict(self.storage_options)
             if cls.async_impl:
                 options.update(asynchronous=True, loop=self.loop)
+            if "config_kwargs" in inspect.signature(cls.__init__).parameters:
+                # s3fs: botocore allows 10 connections by default, which would cap reads in flight.
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("max_pool_connections", self.io_concurrency)
+                options["config_kwargs"] = config
             fs = cls(skip_instance_cache=True, **options)
             read_kwargs = {}
             if fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
