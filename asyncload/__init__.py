@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "AsyncLoader": "asyncload.loader",
     "SampleError": "asyncload.errors",
+    "TooManyFailures": "asyncload.errors",
     "ImageDecoder": "asyncload.decode",
     "Source": "asyncload.sources",
     "image_folder": "asyncload.sources",
@@ -25,7 +26,7 @@ __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
     from .decode import ImageDecoder
-    from .errors import SampleError
+    from .errors import SampleError, TooManyFailures
     from .loader import AsyncLoader
     from .sources import Source, image_folder, list_files, manifest
 

@@ -112,6 +112,17 @@ class BatchBuffer:
         for row, array in zip(self.rows(index), self.layout.flatten(sample)):
             np.copyto(row, array, casting="same_kind")
 
+    def close_holes(self, size: int, holes: set[int]) -> int:
+        """Moves the last filled rows into the empty rows ``holes`` (skipped samples the epoch
+        had no replacement for); returns how many rows are filled."""
+        filled = [row for row in range(size) if row not in holes]
+        for hole, row in zip(sorted(holes), reversed(filled)):
+            if row < hole:
+                break
+            for array in self._arrays:
+                array[hole] = array[row]
+        return len(filled)
+
     def batch(self, size: int) -> Any:
         """The first ``size`` rows, structured like a sample. These are new tensor views, so the
         ring can tell when the user has let go of them."""

@@ -21,3 +21,22 @@ class SampleError(Exception):
 
     def __reduce__(self):
         return (type(self), (self.item, self.stage, self.cause))
+
+
+class TooManyFailures(SampleError):
+    """With ``on_error="skip"``, more samples failed in an epoch than ``max_failures`` allows.
+    ``failures`` holds every ``SampleError`` of the epoch so far."""
+
+    def __init__(self, failures: list[SampleError], max_failures: int | float) -> None:
+        self.failures = list(failures)
+        self.max_failures = max_failures
+        shown = "; ".join(f"{f.item!r} ({f.stage}: {type(f.cause).__name__}: {f.cause})" for f in self.failures[:5])
+        more = f"; and {len(self.failures) - 5} more" if len(self.failures) > 5 else ""
+        self.item = [f.item for f in self.failures]
+        self.stage = "epoch"
+        self.cause = self.failures[-1]
+        Exception.__init__(self, f"{len(self.failures)} samples failed, more than max_failures={max_failures}: {shown}{more}")
+        self.__cause__ = self.cause
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.max_failures))

@@ -1,0 +1,426 @@
+"""One iteration over an epoch: the event loop thread that issues reads, the decode threads that
+write samples into batch rows, and the user-side wait for complete batches.
+
+Batches take the epoch's positions from a cursor, ``batch_size`` at a time. A sample that fails
+either fails its batch (``on_error="raise"``: the user gets its ``SampleError`` at that batch) or
+(``"skip"``) is recorded and its row is given the cursor's next position, so batches stay full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .buffers import BatchBuffer, BufferRing, Field, SampleLayout
+from .device import DeviceStage, PendingCopy, convert_batch
+from .errors import SampleError, TooManyFailures
+from .progress import Cursor, Positions
+from .read import Reader
+from .stats import LoaderStats
+
+
+def is_labelled(item: Any) -> bool:
+    """A ``(key, int label)`` pair."""
+    return (
+        isinstance(item, (tuple, list))
+        and len(item) == 2
+        and isinstance(item[1], (int, np.integer))
+        and not isinstance(item[1], bool)
+    )
+
+
+@dataclass
+class Settings:
+    """What an epoch run needs from the loader (not the loader itself, so that dropping the
+    loader is never delayed by a running thread holding it)."""
+
+    source: Sequence[Any]
+    read: Callable[[Any], Any] | bool | None
+    decode: Callable[[Any], Any]
+    labelled: bool
+    batch_size: int
+    drop_last: bool
+    num_threads: int
+    io_concurrency: int
+    prefetch: int
+    in_order: bool
+    skip_errors: bool
+    max_failures: int | float
+    storage_options: dict[str, Any] | None
+    read_timeout: float
+    read_retries: int
+    normalize: tuple[Sequence[float], Sequence[float]] | None
+    ring: BufferRing
+    device_stage: DeviceStage | None
+    stats: LoaderStats
+
+
+@dataclass
+class Batch:
+    """One batch being filled: its number in this run, the epoch positions in its rows, its buffer."""
+
+    number: int
+    positions: list[int]
+    buffer: BatchBuffer | None
+    remaining: int
+    errors: dict[int, SampleError] = field(default_factory=dict)
+    holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
+
+    def first_error(self) -> SampleError | None:
+        return self.errors[min(self.errors)] if self.errors else None
+
+
+class EpochRun:
+    """Delivers the batches of one epoch's ``order`` (source indices), leaving out the positions
+    in ``done``. Iterate it on the user's thread; ``stop()`` ends every thread it started."""
+
+    def __init__(self, settings: Settings, epoch: int, order: np.ndarray, done: Positions) -> None:
+        self.s = settings
+        self.epoch = epoch
+        self.order = order
+        self.cursor = Cursor(len(order), done)
+        self.failure_limit = _failure_limit(settings.max_failures, len(order))
+        self.failures: list[SampleError] = []
+        self.loop = asyncio.new_event_loop()
+        self.decode_pool = ThreadPoolExecutor(settings.num_threads, thread_name_prefix="asyncload-decode")
+        self._cond = threading.Condition()
+        self._finished: dict[int, Batch] = {}
+        self._batch_count: int | None = None  # known once the cursor is exhausted
+        self._loop_ended = False
+        self._fatal: BaseException | None = None
+        self._handed_out = 0
+        self._in_pipeline: list[Batch] = []
+        self._pending_copies: dict[int, PendingCopy] = {}
+        self._stopped = False
+        self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
+        decode = settings.decode
+        self._decode_in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+        self._main = self.loop.create_task(self._produce_all())
+        self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
+        self.thread.start()
+
+    # ----- the event loop thread -----
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main)
+        except BaseException as error:  # cancelled by stop(), or a bug: the consumer must know
+            if not isinstance(error, asyncio.CancelledError):
+                self._fatal = error
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+            with self._cond:
+                self._loop_ended = True
+                self._cond.notify_all()
+
+    async def _produce_all(self) -> None:
+        reader = Reader(
+            self.loop,
+            storage_options=self.s.storage_options,
+            timeout=self.s.read_timeout,
+            retries=self.s.read_retries,
+            io_concurrency=self.s.io_concurrency,
+            stats=self.s.stats,
+            user_read=self.s.read if callable(self.s.read) else None,
+        )
+        self._reader = reader
+        self._read_slots = asyncio.Semaphore(self.s.io_concurrency)
+        self._tasks: set[asyncio.Task] = set()
+        try:
+            await self._produce()
+            while self._tasks:  # replacements for skipped samples may add tasks meanwhile
+                await asyncio.gather(*list(self._tasks))
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await reader.aclose()
+
+    async def _produce(self) -> None:
+        """Issues every sample's load, batch by batch in order, at most ``io_concurrency`` reads
+        in flight and at most ``prefetch`` batches ahead of the user."""
+        number = 0
+        first_sample = None
+        while True:
+            while number - self._handed_out >= self.s.prefetch:
+                self._room.clear()
+                await self._room.wait()
+            positions = self.cursor.take(self.s.batch_size)
+            if not positions or (self.s.drop_last and len(positions) < self.s.batch_size):
+                break
+            if self.s.ring.layout is None:
+                first_sample = await self._learn_layout(number, positions)
+                if first_sample is None:
+                    break
+            batch = Batch(number, positions, self.s.ring.take(), remaining=len(positions))
+            self._in_pipeline.append(batch)
+            number += 1
+            for row, position in enumerate(positions):
+                await self._read_slots.acquire()
+                if first_sample is not None:  # row 0 of the first batch: already decoded
+                    self._read_slots.release()
+                    self._spawn(self._write_decoded(batch, row, *first_sample))
+                    first_sample = None
+                else:
+                    self._spawn(self._load(batch, row, position))
+        with self._cond:
+            self._batch_count = number
+            self._cond.notify_all()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = self.loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _learn_layout(self, number: int, positions: list[int]) -> tuple[Any, Any] | None:
+        """Loads the epoch's first sample to learn the batch layout from it; returns its key and
+        labelled sample, to be written into its row without a second read. A sample that fails
+        is skipped (its position replaced) or fails the batch; then None is returned."""
+        while True:
+            index = int(self.order[positions[0]])
+            key: Any = f"source[{index}]"
+            try:
+                key, label = self._split(index)
+                data = await self._fetch(key)
+                started = time.perf_counter()
+                sample = await self.loop.run_in_executor(self.decode_pool, self.s.decode, data)
+                self.s.stats.add("decode", time.perf_counter() - started)
+                break
+            except Exception as error:
+                failure = self._record(error if isinstance(error, SampleError) else SampleError(key, "decode", error))
+                if failure is not None:
+                    self._finish(Batch(number, positions, None, 0, {0: failure}))
+                    return None
+                replacement = self.cursor.take(1)
+                if not replacement:
+                    return None  # every remaining sample failed and was skipped
+                positions[0] = replacement[0]
+        sample = self._labelled(sample, label)
+        self.s.ring.configure(SampleLayout.of(sample), self.s.batch_size)
+        return key, sample
+
+    def _split(self, index: int) -> tuple[Any, int | None]:
+        """The source item at ``index`` -> (what to read, label or None)."""
+        try:
+            item = self.s.source[index]
+        except Exception as error:
+            raise SampleError(f"source[{index}]", "source", error) from error
+        if not self.s.labelled:
+            return item, None
+        if not is_labelled(item):
+            raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
+        return item[0], int(item[1])
+
+    async def _fetch(self, key: Any) -> Any:
+        if self.s.read is False:
+            return key
+        try:
+            return await self._reader.read(key)
+        except Exception as error:
+            raise SampleError(key, "read", error) from error
+
+    async def _load(self, batch: Batch, row: int, position: int) -> None:
+        """Reads and decodes the sample at ``position`` into ``row`` of ``batch``. Every outcome
+        ends in ``_row_done`` or a replacement load, so a batch always completes."""
+        index = int(self.order[position])
+        try:
+            try:
+                key, label = self._split(index)
+                local = self.s.read is None and self._reader.is_local(key)
+                data = None if local else await self._fetch(key)
+            finally:
+                self._read_slots.release()
+            assert batch.buffer is not None
+            if local:
+                await self.loop.run_in_executor(
+                    self.decode_pool, self._read_and_decode_into, batch.buffer, row, key, label, index
+                )
+            else:
+                await self.loop.run_in_executor(self.decode_pool, self._decode_into, batch.buffer, row, key, data, label, index)
+        except SampleError as error:
+            await self._failed(batch, row, error)
+            return
+        except Exception as error:  # not the sample's fault, but it must not be lost either
+            await self._failed(batch, row, SampleError(f"source[{index}]", "load", error))
+            return
+        self._row_done(batch)
+
+    async def _write_decoded(self, batch: Batch, row: int, key: Any, sample: Any) -> None:
+        """Copies an already decoded sample into ``row`` of ``batch``."""
+        assert batch.buffer is not None
+        try:
+            await self.loop.run_in_executor(self.decode_pool, batch.buffer.write, row, sample)
+        except Exception as error:
+            await self._failed(batch, row, SampleError(key, "decode", error))
+            return
+        self._row_done(batch)
+
+    def _read_and_decode_into(self, buffer: BatchBuffer, row: int, key: str, label: int | None, index: int) -> None:
+        """On a decode thread: reads a local URL, then decodes it into its row (one hand-off)."""
+        try:
+            data = self._reader.read_local(key)
+        except Exception as error:
+            raise SampleError(key, "read", error) from error
+        self._decode_into(buffer, row, key, data, label, index)
+
+    def _decode_into(self, buffer: BatchBuffer, row: int, key: Any, data: Any, label: int | None, index: int) -> None:
+        """On a decode thread: decode ``data`` and write it into row ``row`` of ``buffer``."""
+        started = time.perf_counter()
+        decode = self.s.decode
+        try:
+            if self._decode_in_place:
+                rows = buffer.rows(row)
+                decode.decode_into(data, rows[0], (self.epoch, index))
+                if label is not None:
+                    rows[1][...] = label
+            else:
+                buffer.write(row, self._labelled(decode(data), label))
+        except Exception as error:
+            raise SampleError(key, "decode", error) from error
+        self.s.stats.add("decode", time.perf_counter() - started)
+
+    @staticmethod
+    def _labelled(sample: Any, label: int | None) -> Any:
+        return sample if label is None else (sample, np.int64(label))
+
+    async def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
+        """A sample failed. Raising: its batch carries the error. Skipping: the row gets the
+        epoch's next position, or becomes a hole if the epoch has none left."""
+        failure = self._record(error)
+        if failure is not None:
+            batch.errors[row] = failure
+        else:
+            replacement = self.cursor.take(1)
+            if replacement:
+                batch.positions[row] = replacement[0]
+                await self._read_slots.acquire()
+                self._spawn(self._load(batch, row, replacement[0]))
+                return
+            batch.holes.add(row)
+        self._row_done(batch)
+
+    def _record(self, error: SampleError) -> SampleError | None:
+        """Counts a failure; returns the error its batch must raise, or None to skip the sample."""
+        self.s.stats.add_failure(error.item, error.stage, error.cause)
+        self.failures.append(error)
+        if not self.s.skip_errors:
+            return error
+        if len(self.failures) > self.failure_limit:
+            return TooManyFailures(self.failures, self.s.max_failures)
+        return None
+
+    def _row_done(self, batch: Batch) -> None:
+        batch.remaining -= 1
+        if batch.remaining == 0:
+            self._finish(batch)
+
+    def _finish(self, batch: Batch) -> None:
+        with self._cond:
+            self._finished[batch.number] = batch
+            self._cond.notify_all()
+
+    # ----- the user's thread -----
+
+    def __iter__(self) -> Iterator[tuple[list[int], Any]]:
+        """Yields ``(epoch positions, batch)`` for each complete batch."""
+        number = 0
+        while True:
+            if self._stopped:
+                raise RuntimeError("this iteration has ended: the loader was closed or iterated anew")
+            batch = self._wait_for(number if self.s.in_order else None)
+            if batch is None:
+                return
+            error = batch.first_error()
+            if error is not None:
+                raise error
+            out = self._hand_out(batch)
+            number += 1
+            self._prefetch_copy(number)
+            yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+
+    def _wait_for(self, number: int | None) -> Batch | None:
+        """Blocks until batch ``number`` (or, with None, any batch) is complete; None once the
+        epoch has no more batches."""
+        started = time.perf_counter()
+        with self._cond:
+            while True:
+                ready = number if number is not None else next(iter(self._finished), None)
+                if ready in self._finished:
+                    batch = self._finished.pop(ready)
+                    break
+                if self._batch_count is not None and self._handed_out >= self._batch_count:
+                    return None
+                if self._loop_ended:
+                    raise RuntimeError("the loader's event loop stopped unexpectedly") from self._fatal
+                self._cond.wait()
+        self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started)
+        return batch
+
+    def _hand_out(self, batch: Batch) -> Any:
+        """The user's view of a complete batch; frees its place in the prefetch window."""
+        assert batch.buffer is not None
+        size = batch.buffer.close_holes(len(batch.positions), batch.holes)
+        stage = self.s.device_stage
+        if stage is not None:
+            pending = self._pending_copies.pop(batch.number, None) or stage.start_copy(batch.buffer, size)
+            out = batch.buffer.layout.unflatten(stage.hand_over(pending))
+        elif self.s.normalize is not None:
+            leaves = [t[:size] for t in batch.buffer.tensors]
+            out = batch.buffer.layout.unflatten(convert_batch(leaves, self.s.normalize))
+            batch.buffer.in_pipeline = False
+        else:
+            out = batch.buffer.batch(size)
+        self._in_pipeline.remove(batch)
+        self._handed_out += 1
+        self._call_in_loop(self._room.set)
+        return out
+
+    def _prefetch_copy(self, number: int) -> None:
+        """With a device stage: if batch ``number`` is already complete, start its copy now, so
+        it runs on the side stream while the user works on the batch just handed out."""
+        stage = self.s.device_stage
+        if stage is None or not self.s.in_order:
+            return
+        with self._cond:
+            batch = self._finished.get(number)
+        if batch is not None and not batch.errors and not batch.holes and number not in self._pending_copies:
+            assert batch.buffer is not None
+            self._pending_copies[number] = stage.start_copy(batch.buffer, len(batch.positions))
+
+    def _call_in_loop(self, callback: Callable[[], Any]) -> None:
+        """Schedules ``callback`` on the event loop, unless the loop has already finished."""
+        try:
+            self.loop.call_soon_threadsafe(callback)
+        except RuntimeError:
+            pass  # closed: everything was produced, or the run was stopped
+
+    def stop(self) -> None:
+        """Ends the event loop and the decode threads, and returns unused buffers to the ring.
+        Safe to call more than once and from ``__del__``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._call_in_loop(self._main.cancel)
+        self.thread.join()
+        self.decode_pool.shutdown(wait=True, cancel_futures=True)
+        for batch in self._in_pipeline:
+            if batch.buffer is not None and batch.number not in self._pending_copies:
+                batch.buffer.give_back()
+        self._in_pipeline.clear()
+        self._pending_copies.clear()
+
+
+def _failure_limit(max_failures: int | float, epoch_size: int) -> int:
+    """How many failures an epoch may have: a count, or a fraction of the epoch's samples."""
+    if isinstance(max_failures, float):
+        return math.floor(max_failures * epoch_size)
+    return max_failures

@@ -1,0 +1,123 @@
+"""Failures: the error a user gets, the skip policy and its failure budget."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from asyncload import AsyncLoader, SampleError, TooManyFailures
+
+
+def loader_with_bad(bad: set[int], n=30, **kwargs) -> AsyncLoader:
+    """Items are integers; those in ``bad`` fail to decode."""
+
+    def decode(i):
+        if i in bad:
+            raise ValueError(f"item {i} is corrupt")
+        return np.full(2, i, np.int64)
+
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("on_error", "skip")
+    return AsyncLoader(list(range(n)), read=False, decode=decode, **kwargs)
+
+
+def rows(batches) -> list[int]:
+    return [int(row[0]) for batch in batches for row in batch]
+
+
+def test_sample_error_names_item_stage_and_cause_and_pickles():
+    error = SampleError("s3://b/k.jpg", "read", FileNotFoundError("no such key"))
+    assert str(error) == "sample 's3://b/k.jpg' failed at read: FileNotFoundError: no such key"
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.item, again.stage, str(again)) == (error.item, error.stage, str(error))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_skip_delivers_every_good_sample_once_in_full_batches(shuffle):
+    bad = {3, 4, 17}
+    with loader_with_bad(bad, shuffle=shuffle, max_failures=10, prefetch=1) as loader:
+        batches = list(loader)
+    assert sorted(rows(batches)) == sorted(set(range(30)) - bad)
+    assert [len(b) for b in batches] == [4] * 6 + [3]
+    assert sorted(f.item for f in loader.stats.failures) == sorted(bad)
+    assert {f.stage for f in loader.stats.failures} == {"decode"}
+    assert all("is corrupt" in f.error for f in loader.stats.failures)
+
+
+def test_near_the_end_of_an_epoch_a_batch_in_flight_may_come_out_short():
+    """Once the last batch has taken the last items, a failure in a batch still in flight has no
+    replacement left: that batch comes out one shorter. Everything else holds."""
+    bad = {3, 4, 17, 28}
+    with loader_with_bad(bad, shuffle=True, max_failures=10, prefetch=4) as loader:
+        batches = list(loader)
+    assert sorted(rows(batches)) == sorted(set(range(30)) - bad)
+    assert all(len(b) == 4 for b in batches[:-4]) and sum(map(len, batches)) == 26
+
+
+def test_skip_fills_the_slot_with_the_next_item_not_yet_in_a_batch():
+    # prefetch=1: only the first batch is in flight when item 1 fails, so item 4 replaces it
+    with loader_with_bad({1}, n=12, shuffle=False, max_failures=5, prefetch=1) as loader:
+        batches = list(loader)
+    assert [sorted(b[:, 0].tolist()) for b in batches] == [[0, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
+
+
+def test_skip_when_the_first_sample_fails():
+    with loader_with_bad({0}, n=8, shuffle=False, max_failures=5) as loader:
+        assert sorted(rows(loader)) == list(range(1, 8))
+
+
+def test_a_failure_with_nothing_left_to_replace_it_shortens_the_last_batch():
+    with loader_with_bad({9}, n=10, shuffle=False, max_failures=5) as loader:
+        batches = list(loader)
+    assert [len(b) for b in batches] == [4, 4, 1]
+    assert sorted(rows(batches)) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_hole_in_the_middle_of_the_last_batch_is_closed():
+    with loader_with_bad({8, 9}, n=11, shuffle=False, max_failures=5) as loader:
+        batches = list(loader)
+    assert sorted(rows(batches)) == [0, 1, 2, 3, 4, 5, 6, 7, 10]
+    assert len(batches[-1]) == 1
+
+
+def test_failure_budget_as_a_count():
+    with loader_with_bad({2, 5, 6}, max_failures=2, shuffle=False) as loader:
+        with pytest.raises(TooManyFailures) as caught:
+            list(loader)
+    assert caught.value.item == [2, 5, 6]
+    assert "3 samples failed, more than max_failures=2" in str(caught.value)
+    assert "ValueError: item 5 is corrupt" in str(caught.value)
+    assert isinstance(caught.value, SampleError)
+
+
+def test_failure_budget_as_a_fraction():
+    with loader_with_bad({1, 2}, n=100, max_failures=0.015) as loader:  # 1.5 % of 100: one may fail
+        with pytest.raises(TooManyFailures):
+            list(loader)
+    with loader_with_bad({1, 2}, n=100, max_failures=0.02) as loader:
+        assert len(rows(loader)) == 98
+
+
+def test_default_budget_stops_a_broken_dataset():
+    with loader_with_bad(set(range(50)), n=60, shuffle=False) as loader:
+        with pytest.raises(TooManyFailures):
+            list(loader)
+
+
+def test_raise_mode_does_not_skip():
+    with loader_with_bad({5}, on_error="raise", shuffle=False) as loader:
+        with pytest.raises(SampleError, match="sample 5 failed at decode: ValueError: item 5 is corrupt"):
+            list(loader)
+
+
+def test_resume_after_skips_delivers_the_rest_once():
+    bad = {2, 13}
+    with loader_with_bad(bad, n=40, seed=5, max_failures=5) as loader:
+        batches = iter(loader)
+        head = [next(batches).clone() for _ in range(3)]
+        state = loader.state_dict()
+        del batches
+    with loader_with_bad(bad, n=40, seed=5, max_failures=5) as resumed:
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+    assert sorted(rows(head) + rows(rest)) == sorted(set(range(40)) - bad)
