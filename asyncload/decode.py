@@ -3,9 +3,9 @@
 JPEG goes through ``simplejpeg`` (libjpeg-turbo), which can downscale in the DCT domain: when
 the crop is at least twice the target size, decoding at 1/2, 1/4 or 1/8 scale skips most of
 the inverse DCT and colour conversion, the largest cost of the whole pipeline. Everything else
-(PNG, WebP, CMYK JPEG, ...) goes through OpenCV. The crop is a view of the decoded image and
-the resize writes straight into the batch row (OpenCV's ``dst=``), so a decoded image is
-copied once.
+(PNG, WebP, BMP, TIFF, ...) goes through OpenCV; the format is told by the bytes, not the name.
+The crop is a view of the decoded image and the resize writes straight into the batch row
+(OpenCV's ``dst=``), so a decoded image is copied once.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def centre_square_box(height: int, width: int) -> Box:
 
 def decode_rgb(data: bytes) -> np.ndarray:
     """Any image OpenCV reads -> uint8 HxWx3 RGB (greyscale expanded, alpha dropped, CMYK converted)."""
+    if len(data) == 0:
+        raise ValueError("empty file: no image data")
     encoded = np.frombuffer(data, dtype=np.uint8)
     if _IMREAD_RGB is not None:
         image = cv2.imdecode(encoded, _IMREAD_RGB)
@@ -133,10 +135,8 @@ class ImageDecoder:
     def _decode_jpeg(self, data: bytes, rng: np.random.Generator) -> tuple[np.ndarray, Box]:
         """Decodes at the smallest DCT scale that keeps the crop at least ``size`` pixels, when
         the crop is at least twice the target; returns the image and the crop in its pixels."""
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         box = self._box(height, width, rng)
-        if colorspace in ("CMYK", "YCCK"):  # libjpeg-turbo does not convert these to RGB
-            return decode_rgb(data), box
         top, left, crop_h, crop_w = box
         min_height = min_width = 0
         if min(crop_h, crop_w) >= 2 * self.size:

@@ -106,3 +106,70 @@ def test_truncated_jpeg_is_an_error_not_a_grey_image():
     data = simplejpeg.encode_jpeg(gradient_image(64, 64), quality=90)
     with pytest.raises(ValueError):
         ImageDecoder(size=16)(data[: len(data) // 2])
+
+
+def test_empty_file_is_a_clear_error():
+    with pytest.raises(ValueError, match="empty file"):
+        ImageDecoder(size=16)(b"")
+
+
+@pytest.mark.parametrize("extension", [".png", ".webp", ".bmp"])
+def test_other_formats_are_detected_from_their_bytes_not_their_name(extension):
+    image = np.zeros((40, 50, 3), np.uint8)
+    image[..., 0] = 200  # red
+    data = cv2.imencode(extension, cv2.cvtColor(image, cv2.COLOR_RGB2BGR))[1].tobytes()
+    out = ImageDecoder(size=16)(data)
+    assert abs(int(out[..., 0].mean()) - 200) <= 2 and out[..., 1:].max() <= 2
+
+
+def test_cmyk_jpeg_becomes_rgb():
+    # Pure red (C=0, M=Y=255, K=0) stored inverted, as Adobe writes CMYK JPEGs.
+    cmyk = np.zeros((16, 16, 4), np.uint8)
+    cmyk[..., 0], cmyk[..., 1], cmyk[..., 2], cmyk[..., 3] = 255, 0, 0, 255  # inverted CMYK
+    data = simplejpeg.encode_jpeg(cmyk, colorspace="CMYK", quality=95)
+    assert simplejpeg.decode_jpeg_header(data)[2] in ("CMYK", "YCCK")
+    out = ImageDecoder(size=8)(data)
+    assert out.shape == (8, 8, 3)
+    assert out[..., 0].min() > 200 and out[..., 1:].max() < 60
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 500), (3000, 4000)])
+def test_tiny_and_large_images_decode(shape):
+    data = simplejpeg.encode_jpeg(np.full((*shape, 3), 128, np.uint8), quality=90)
+    for train in (False, True):
+        out = ImageDecoder(size=32, train=train)(data, key=(0, 1))
+        assert out.shape == (32, 32, 3) and abs(int(out.mean()) - 128) <= 3
+
+
+# Fuzzing: whatever the bytes, the decoder returns a well-formed image or raises an exception.
+# A crash in native code would take the whole test process down with it.
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_SEED_JPEG = simplejpeg.encode_jpeg(gradient_image(48, 64), quality=80)
+_SEED_PNG = png(gradient_image(24, 32))
+
+
+def _decode_or_raise(data: bytes) -> None:
+    for train in (False, True):
+        try:
+            out = ImageDecoder(size=16, train=train)(data, key=(0, 0))
+        except Exception:
+            continue
+        assert out.shape == (16, 16, 3) and out.dtype == np.uint8
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_arbitrary_bytes(data):
+    _decode_or_raise(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([_SEED_JPEG, _SEED_PNG]), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=8),
+       st.integers(0, 10**6))
+def test_fuzz_corrupted_images(seed, flips, cut):
+    data = bytearray(seed)
+    for position, value in flips:
+        data[position % len(data)] = value
+    _decode_or_raise(bytes(data[: max(1, cut % (len(data) + 1))]))
