@@ -59,7 +59,7 @@ class AsyncLoader:
         max_failures: int | float = 0.01,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         read_timeout: float = 60.0,
-        read_retries: int = 3,
+        read_retries: int = 6,
     ) -> None:
         _check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
         self.device = resolve_device(device)

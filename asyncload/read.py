@@ -115,12 +115,17 @@ class Reader:
             options = dict(self.storage_options)
             if cls.async_impl:
                 options.update(asynchronous=True, loop=self.loop)
-            if "config_kwargs" in inspect.signature(cls.__init__).parameters:
-                # s3fs: botocore allows 10 connections by default, which would cap reads in flight.
+            is_s3fs = "config_kwargs" in inspect.signature(cls.__init__).parameters
+            if is_s3fs:
+                # botocore allows 10 connections by default, which would cap reads in flight, and
+                # retries by itself, unseen and unbounded by ours: leave retrying to this class.
                 config = dict(options.get("config_kwargs") or {})
                 config.setdefault("max_pool_connections", self.io_concurrency)
+                config.setdefault("retries", {"total_max_attempts": 1})
                 options["config_kwargs"] = config
             fs = cls(skip_instance_cache=True, **options)
+            if is_s3fs and "retries" not in self.storage_options:
+                fs.retries = 1  # s3fs's own retry loop: one attempt, then ours
             read_kwargs = {}
             if fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
                 # s3fs sends a HEAD before the GET to split large objects; one request is enough.

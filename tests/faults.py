@@ -1,0 +1,143 @@
+"""A TCP proxy in front of the S3 server that misbehaves on purpose: throttling and 5xx answers,
+connection resets, stalls, and going away and coming back (a restart, with the data intact,
+as a real bucket's data survives an outage).
+
+It runs an event loop on a thread of the test process so a test can change its behaviour while
+a loader reads through it. Each client connection carries one request (the S3 server closes
+every connection), and ``plan`` decides what happens to it from the request's first line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+from typing import Callable
+
+from bench.s3server import free_port
+
+PASS, RESET, STALL = "pass", "reset", "stall"
+SLOW_DOWN = (503, "SlowDown", "Please reduce your request rate.")
+INTERNAL = (500, "InternalError", "We encountered an internal error. Please try again.")
+
+
+def error_response(status: int, code: str, message: str) -> bytes:
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error>").encode()
+    head = (f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return head + body
+
+
+class FaultProxy:
+    """``plan(request_line, count) -> action``: ``PASS``, ``RESET``, ``STALL`` or an
+    ``(status, code, message)`` error; ``count`` numbers the requests for that line from 1."""
+
+    def __init__(self, target_port: int, plan: Callable[[str, int], object] | None = None) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.plan = plan or (lambda line, count: PASS)
+        self.counts: dict[str, int] = {}
+        self.stall_seconds = 30.0
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread.start()
+        self.start_listening()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_listening()
+        asyncio.run_coroutine_threadsafe(self._cancel_connections(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def start_listening(self) -> None:
+        """Accept connections on ``port`` (again)."""
+        future = asyncio.run_coroutine_threadsafe(self._listen(), self._loop)
+        self._server = future.result(timeout=10)
+
+    def stop_listening(self) -> None:
+        """Refuse new connections and reset open ones, as a server that died."""
+        if self._server is not None:
+            server, self._server = self._server, None
+            asyncio.run_coroutine_threadsafe(self._close(server), self._loop).result(timeout=10)
+
+    @staticmethod
+    async def _cancel_connections() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _listen(self) -> asyncio.AbstractServer:
+        return await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+
+    @staticmethod
+    async def _close(server: asyncio.AbstractServer) -> None:
+        server.close()
+        if hasattr(server, "close_clients"):
+            server.close_clients()
+        await server.wait_closed()
+
+    async def _handle(self, client_reader, client_writer) -> None:
+        try:
+            first = await client_reader.read(65536)
+            line = first.split(b"\r\n", 1)[0].decode(errors="replace")
+            self.counts[line] = self.counts.get(line, 0) + 1
+            action = self.plan(line, self.counts[line])
+            if action == RESET:
+                _reset(client_writer)
+                return
+            if action == STALL:
+                await asyncio.sleep(self.stall_seconds)
+            elif action != PASS:
+                client_writer.write(error_response(*action))
+                await client_writer.drain()
+            else:
+                await self._forward(first, client_reader, client_writer)
+        except (ConnectionError, OSError, asyncio.CancelledError):
+            pass
+        finally:
+            client_writer.close()
+
+    async def _forward(self, first: bytes, client_reader, client_writer) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        server_writer.write(first)
+
+        async def pump(reader, writer):
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(pump(client_reader, server_writer), pump(server_reader, client_writer))
+
+
+def _reset(writer) -> None:
+    """Close with RST instead of FIN: what a peer's crash or a middlebox looks like."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+def first_tries(action, tries: int = 1):
+    """A plan: ``action`` for the first ``tries`` GETs of every object, then pass."""
+
+    def plan(line: str, count: int):
+        return action if line.startswith("GET ") and "/asyncload-test/" in line and count <= tries else PASS
+
+    return plan

@@ -1,0 +1,57 @@
+"""Nothing accumulates: descriptors, sockets, threads and memory stay flat over many epochs.
+
+The short version runs in CI; `pytest -m slow` runs the 50-epoch soak."""
+
+import gc
+import threading
+import warnings
+
+import psutil
+import pytest
+
+from asyncload import AsyncLoader, ImageDecoder, image_folder
+
+
+def process_figures() -> tuple[int, int, int]:
+    gc.collect()
+    process = psutil.Process()
+    return process.num_fds(), threading.active_count(), process.memory_info().rss
+
+
+def test_early_exits_leave_no_descriptor_or_socket_open(s3_jpeg_bucket, s3_options):
+    source = image_folder(s3_jpeg_bucket, storage_options=s3_options)
+
+    def run(stop_after: int | None) -> None:
+        loader = AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), storage_options=s3_options)
+        for number, _ in enumerate(loader):
+            if number == stop_after:
+                break
+        del loader
+
+    run(None)  # first use opens what stays open by design (imports, the TLS context, ...)
+    fds_before = psutil.Process().num_fds()
+    connections_before = len(psutil.Process().net_connections())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for stop_after in (None, 0, 2, None):
+            run(stop_after)
+        gc.collect()
+    # moto closes every connection itself, so also check that no HTTP client was left unclosed
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert psutil.Process().num_fds() == fds_before
+    assert len(psutil.Process().net_connections()) == connections_before
+
+
+
+@pytest.mark.parametrize("epochs", [pytest.param(6, id="short"), pytest.param(50, id="soak", marks=pytest.mark.slow)])
+def test_many_epochs_stay_flat(jpeg_folder, epochs):
+    source = image_folder(str(jpeg_folder))
+    with AsyncLoader(source, batch_size=5, decode=ImageDecoder(32, train=True)) as loader:
+        figures = []
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            assert sum(len(labels) for _, labels in loader) == len(source)
+            figures.append(process_figures())
+    fds, threads, rss = zip(*figures[2:])
+    assert len(set(fds)) == 1 and len(set(threads)) == 1
+    assert max(rss) - min(rss) < 16 * 2**20, "memory must not grow from epoch to epoch"

@@ -1,0 +1,83 @@
+"""Failing storage, through a misbehaving proxy in front of the real S3 server on 127.0.0.1."""
+
+import threading
+import time
+
+import pytest
+
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
+from bench.s3server import storage_options
+from tests.conftest import CLASSES, PER_CLASS, identify
+from tests.faults import INTERNAL, RESET, SLOW_DOWN, STALL, FaultProxy, first_tries
+
+ALL = sorted((label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS))
+
+
+@pytest.fixture
+def source(s3_jpeg_bucket, s3_options):
+    return image_folder(s3_jpeg_bucket, storage_options=s3_options)
+
+
+def read_epoch(source, proxy, **kwargs):
+    """Every (label, index) delivered in one epoch through ``proxy``, and the loader's stats."""
+    kwargs.setdefault("batch_size", 6)
+    with AsyncLoader(source, decode=ImageDecoder(16), storage_options=storage_options(proxy.endpoint_url), **kwargs) as loader:
+        seen = [identify(image) for images, _ in loader for image in images.numpy()]
+    return seen, loader.stats
+
+
+@pytest.mark.parametrize("fault", [SLOW_DOWN, INTERNAL, RESET], ids=["throttled", "500", "reset"])
+def test_transient_faults_are_retried_and_counted(s3_server, source, fault):
+    with FaultProxy(s3_server.port, first_tries(fault, tries=2)) as proxy:
+        seen, stats = read_epoch(source, proxy)
+    assert sorted(seen) == ALL
+    gets = [count for line, count in proxy.counts.items() if line.startswith("GET ")]
+    assert gets == [3] * len(ALL), "each object failed twice, then was read once"
+    if fault == RESET:  # the HTTP client retries a reset connection once by itself
+        assert stats.retries >= len(ALL)
+    else:
+        assert stats.retries == 2 * len(ALL)
+    assert stats.failures == []
+
+
+def test_a_stalled_read_times_out_and_is_retried(s3_server, source):
+    with FaultProxy(s3_server.port, first_tries(STALL)) as proxy:
+        started = time.monotonic()
+        seen, stats = read_epoch(source, proxy, read_timeout=0.5)
+        elapsed = time.monotonic() - started
+    assert sorted(seen) == ALL and stats.retries == len(ALL)
+    assert elapsed < 10, "stalls overlap: each costs one timeout, not one per object in turn"
+
+
+def test_a_server_restart_mid_epoch_loses_nothing(s3_server, source):
+    with FaultProxy(s3_server.port) as proxy:
+        def restart():
+            proxy.stop_listening()
+            time.sleep(1.0)
+            proxy.start_listening()
+
+        with AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), prefetch=1, io_concurrency=4,
+                         storage_options=storage_options(proxy.endpoint_url)) as loader:
+            seen = []
+            for number, (images, _) in enumerate(loader):
+                seen += [identify(image) for image in images.numpy()]
+                if number == 1:
+                    threading.Thread(target=restart).start()
+                    time.sleep(0.2)  # the server is down while the next reads go out
+    assert sorted(seen) == ALL
+    assert loader.stats.retries > 0 and loader.stats.failures == []
+
+
+def test_a_server_that_stays_down_gives_a_clear_error_in_bounded_time(s3_server, source):
+    with FaultProxy(s3_server.port) as proxy:
+        proxy.stop_listening()
+        started = time.monotonic()
+        with AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), read_retries=3,
+                         storage_options=storage_options(proxy.endpoint_url)) as loader:
+            with pytest.raises(SampleError, match=r"s3://asyncload-test/jpegs/\w+/\d\.jpg' failed at read") as caught:
+                list(loader)
+        elapsed = time.monotonic() - started
+        proxy.start_listening()  # so that leaving the proxy's context is orderly
+    assert elapsed < 5.0, "3 retries back off by at most 0.1 + 0.2 + 0.4 s"
+    assert "Could not connect" in str(caught.value)
+    assert loader.stats.retries >= 3
