@@ -359,6 +359,8 @@ class EpochRun:
                     break
                 if self._batch_count is not None and self._handed_out >= self._batch_count:
                     return None
+                if self._stopped:
+                    raise RuntimeError("this iteration has ended: the loader was closed or iterated anew")
                 if self._loop_ended:
                     raise RuntimeError("the loader's event loop stopped unexpectedly") from self._fatal
                 self._cond.wait()

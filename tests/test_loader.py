@@ -332,3 +332,23 @@ def test_memory_filesystem(jpeg_folder):
         images, labels = next(iter(loader))
     assert [identify(image) for image in images.numpy()] == [(label, 0) for label in range(len(CLASSES))]
     fs.rm("/asyncload-test", recursive=True)
+
+
+def test_resume_with_shuffling_and_sharding():
+    def run(rank, state=None, stop_after=None):
+        with index_loader(n=50, batch_size=3, seed=7, rank=rank, world_size=2) as loader:
+            loader.set_epoch(2)
+            if state:
+                loader.load_state_dict(state)
+            out = []
+            for batch in loader:
+                out.append(batch[:, 0].tolist())
+                if len(out) == stop_after:
+                    return out, loader.state_dict()
+            return out, None
+
+    for rank in range(2):
+        full, _ = run(rank)
+        head, state = run(rank, stop_after=3)
+        rest, _ = run(rank, state)
+        assert head + rest == full

@@ -81,3 +81,37 @@ def test_a_server_that_stays_down_gives_a_clear_error_in_bounded_time(s3_server,
     assert elapsed < 5.0, "3 retries back off by at most 0.1 + 0.2 + 0.4 s"
     assert "Could not connect" in str(caught.value)
     assert loader.stats.retries >= 3
+
+
+def test_access_denied_is_not_retried_and_names_the_object(s3_server, source):
+    denied = (403, "AccessDenied", "Access Denied")
+    with FaultProxy(s3_server.port, first_tries(denied, tries=100)) as proxy:
+        with AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), shuffle=False,
+                         storage_options=storage_options(proxy.endpoint_url)) as loader:
+            with pytest.raises(SampleError, match=r"'s3://asyncload-test/jpegs/cat/0.jpg' failed at read: PermissionError"):
+                list(loader)
+    assert loader.stats.retries == 0
+
+
+def test_close_from_another_thread_during_a_stalled_read(s3_server, source):
+    from tests.conftest import asyncload_threads
+
+    with FaultProxy(s3_server.port, first_tries(STALL, tries=100)) as proxy:
+        loader = AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), storage_options=storage_options(proxy.endpoint_url))
+        outcome = []
+
+        def consume():
+            try:
+                list(loader)
+            except RuntimeError as error:
+                outcome.append(error)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        time.sleep(0.5)  # reads are out and stalled
+        started = time.monotonic()
+        loader.close()
+        consumer.join(timeout=5)
+        assert time.monotonic() - started < 1.0
+        assert not asyncload_threads() and not consumer.is_alive()
+    assert "loader was closed" in str(outcome[0])
