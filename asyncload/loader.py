@@ -5,6 +5,8 @@ buffers and the epoch's progress; each iteration runs an ``EpochRun`` (``pipelin
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -57,6 +59,7 @@ class AsyncLoader:
         world_size: int | None = None,
         *,
         max_failures: int | float = 0.01,
+        progress: bool = False,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         read_timeout: float = 60.0,
         read_retries: int = 6,
@@ -68,11 +71,12 @@ class AsyncLoader:
             len(source), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size
         )
         self.epoch = 0
-        self.stats = LoaderStats()
+        self.stats = LoaderStats(io_concurrency, num_threads or _default_threads(), prefetch)
         self._done = Positions()  # positions of this epoch's order delivered to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochRun | None = None
         self._closed = False
+        self.progress = progress
         self._settings = Settings(
             source=source,
             read=read,
@@ -126,15 +130,20 @@ class AsyncLoader:
         return self._iterate(run)
 
     def _iterate(self, run: EpochRun) -> Iterator[Any]:
+        bar = _ProgressBar(self) if self.progress else None
         try:
             for positions, batch in run:
                 self._done.add(positions)
+                if bar is not None:
+                    bar.advance(len(positions))
                 yield batch
             self._done = Positions()  # the epoch is complete
         finally:
             run.stop()
             if self._run is run:
                 self._run = None
+            if bar is not None:
+                bar.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Where this epoch stands: which positions of its order were delivered, as a few
@@ -197,3 +206,26 @@ def _check_arguments(on_error: str, io_concurrency: int, prefetch: int, read: An
         raise ValueError(f"max_failures as a fraction must be in [0, 1), got {max_failures}")
     if isinstance(max_failures, int) and max_failures < 0:
         raise ValueError(f"max_failures must not be negative, got {max_failures}")
+
+
+class _ProgressBar:
+    """A tqdm bar over the epoch's samples that also shows the current bottleneck (refreshed at
+    most once a second); tqdm hides it when standard error is not a terminal."""
+
+    def __init__(self, loader: AsyncLoader) -> None:
+        from tqdm.auto import tqdm
+
+        self.stats = loader.stats
+        self.bar = tqdm(total=loader.sampler.samples_per_rank, unit="sample", desc=f"epoch {loader.epoch}",
+                        file=sys.stderr, disable=None)
+        self.last_postfix = 0.0
+
+    def advance(self, samples: int) -> None:
+        now = time.monotonic()
+        if now - self.last_postfix >= 1.0:
+            self.bar.set_postfix_str(f"bottleneck: {self.stats.as_dict()['bottleneck']}", refresh=False)
+            self.last_postfix = now
+        self.bar.update(samples)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -102,6 +102,7 @@ class EpochRun:
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
         decode = settings.decode
         self._decode_in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+        settings.stats.run_started()
         self._main = self.loop.create_task(self._produce_all())
         self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
         self.thread.start()
@@ -151,9 +152,8 @@ class EpochRun:
         number = 0
         first_sample = None
         while True:
-            while number - self._handed_out >= self.s.prefetch:
-                self._room.clear()
-                await self._room.wait()
+            if number - self._handed_out >= self.s.prefetch:
+                await self._wait_for_room(number)
             positions = self.cursor.take(self.s.batch_size)
             if not positions or (self.s.drop_last and len(positions) < self.s.batch_size):
                 break
@@ -175,6 +175,16 @@ class EpochRun:
         with self._cond:
             self._batch_count = number
             self._cond.notify_all()
+
+    async def _wait_for_room(self, number: int) -> None:
+        """Waits until fewer than ``prefetch`` batches are ahead of the user."""
+        self.s.stats.level("producer_waiting", 1)
+        try:
+            while number - self._handed_out >= self.s.prefetch:
+                self._room.clear()
+                await self._room.wait()
+        finally:
+            self.s.stats.level("producer_waiting", -1)
 
     def _spawn(self, coroutine: Any) -> None:
         task = self.loop.create_task(coroutine)
@@ -258,11 +268,16 @@ class EpochRun:
         """Copies an already decoded sample into ``row`` of ``batch``."""
         assert batch.buffer is not None
         try:
-            await self.loop.run_in_executor(self.decode_pool, batch.buffer.write, row, sample)
+            await self.loop.run_in_executor(self.decode_pool, self._write, batch.buffer, row, sample)
         except Exception as error:
             await self._failed(batch, row, SampleError(key, "decode", error))
             return
         self._row_done(batch)
+
+    def _write(self, buffer: BatchBuffer, row: int, sample: Any) -> None:
+        started = time.perf_counter()
+        buffer.write(row, sample)
+        self.s.stats.add("write", time.perf_counter() - started)
 
     def _read_and_decode_into(self, buffer: BatchBuffer, row: int, key: str, label: int | None, index: int) -> None:
         """On a decode thread: reads a local URL, then decodes it into its row (one hand-off)."""
@@ -274,19 +289,27 @@ class EpochRun:
 
     def _decode_into(self, buffer: BatchBuffer, row: int, key: Any, data: Any, label: int | None, index: int) -> None:
         """On a decode thread: decode ``data`` and write it into row ``row`` of ``buffer``."""
-        started = time.perf_counter()
-        decode = self.s.decode
+        stats = self.s.stats
+        stats.level("decodes_running", 1)
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
-            if self._decode_in_place:
+            if self._decode_in_place:  # the decoder writes the row itself
                 rows = buffer.rows(row)
-                decode.decode_into(data, rows[0], (self.epoch, index))
+                self.s.decode.decode_into(data, rows[0], (self.epoch, index))
                 if label is not None:
                     rows[1][...] = label
             else:
-                buffer.write(row, self._labelled(decode(data), label))
+                sample = self.s.decode(data)
         except Exception as error:
             raise SampleError(key, "decode", error) from error
-        self.s.stats.add("decode", time.perf_counter() - started)
+        finally:
+            stats.level("decodes_running", -1)
+        stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
+        if not self._decode_in_place:
+            try:
+                self._write(buffer, row, self._labelled(sample, label))
+            except Exception as error:
+                raise SampleError(key, "decode", error) from error
 
     @staticmethod
     def _labelled(sample: Any, label: int | None) -> Any:
@@ -324,6 +347,7 @@ class EpochRun:
             self._finish(batch)
 
     def _finish(self, batch: Batch) -> None:
+        self.s.stats.level("batches_ready", 1)
         with self._cond:
             self._finished[batch.number] = batch
             self._cond.notify_all()
@@ -356,6 +380,7 @@ class EpochRun:
                 ready = number if number is not None else next(iter(self._finished), None)
                 if ready in self._finished:
                     batch = self._finished.pop(ready)
+                    self.s.stats.level("batches_ready", -1)
                     break
                 if self._batch_count is not None and self._handed_out >= self._batch_count:
                     return None
@@ -419,6 +444,9 @@ class EpochRun:
                 batch.buffer.give_back()
         self._in_pipeline.clear()
         self._pending_copies.clear()
+        self.s.stats.level("batches_ready", -len(self._finished))
+        self._finished.clear()
+        self.s.stats.run_stopped()
 
 
 def _failure_limit(max_failures: int | float, epoch_size: int) -> int:

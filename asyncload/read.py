@@ -63,10 +63,19 @@ class Reader:
         """The bytes at URL ``key`` (or what the user's ``read`` returns for it), retried on
         transient errors with exponential backoff and full jitter."""
         started = time.perf_counter()
+        self.stats.level("reads_in_flight", 1)
+        try:
+            data = await self._read_with_retries(key)
+        finally:
+            self.stats.level("reads_in_flight", -1)
+        nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+        self.stats.add("read", time.perf_counter() - started, nbytes)
+        return data
+
+    async def _read_with_retries(self, key: Any) -> Any:
         for attempt in range(self.retries + 1):
             try:
-                data = await asyncio.wait_for(self._fetch(key), self.timeout)
-                break
+                return await asyncio.wait_for(self._fetch(key), self.timeout)
             except PERMANENT_ERRORS:
                 raise
             except Exception:
@@ -74,9 +83,7 @@ class Reader:
                     raise
                 self.stats.add_retry()
                 await asyncio.sleep(random.uniform(0, min(5.0, 0.1 * 2**attempt)))
-        nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-        self.stats.add("read", time.perf_counter() - started, nbytes)
-        return data
+        raise AssertionError("unreachable")
 
     def is_local(self, key: Any) -> bool:
         """True for URLs on local disk or in memory. These are read by the decode thread itself
@@ -91,7 +98,11 @@ class Reader:
         """Reads a local URL on the calling thread (see ``is_local``)."""
         started = time.perf_counter()
         fs, _ = self._filesystems[split_protocol(key)[0] or "file"]
-        data = fs.cat_file(fs._strip_protocol(key))
+        self.stats.level("reads_in_flight", 1)
+        try:
+            data = fs.cat_file(fs._strip_protocol(key))
+        finally:
+            self.stats.level("reads_in_flight", -1)
         self.stats.add("read", time.perf_counter() - started, len(data))
         return data
 

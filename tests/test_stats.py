@@ -1,0 +1,120 @@
+"""The stats name the bottleneck: each situation is built on purpose."""
+
+import asyncio
+import os
+import time
+
+import cv2
+import numpy as np
+import pytest
+
+from asyncload import AsyncLoader
+from asyncload.stats import diagnose
+
+
+def run(read, decode, n=64, consume=None, **kwargs) -> AsyncLoader:
+    loader = AsyncLoader(list(range(n)), shuffle=False, read=read, decode=decode, **kwargs)
+    with loader:
+        for _ in loader:
+            if consume:
+                consume()
+    return loader
+
+
+def slow_read(seconds):
+    async def read(key):
+        await asyncio.sleep(seconds)
+        return key
+
+    return read
+
+
+def test_slow_storage_is_named():
+    loader = run(slow_read(0.02), np.int64, batch_size=8, io_concurrency=4, prefetch=4)
+    name, evidence = diagnose(loader.stats.as_dict())
+    assert name == "storage", evidence
+    assert "reads in flight averaged" in evidence and "bottleneck: storage" in loader.stats.report()
+
+
+def test_a_small_prefetch_window_is_named_memory():
+    loader = run(slow_read(0.05), np.int64, n=40, batch_size=4, io_concurrency=64, prefetch=1)
+    name, evidence = diagnose(loader.stats.as_dict())
+    assert name == "memory", evidence
+    assert "raise prefetch" in evidence
+
+
+IMAGE = np.random.default_rng(0).integers(0, 255, (600, 600, 3), dtype=np.uint8)
+
+
+def native_decode(key):
+    """CPU work in OpenCV, which releases the GIL."""
+    return cv2.GaussianBlur(IMAGE, (21, 21), 0)[0, 0]
+
+
+def python_decode(key):
+    """CPU work in Python, which holds the GIL."""
+    total = 0
+    for i in range(40_000):
+        total += i * i
+    return np.int64(total)
+
+
+def test_cpu_bound_decode_is_named():
+    loader = run(False, native_decode, n=48, batch_size=8, num_threads=2)
+    name, evidence = diagnose(loader.stats.as_dict())
+    assert name == "decode CPU", evidence
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the GIL shows only with two cores or more")
+def test_a_decode_that_holds_the_gil_is_named():
+    loader = run(False, python_decode, n=48, batch_size=8, num_threads=2)
+    name, evidence = diagnose(loader.stats.as_dict())
+    assert name == "GIL", evidence
+
+
+def test_a_slow_consumer_is_named():
+    loader = run(False, np.int64, n=80, batch_size=4, consume=lambda: time.sleep(0.05))
+    name, evidence = diagnose(loader.stats.as_dict())
+    assert name == "consumer", evidence
+
+
+def test_figures_add_up():
+    loader = run(slow_read(0.001), lambda v: np.full(3, v), n=20, batch_size=6)
+    f = loader.stats.as_dict()
+    assert (f["read/items"], f["decode/items"], f["write/items"]) == (20, 20, 20)
+    assert (f["batches"], f["samples"]) == (4, 20)
+    assert f["reads_in_flight/peak"] >= 1 and f["decodes_running/peak"] >= 1
+    assert 0 < f["active_seconds"] and f["bottleneck"] in ("storage", "consumer", "mixed", "memory", "decode CPU", "GIL")
+
+
+def test_interval_callback_gets_plain_figures():
+    received = []
+    loader = AsyncLoader(list(range(12)), batch_size=3, read=False, decode=np.int64)
+    loader.stats.on_interval(0.0, received.append)
+    with loader:
+        list(loader)
+    assert len(received) == 4
+    assert received[-1]["samples"] == 12 and isinstance(received[-1]["bottleneck"], str)
+    assert all(isinstance(v, (int, float, str)) for v in received[-1].values())
+
+
+def test_progress_is_quiet_when_not_a_terminal(capsys):
+    with AsyncLoader(list(range(20)), batch_size=5, read=False, decode=np.int64, progress=True) as loader:
+        list(loader)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with AsyncLoader(list(range(20)), batch_size=5, read=False, decode=np.int64, progress=True) as loader:
+        list(loader)
+    shown = terminal.getvalue()
+    assert "epoch 0" in shown and "20/20" in shown and "bottleneck: " in shown
