@@ -9,10 +9,11 @@ either fails its batch (``on_error="raise"``: the user gets its ``SampleError`` 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -91,6 +92,7 @@ class EpochRun:
         self.loop = asyncio.new_event_loop()
         self.decode_pool = ThreadPoolExecutor(settings.num_threads, thread_name_prefix="asyncload-decode")
         self._cond = threading.Condition()
+        self._rows_lock = threading.Lock()
         self._finished: dict[int, Batch] = {}
         self._batch_count: int | None = None  # known once the cursor is exhausted
         self._loop_ended = False
@@ -136,10 +138,12 @@ class EpochRun:
         self._reader = reader
         self._read_slots = asyncio.Semaphore(self.s.io_concurrency)
         self._tasks: set[asyncio.Task] = set()
+        self._local_jobs: set[Future] = set()
         try:
             await self._produce()
-            while self._tasks:  # replacements for skipped samples may add tasks meanwhile
-                await asyncio.gather(*list(self._tasks))
+            while self._tasks or self._local_jobs:  # failures may add replacements meanwhile
+                jobs = [asyncio.wrap_future(job) for job in list(self._local_jobs)]
+                await asyncio.gather(*list(self._tasks), *jobs, return_exceptions=True)
         finally:
             for task in self._tasks:
                 task.cancel()
@@ -165,12 +169,11 @@ class EpochRun:
             self._in_pipeline.append(batch)
             number += 1
             for row, position in enumerate(positions):
-                await self._read_slots.acquire()
                 if first_sample is not None:  # row 0 of the first batch: already decoded
-                    self._read_slots.release()
                     self._spawn(self._write_decoded(batch, row, *first_sample))
                     first_sample = None
-                else:
+                elif not self._submit_local(batch, row, position):
+                    await self._read_slots.acquire()
                     self._spawn(self._load(batch, row, position))
         with self._cond:
             self._batch_count = number
@@ -264,6 +267,42 @@ class EpochRun:
             return
         self._row_done(batch)
 
+    def _submit_local(self, batch: Batch, row: int, position: int) -> bool:
+        """Local files skip the event loop: a decode thread reads the file, decodes it into its
+        row and completes the row itself, with no hand-off back to the loop. False if the item
+        is not a local file (or cannot be told apart here); ``_load`` then takes it."""
+        if self.s.read is not None:
+            return False
+        index = int(self.order[position])
+        try:
+            key, label = self._split(index)
+        except SampleError:
+            return False
+        if not self._reader.is_local(key):
+            return False
+        job = self.decode_pool.submit(self._read_and_decode_into, batch.buffer, row, key, label, index)
+        self._local_jobs.add(job)
+        job.add_done_callback(functools.partial(self._local_job_done, batch, row, index))
+        return True
+
+    def _local_job_done(self, batch: Batch, row: int, index: int, job: Future) -> None:
+        """On the decode thread that ran ``job`` (or the one that cancelled it)."""
+        if job.cancelled():
+            return
+        error = job.exception()
+        if error is None:
+            self._local_jobs.discard(job)
+            self._row_done(batch)
+            return
+        if not isinstance(error, SampleError):
+            error = SampleError(f"source[{index}]", "load", error)
+
+        def on_loop() -> None:  # a failure may take the cursor's next position: the loop's job
+            self._spawn(self._failed(batch, row, error))
+            self._local_jobs.discard(job)
+
+        self._call_in_loop(on_loop)
+
     async def _write_decoded(self, batch: Batch, row: int, key: Any, sample: Any) -> None:
         """Copies an already decoded sample into ``row`` of ``batch``."""
         assert batch.buffer is not None
@@ -291,7 +330,7 @@ class EpochRun:
         """On a decode thread: decode ``data`` and write it into row ``row`` of ``buffer``."""
         stats = self.s.stats
         stats.level("decodes_running", 1)
-        started, cpu_started = time.perf_counter(), time.thread_time()
+        started = time.perf_counter()
         try:
             if self._decode_in_place:  # the decoder writes the row itself
                 rows = buffer.rows(row)
@@ -304,7 +343,7 @@ class EpochRun:
             raise SampleError(key, "decode", error) from error
         finally:
             stats.level("decodes_running", -1)
-        stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
+        stats.add("decode", time.perf_counter() - started)
         if not self._decode_in_place:
             try:
                 self._write(buffer, row, self._labelled(sample, label))
@@ -325,8 +364,9 @@ class EpochRun:
             replacement = self.cursor.take(1)
             if replacement:
                 batch.positions[row] = replacement[0]
-                await self._read_slots.acquire()
-                self._spawn(self._load(batch, row, replacement[0]))
+                if not self._submit_local(batch, row, replacement[0]):
+                    await self._read_slots.acquire()
+                    self._spawn(self._load(batch, row, replacement[0]))
                 return
             batch.holes.add(row)
         self._row_done(batch)
@@ -342,8 +382,11 @@ class EpochRun:
         return None
 
     def _row_done(self, batch: Batch) -> None:
-        batch.remaining -= 1
-        if batch.remaining == 0:
+        """Called on the loop or on a decode thread: the decrement takes a lock."""
+        with self._rows_lock:
+            batch.remaining -= 1
+            complete = batch.remaining == 0
+        if complete:
             self._finish(batch)
 
     def _finish(self, batch: Batch) -> None:

@@ -23,7 +23,6 @@ class StageStats:
     items: int = 0
     seconds: float = 0.0
     bytes: int = 0
-    cpu_seconds: float = 0.0  # CPU time of the threads doing the work (decode only)
 
 
 @dataclass
@@ -89,13 +88,12 @@ class LoaderStats:
     def decode(self) -> StageStats:
         return self.stages["decode"]
 
-    def add(self, stage: str, seconds: float, nbytes: int = 0, cpu_seconds: float = 0.0) -> None:
+    def add(self, stage: str, seconds: float, nbytes: int = 0) -> None:
         with self._lock:
             stats = self.stages[stage]
             stats.items += 1
             stats.seconds += seconds
             stats.bytes += nbytes
-            stats.cpu_seconds += cpu_seconds
 
     def level(self, name: str, delta: int) -> None:
         with self._lock:
@@ -156,8 +154,7 @@ class LoaderStats:
                 system_cpu += _system_cpu_seconds() - self._running_since[2]
             figures: dict[str, Any] = {}
             for name, stage in self.stages.items():
-                figures.update({f"{name}/items": stage.items, f"{name}/seconds": stage.seconds,
-                                f"{name}/bytes": stage.bytes, f"{name}/cpu_seconds": stage.cpu_seconds})
+                figures.update({f"{name}/items": stage.items, f"{name}/seconds": stage.seconds, f"{name}/bytes": stage.bytes})
             for name, level in self.levels.items():
                 figures[f"{name}/mean"] = level.area_until(now) / active if active else 0.0
                 figures[f"{name}/peak"] = level.peak
@@ -223,8 +220,8 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
     """Names what limits the pipeline, from ``LoaderStats.as_dict()`` figures, with the evidence.
 
     consumer: the user's step (the loop rarely waits: the loader is ahead);
-    GIL: decode threads are busy but mostly off the CPU while the process uses about one core
-    (Python code holding the GIL);
+    GIL: about one decode thread runs at a time and the process uses about one core while others
+    idle (Python code in the decode holds the GIL);
     decode CPU: decode threads are busy and use the cores (or share them with other processes);
     storage: reads are in flight at the cap (raise io_concurrency), or reads take far longer
     than decoding while decode threads idle;
@@ -236,7 +233,6 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
         return "unknown", "no batch delivered yet"
     waited = f["consumer_wait_seconds"] / active
     decode_busy = f["decodes_running/mean"] / f["num_threads"]
-    decode_on_cpu = f["decode/cpu_seconds"] / f["decode/seconds"] if f["decode/seconds"] else 1.0
     reads = f"reads in flight averaged {f['reads_in_flight/mean']:.1f} of {f['io_concurrency']}"
     cores_used = f["cpu_seconds"] / active
     others = f["other_processes_cpu_seconds"] / active
@@ -244,10 +240,12 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
         return "consumer", (f"the loop waited for data {100 * waited:.0f} % of the time; "
                             f"{f['batches_ready/mean']:.1f} batches of {f['prefetch']} were ready on average")
     idle_cores = f["cpu_cores"] - cores_used - others
-    if min(f["num_threads"], f["cpu_cores"]) >= 2 and decode_busy > 0.3 and decode_on_cpu < 0.75 and idle_cores > 0.5:
-        return "GIL", (f"decode threads were busy {100 * decode_busy:.0f} % of the time but on the CPU only "
-                       f"{100 * decode_on_cpu:.0f} % of it, with {idle_cores:.1f} cores idle: "
-                       f"the decode holds the GIL (Python code)")
+    decodes = f["decodes_running/mean"]
+    if (min(f["num_threads"], f["cpu_cores"]) >= 2 and 0.6 < decodes < 1.4 and 0.7 < cores_used < 1.3
+            and idle_cores > 0.5 and f["decode/seconds"] > f["read/seconds"]):
+        return "GIL", (f"{decodes:.1f} of {f['num_threads']} decode threads ran at a time and the process used "
+                       f"{cores_used:.2f} cores with {idle_cores:.1f} idle: the decode runs Python code that holds "
+                       f"the GIL, so the threads take turns")
     if decode_busy > 0.75 or (decode_busy > 0.4 and idle_cores < 0.5):
         return "decode CPU", (f"decode threads were busy {100 * decode_busy:.0f} % of the time; the process used "
                               f"{cores_used:.2f} and other processes {others:.2f} of {f['cpu_cores']} cores")

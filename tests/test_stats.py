@@ -60,14 +60,14 @@ def python_decode(key):
 
 
 def test_cpu_bound_decode_is_named():
-    loader = run(False, native_decode, n=48, batch_size=8, num_threads=2)
+    loader = run(False, native_decode, n=200, batch_size=8, num_threads=2)
     name, evidence = diagnose(loader.stats.as_dict())
     assert name == "decode CPU", evidence
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the GIL shows only with two cores or more")
 def test_a_decode_that_holds_the_gil_is_named():
-    loader = run(False, python_decode, n=48, batch_size=8, num_threads=2)
+    loader = run(False, python_decode, n=400, batch_size=8, num_threads=2)
     name, evidence = diagnose(loader.stats.as_dict())
     assert name == "GIL", evidence
 
