@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .buffers import BufferRing, Field, SampleLayout
 from .decode import ImageDecoder
 from .device import DeviceStage, resolve_device
@@ -48,8 +49,8 @@ class AsyncLoader:
         drop_last: bool = False,
         read: Callable[[Any], Any] | bool | None = None,
         decode: Callable[[Any], Any] | None = None,
-        num_threads: int | None = None,
-        io_concurrency: int = 64,
+        num_threads: int | str | None = None,
+        io_concurrency: int | str = 64,
         prefetch: int = 2,
         in_order: bool = True,
         device: str | torch.device | None = None,
@@ -65,13 +66,17 @@ class AsyncLoader:
         read_retries: int = 6,
     ) -> None:
         _check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
+        cores = _default_threads()
+        auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
+        threads = cores if auto_threads or num_threads is None else int(num_threads)
+        io = 16 if auto_io else int(io_concurrency)
         self.device = resolve_device(device)
         rank, world_size = distributed_defaults(rank, world_size)
         self.sampler = EpochSampler(
             len(source), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size
         )
         self.epoch = 0
-        self.stats = LoaderStats(io_concurrency, num_threads or _default_threads(), prefetch)
+        self.stats = LoaderStats(io, threads, prefetch)
         self._done = Positions()  # positions of this epoch's order delivered to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochRun | None = None
@@ -84,8 +89,9 @@ class AsyncLoader:
             labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
             batch_size=batch_size,
             drop_last=drop_last,
-            num_threads=num_threads or _default_threads(),
-            io_concurrency=io_concurrency,
+            num_threads=max(2 * cores, threads) if auto_threads else threads,
+            io_concurrency=io,
+            thread_gate=Gate(threads) if auto_threads else None,
             prefetch=prefetch,
             in_order=in_order,
             skip_errors=on_error == "skip",
@@ -99,6 +105,26 @@ class AsyncLoader:
             stats=self.stats,
         )
         self._configure_known_layout()
+        self.tuner = self._make_tuner(auto_threads, auto_io, threads, io, cores)
+
+    def _make_tuner(self, auto_threads: bool, auto_io: bool, threads: int, io: int, cores: int) -> AutoTuner | None:
+        """With ``"auto"`` settings, a tuner whose knobs act on the running epoch."""
+        if not (auto_threads or auto_io):
+            return None
+        settings = self._settings
+
+        def set_threads(value: int) -> None:
+            assert settings.thread_gate is not None
+            settings.thread_gate.set_limit(value)
+
+        def set_io(value: int) -> None:
+            settings.io_concurrency = value
+            if self._run is not None:
+                self._run.set_io_limit(value)
+
+        thread_knob = Knob("num_threads", threads, 1, max(2 * cores, threads), apply=set_threads) if auto_threads else None
+        io_knob = Knob("io_concurrency", io, 1, MAX_IO, apply=set_io) if auto_io else None
+        return AutoTuner(self.stats, thread_knob, io_knob)
 
     def _configure_known_layout(self) -> None:
         """With a decoder that declares its output (the default), buffers need no first sample."""
@@ -134,6 +160,8 @@ class AsyncLoader:
         try:
             for positions, batch in run:
                 self._done.add(positions)
+                if self.tuner is not None:
+                    self.tuner.observe()
                 if bar is not None:
                     bar.advance(len(positions))
                 yield batch
@@ -194,12 +222,13 @@ class AsyncLoader:
             pass
 
 
-def _check_arguments(on_error: str, io_concurrency: int, prefetch: int, read: Any, max_failures: int | float) -> None:
+def _check_arguments(on_error: str, io_concurrency: int | str, prefetch: int, read: Any, max_failures: int | float) -> None:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    for name, value in (("io_concurrency", io_concurrency), ("prefetch", prefetch)):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+    if io_concurrency != "auto" and (not isinstance(io_concurrency, int) or io_concurrency < 1):
+        raise ValueError(f"io_concurrency must be a positive integer or 'auto', got {io_concurrency!r}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
     if read is True or (read not in (None, False) and not callable(read)):
         raise TypeError(f"read must be None, False or a callable, got {read!r}")
     if isinstance(max_failures, float) and not 0 <= max_failures < 1:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from .autotune import AsyncGate, Gate
 from .buffers import BatchBuffer, BufferRing, Field, SampleLayout
 from .device import DeviceStage, PendingCopy, convert_batch
 from .errors import SampleError, TooManyFailures
@@ -48,8 +49,9 @@ class Settings:
     labelled: bool
     batch_size: int
     drop_last: bool
-    num_threads: int
-    io_concurrency: int
+    num_threads: int  # decode threads started (the most the tuner may use)
+    io_concurrency: int  # reads in flight; the tuner may change it between and during epochs
+    thread_gate: Gate | None  # with num_threads="auto": how many decode threads may work at once
     prefetch: int
     in_order: bool
     skip_errors: bool
@@ -102,6 +104,7 @@ class EpochRun:
         self._pending_copies: dict[int, PendingCopy] = {}
         self._stopped = False
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
+        self._read_slots = AsyncGate(settings.io_concurrency)
         decode = settings.decode
         self._decode_in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
         settings.stats.run_started()
@@ -136,7 +139,6 @@ class EpochRun:
             user_read=self.s.read if callable(self.s.read) else None,
         )
         self._reader = reader
-        self._read_slots = asyncio.Semaphore(self.s.io_concurrency)
         self._tasks: set[asyncio.Task] = set()
         self._local_jobs: set[Future] = set()
         try:
@@ -255,10 +257,12 @@ class EpochRun:
             assert batch.buffer is not None
             if local:
                 await self.loop.run_in_executor(
-                    self.decode_pool, self._read_and_decode_into, batch.buffer, row, key, label, index
+                    self.decode_pool, self._gated, self._read_and_decode_into, batch.buffer, row, key, label, index
                 )
             else:
-                await self.loop.run_in_executor(self.decode_pool, self._decode_into, batch.buffer, row, key, data, label, index)
+                await self.loop.run_in_executor(
+                    self.decode_pool, self._gated, self._decode_into, batch.buffer, row, key, data, label, index
+                )
         except SampleError as error:
             await self._failed(batch, row, error)
             return
@@ -280,7 +284,7 @@ class EpochRun:
             return False
         if not self._reader.is_local(key):
             return False
-        job = self.decode_pool.submit(self._read_and_decode_into, batch.buffer, row, key, label, index)
+        job = self.decode_pool.submit(self._gated, self._read_and_decode_into, batch.buffer, row, key, label, index)
         self._local_jobs.add(job)
         job.add_done_callback(functools.partial(self._local_job_done, batch, row, index))
         return True
@@ -312,6 +316,18 @@ class EpochRun:
             await self._failed(batch, row, SampleError(key, "decode", error))
             return
         self._row_done(batch)
+
+    def _gated(self, work: Callable[..., None], *args: Any) -> None:
+        """Runs ``work`` on a decode thread, within the tuner's thread limit if there is one."""
+        if self.s.thread_gate is None:
+            work(*args)
+            return
+        with self.s.thread_gate:
+            work(*args)
+
+    def set_io_limit(self, limit: int) -> None:
+        """Changes how many reads may be in flight, from any thread."""
+        self._call_in_loop(lambda: self._read_slots.set_limit(limit))
 
     def _write(self, buffer: BatchBuffer, row: int, sample: Any) -> None:
         started = time.perf_counter()

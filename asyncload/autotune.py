@@ -1,0 +1,180 @@
+"""``num_threads="auto"`` and ``io_concurrency="auto"``: concurrency that follows the bottleneck.
+
+Every second or so of running, the tuner looks at what happened since its last look. If the
+training loop waited for data, it raises the knob the bottleneck points to (decode threads for
+"decode CPU", reads in flight for "storage"), one step at a time. If the loop has not waited for
+a few looks in a row, it lowers a knob that had slack, but never below a value that once made
+the loop wait (its floor): so settings settle at the smallest that keep the loop fed, and do
+not oscillate. Reads in flight are also kept within a memory budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .stats import LoaderStats, diagnose
+
+MAX_IO = 1024
+
+
+class Gate:
+    """Lets at most ``limit`` threads through at once; the limit may change while threads wait."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._inside = 0
+        self._cond = threading.Condition()
+
+    def set_limit(self, limit: int) -> None:
+        with self._cond:
+            self._limit = limit
+            self._cond.notify_all()
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._inside >= self._limit:
+                self._cond.wait()
+            self._inside += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self._inside -= 1
+            self._cond.notify()
+
+
+class AsyncGate:
+    """Like ``Gate`` for coroutines on one event loop: at most ``limit`` holders at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.inside = 0
+        self._freed = asyncio.Event()
+
+    async def acquire(self) -> None:
+        while self.inside >= self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self.inside += 1
+
+    def release(self) -> None:
+        self.inside -= 1
+        self._freed.set()
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        self._freed.set()
+
+
+@dataclass
+class Knob:
+    """One tuned setting: its value, its bounds, and the floor below which the loop waited."""
+
+    name: str
+    value: int
+    low: int
+    high: int
+    floor: int = 1
+    apply: Callable[[int], None] | None = field(default=None, repr=False)
+
+    def set(self, value: int) -> bool:
+        value = max(self.low, min(self.high, value))
+        if value == self.value:
+            return False
+        self.value = value
+        if self.apply is not None:
+            self.apply(value)
+        return True
+
+
+class AutoTuner:
+    """Moves ``threads`` and/or ``io`` knobs from the loader's stats; see the module's docstring."""
+
+    def __init__(self, stats: LoaderStats, threads: Knob | None, io: Knob | None, interval: float = 1.0,
+                 memory_budget: int = 2**30) -> None:
+        self.stats = stats
+        self.knobs = {knob.name: knob for knob in (threads, io) if knob is not None}
+        self.interval = interval
+        self.memory_budget = memory_budget
+        self.changes: list[tuple[float, str, int, int, str]] = []  # (time, knob, old, new, why)
+        self._calm_looks = 0
+        self._last: dict[str, Any] | None = None
+        self._last_time = time.perf_counter()
+
+    def observe(self) -> None:
+        """Called by the user's thread at each batch; decides at most once per ``interval``."""
+        now = time.perf_counter()
+        if now - self._last_time < self.interval:
+            return
+        self._last_time = now
+        figures = self.stats.as_dict()
+        last, self._last = self._last, figures
+        if last is None:
+            return
+        window = _interval_figures(last, figures)
+        if window["active_seconds"] <= 0 or window["batches"] == 0:
+            return
+        self._decide(window)
+
+    def _decide(self, window: dict[str, Any]) -> None:
+        waited = window["consumer_wait_seconds"] / window["active_seconds"]
+        bottleneck, evidence = diagnose(window)
+        if waited > 0.05:
+            self._calm_looks = 0
+            knob = self._knob_for(bottleneck, window)
+            if knob is not None:
+                knob.floor = max(knob.floor, knob.value + 1)
+                step = knob.value * 2 if knob.name == "io_concurrency" else knob.value + 1
+                self._change(knob, min(step, self._io_cap(window)) if knob.name == "io_concurrency" else step,
+                             f"the loop waited {100 * waited:.0f} %: {bottleneck}: {evidence}")
+            return
+        self._calm_looks += 1
+        if self._calm_looks >= 3:
+            self._calm_looks = 0
+            self._lower_one(window)
+
+    def _knob_for(self, bottleneck: str, window: dict[str, Any]) -> Knob | None:
+        threads, io = self.knobs.get("num_threads"), self.knobs.get("io_concurrency")
+        if bottleneck == "decode CPU" or (bottleneck == "mixed" and window["decodes_running/mean"] > 0.6 * window["num_threads"]):
+            return threads
+        if bottleneck in ("storage", "mixed"):
+            return io
+        return None
+
+    def _lower_one(self, window: dict[str, Any]) -> None:
+        threads, io = self.knobs.get("num_threads"), self.knobs.get("io_concurrency")
+        if threads is not None and threads.value > threads.floor and window["decodes_running/mean"] < threads.value - 1:
+            self._change(threads, threads.value - 1, "the loop did not wait and a decode thread was idle")
+        elif io is not None and io.value > io.floor and window["reads_in_flight/mean"] < io.value / 4:
+            self._change(io, max(io.floor, io.value // 2), "the loop did not wait and reads in flight had room")
+
+    def _io_cap(self, window: dict[str, Any]) -> int:
+        """Reads in flight whose bytes fit the memory budget, at the mean object size so far."""
+        total = self.stats.as_dict()
+        mean_bytes = total["read/bytes"] / total["read/items"] if total["read/items"] else 0
+        return MAX_IO if mean_bytes == 0 else max(1, min(MAX_IO, int(self.memory_budget // mean_bytes)))
+
+    def _change(self, knob: Knob, value: int, why: str) -> None:
+        old = knob.value
+        if knob.set(value):
+            self.changes.append((time.perf_counter(), knob.name, old, knob.value, why))
+            self.stats.limits[knob.name] = knob.value
+
+
+def _interval_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Figures for the time between two ``as_dict()`` snapshots: counts and seconds subtract,
+    means are recomputed from their time integrals."""
+    window = dict(after)
+    span = after["active_seconds"] - before["active_seconds"]
+    for key, value in after.items():
+        if key.endswith("/mean"):
+            window[key] = (value * after["active_seconds"] - before[key] * before["active_seconds"]) / span if span > 0 else 0.0
+        elif key.endswith(("/items", "/seconds", "/bytes")) or key in (
+            "batches", "samples", "consumer_wait_seconds", "retries", "active_seconds", "cpu_seconds",
+            "other_processes_cpu_seconds",
+        ):
+            window[key] = value - before[key]
+    return window

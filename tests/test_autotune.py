@@ -1,0 +1,122 @@
+"""num_threads="auto" / io_concurrency="auto": the tuner's rules, and the loader under it."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+from asyncload import AsyncLoader
+from asyncload.autotune import AutoTuner, Gate, Knob, _interval_figures
+from asyncload.stats import LoaderStats
+
+
+def test_gate_limits_threads_and_follows_a_new_limit():
+    gate, inside, peak, lock = Gate(2), [0], [0], threading.Lock()
+
+    def work():
+        with gate:
+            with lock:
+                inside[0] += 1
+                peak[0] = max(peak[0], inside[0])
+            time.sleep(0.05)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 2
+    gate.set_limit(4)
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    peak[0] = 0
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 4
+
+
+def window(waited, decodes=0.5, reads=1.0, threads=2, io=16, read_s=0.1, decode_s=1.0):
+    """Figures for one look of the tuner (one second of running)."""
+    return {
+        "active_seconds": 1.0, "batches": 10, "consumer_wait_seconds": waited, "decodes_running/mean": decodes,
+        "reads_in_flight/mean": reads, "batches_ready/mean": 0.5, "producer_waiting/mean": 0.0,
+        "num_threads": threads, "io_concurrency": io, "prefetch": 2, "cpu_seconds": decodes, "cpu_cores": 8,
+        "other_processes_cpu_seconds": 0.0, "read/seconds": read_s, "decode/seconds": decode_s,
+    }
+
+
+def tuner():
+    threads = Knob("num_threads", 2, 1, 8)
+    io = Knob("io_concurrency", 16, 1, 1024)
+    return AutoTuner(LoaderStats(16, 2, 2), threads, io), threads, io
+
+
+def test_storage_bound_waiting_doubles_reads_in_flight():
+    t, threads, io = tuner()
+    t._decide(window(0.5, decodes=0.2, reads=15.5, io=16))
+    assert (io.value, threads.value, io.floor) == (32, 2, 17)
+    assert t.changes[-1][1:4] == ("io_concurrency", 16, 32) and "storage" in t.changes[-1][4]
+
+
+def test_decode_bound_waiting_adds_a_thread():
+    t, threads, io = tuner()
+    t._decide(window(0.5, decodes=1.9, threads=2))
+    assert (threads.value, io.value) == (3, 16)
+
+
+def test_calm_looks_lower_an_idle_knob_but_never_below_its_floor():
+    t, threads, io = tuner()
+    threads.set(4)
+    threads.floor = 3
+    for _ in range(3):
+        t._decide(window(0.0, decodes=1.0, threads=4))
+    assert threads.value == 3
+    for _ in range(6):
+        t._decide(window(0.0, decodes=1.0, threads=3))
+    assert threads.value == 3, "the floor holds: fewer threads once made the loop wait"
+
+
+def test_no_oscillation_between_two_settings():
+    t, threads, _ = tuner()
+    values = []
+    for _ in range(30):  # the loop waits whenever fewer than 3 threads work
+        waited = 0.5 if threads.value < 3 else 0.0
+        t._decide(window(waited, decodes=min(threads.value, 2.5), threads=threads.value))
+        values.append(threads.value)
+    assert values[-10:] == [3] * 10
+    assert [change[1:4] for change in t.changes if change[1] == "num_threads"] == [("num_threads", 2, 3)]
+
+
+def test_interval_figures_are_differences():
+    before = {"active_seconds": 2.0, "reads_in_flight/mean": 4.0, "batches": 5, "read/seconds": 1.0}
+    after = {"active_seconds": 3.0, "reads_in_flight/mean": 6.0, "batches": 9, "read/seconds": 4.0}
+    w = _interval_figures(before, after)
+    assert (w["active_seconds"], w["batches"], w["read/seconds"]) == (1.0, 4, 3.0)
+    assert w["reads_in_flight/mean"] == 10.0  # (6*3 - 4*2) / 1
+
+
+def test_auto_io_grows_for_slow_storage_and_delivers_everything():
+    async def slow(key):
+        await asyncio.sleep(0.05)
+        return key
+
+    loader = AsyncLoader(list(range(1200)), batch_size=32, read=slow, decode=np.int64, io_concurrency="auto", prefetch=4)
+    loader.tuner.interval = 0.2
+    with loader:
+        got = sorted(v for batch in loader for v in batch.tolist())
+    assert got == list(range(1200))
+    assert loader.stats.limits["io_concurrency"] >= 64
+    assert loader.tuner.changes and all(name == "io_concurrency" for _, name, *_ in loader.tuner.changes)
+
+
+def test_auto_threads_shrink_under_a_slow_consumer():
+    loader = AsyncLoader(list(range(400)), batch_size=4, read=False, decode=np.int64, num_threads="auto")
+    loader.tuner.interval = 0.1
+    with loader:
+        for _ in loader:
+            time.sleep(0.01)
+    assert loader.stats.limits["num_threads"] == 1
