@@ -1,0 +1,212 @@
+"""Side-by-side benchmark: asyncload against DataLoader, torchdata.nodes and SPDL.
+
+    python -m bench --quick          # < 3 minutes on 2 cores
+    python -m bench                  # < 15 minutes on 2 cores
+    python -m bench --device cuda    # adds an end-to-end GPU training loop
+
+Generates its data (cached under bench/data/), starts a local S3 server for the S3 workloads, runs
+every (workload, contender, configuration) in a fresh process, and writes
+bench/results/<machine>-<date>.{json,md,png} (<machine>-<date>-quick.* with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.contenders import CONTENDERS
+from bench.dataset import ImageSetSpec, ensure_image_set
+from bench.machine import machine_info, machine_slug, versions
+from bench.report import mark_best, markdown, write_all
+from bench.s3data import s3_servers
+from bench.workloads import MOTO_NOTE, Workload, image_set, s3_image_set, workloads
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    names = [w.name for w in workloads(True)]
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small data, reduced sweeps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda adds a training loop on the GPU (needs one)")
+    parser.add_argument("--workloads", nargs="+", choices=names + ["train"], default=None,
+                        metavar="NAME", help=f"subset of: {', '.join(names)} (default: all)")
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=None,
+                        metavar="NAME", help=f"subset of: {', '.join(CONTENDERS)} (default: all)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    return parser.parse_args(argv)
+
+
+def check_device(device: str) -> None:
+    """--device cuda without a GPU is a usage error: say so before spending any time."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit(f"--device cuda: no CUDA device is available to torch {torch.__version__} "
+                 f"(torch.cuda.is_available() is False). Run without --device, or on a GPU machine "
+                 f"with a CUDA build of torch.")
+
+
+def select_workloads(args: argparse.Namespace) -> list[Workload]:
+    chosen = workloads(args.quick)
+    if args.device == "cuda":
+        from bench.train import train_workload
+
+        chosen.append(train_workload(args.quick))
+    if args.workloads:
+        chosen = [w for w in chosen if w.name in args.workloads]
+    return chosen
+
+
+def image_sets(chosen: list[Workload], quick: bool) -> dict[str, ImageSetSpec]:
+    specs = {s.name: s for s in (image_set(quick), s3_image_set(quick))}
+    return {w.dataset: specs[w.dataset] for w in chosen if w.is_image}
+
+
+def plan(chosen: list[Workload], quick: bool, names: list[str]) -> tuple[list[dict], dict[str, str]]:
+    """Every run to do, plus the contenders that cannot run here and why."""
+    unavailable = {}
+    runs = []
+    for name in names:
+        contender = CONTENDERS[name]
+        reason = contender.unavailable()
+        if reason:
+            unavailable[name] = reason
+    for workload in chosen:
+        for name in names:
+            contender = CONTENDERS[name]
+            if name in unavailable:
+                runs.append({"workload": workload.name, "contender": name, "label": name,
+                             "config": {}, "skip": f"unavailable: {unavailable[name]}"})
+                continue
+            for config in contender.configs(workload, quick):
+                runs.append({"workload": workload.name, "contender": name, "config": config,
+                             "label": contender.label(config), "x": contender.sweep_value(config),
+                             "series": contender.series(config)})
+    return runs, unavailable
+
+
+def _server_cpu(pids: list[int]) -> float:
+    """CPU seconds used so far by the S3 server and proxy (outside the measured process tree)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_one(run: dict, workload: Workload, storage: dict, device: str, timeout: float,
+            server_pids: list[int]) -> dict:
+    """One fresh `python -m bench.worker` process; its own session, so a hung run and its workers
+    can be killed together."""
+    with tempfile.TemporaryDirectory(prefix="asyncload-bench-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        spec = {"workload": workload.to_dict(), "contender": run["contender"], "config": run["config"],
+                "device": device, "storage_options": storage.get(workload.source),
+                "result_path": str(result_path)}
+        cpu0 = _server_cpu(server_pids)
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "bench.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+        try:
+            _, stderr = proc.communicate(json.dumps(spec), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {**run, "ok": False, "error": f"timed out after {timeout:.0f} s"}
+        if result_path.exists():
+            result = json.loads(result_path.read_text())
+        else:
+            tail = stderr.strip().splitlines()[-3:]
+            result = {"ok": False, "error": f"worker exited with code {proc.returncode}: {' | '.join(tail)}"}
+    result["run_wall_s"] = time.perf_counter() - started  # process start to exit, for budgeting
+    if server_pids:
+        result["server_cpu_s"] = _server_cpu(server_pids) - cpu0
+    return {**run, **result}
+
+
+def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool) -> list[dict]:
+    """Runs the plan, with the S3 server up only if an S3 workload is in it."""
+    by_name = {w.name: w for w in chosen}
+    s3_sets = {w.dataset for w in chosen if w.source.startswith("s3")}
+    latency = any(w.source == "s3-latency" for w in chosen)
+    servers = s3_servers(s3_sets, latency) if s3_sets else nullcontext({})
+    timeout = 120 if quick else 300
+    todo = [r for r in runs if "skip" not in r]
+    results = []
+    with servers as storage, tqdm(total=len(todo), unit="run", disable=not sys.stdout.isatty()) as bar:
+        pids = list(storage.get("pids", []))
+        for run in runs:
+            if "skip" in run:
+                results.append({**run, "ok": False, "error": run["skip"]})
+                continue
+            bar.set_description(f"{run['workload']}: {run['label']}"[:60])
+            results.append(run_one(run, by_name[run["workload"]], storage, device, timeout, pids))
+            bar.update()
+    return results
+
+
+def notes(chosen: list[Workload], quick: bool) -> list[str]:
+    out = []
+    if any(w.source.startswith("s3") for w in chosen):
+        out.append(MOTO_NOTE + "; its CPU time (server_cpu_s in the JSON) is outside the measured "
+                   "process tree but shares the same cores.")
+    if quick:
+        out.append("quick mode: small data and reduced sweeps; timings are indicative only.")
+    out.append("Time to first batch of DataLoader includes starting its worker processes; "
+               "with persistent workers later epochs start faster (first_batch_warm_s in the JSON).")
+    out.append("RSS sums count pages shared between processes once per process (DataLoader's "
+               "shared-memory batches, libraries); PSS, sampled every ~1 s, splits them.")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    check_device(args.device)
+    started = dt.datetime.now()
+    t0 = time.perf_counter()
+    chosen = select_workloads(args)
+    for spec in image_sets(chosen, args.quick).values():
+        ensure_image_set(spec)
+    names = args.contenders or list(CONTENDERS)
+    runs, unavailable = plan(chosen, args.quick, names)
+    results = execute(runs, chosen, args.device, args.quick)
+    info = machine_info()
+    report = {
+        "machine": info, "versions": versions(), "started": started.isoformat(timespec="seconds"),
+        "duration_s": time.perf_counter() - t0, "unavailable": unavailable,
+        "settings": {"quick": args.quick, "device": args.device, "argv": sys.argv[1:],
+                     "workloads": [w.to_dict() for w in chosen], "contenders": names},
+        "results": results, "notes": notes(chosen, args.quick),
+    }
+    mark_best(results, report["settings"]["workloads"])
+    # A quick check must not overwrite the day's full results.
+    stem = f"{machine_slug(info)}-{started:%Y-%m-%d}" + ("-quick" if args.quick else "")
+    paths = write_all(report, args.out, stem)
+    print(markdown(report))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()

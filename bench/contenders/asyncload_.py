@@ -1,0 +1,64 @@
+"""asyncload: one event loop for reads, a thread pool of GIL-free decoders, in-place batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench import tasks
+from bench.contenders.base import Contender, RunData, cores
+from bench.workloads import Workload
+
+
+class AsyncLoadContender(Contender):
+    name = "asyncload"
+
+    @property
+    def defaults(self) -> dict:  # AsyncLoader's own defaults
+        return {"num_threads": cores(), "io_concurrency": 64}
+
+    def unavailable(self) -> str | None:
+        try:
+            from asyncload import AsyncLoader, ImageDecoder, image_folder  # noqa: F401
+        except Exception as error:  # noqa: BLE001 - any failure is the reason to report
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def configs(self, workload: Workload, quick: bool) -> list[dict]:
+        """Defaults first, then the tuned sweep: decode threads at the core count and around it,
+        and I/O concurrency below and above the default of 64."""
+        n = cores()
+        default = {"tag": "default"}
+        if workload.name == "consumer-bound":
+            return [default]
+        if quick:
+            sweep = [{"num_threads": 2 * n, "io_concurrency": 64}]
+        else:
+            sweep = [{"num_threads": t, "io_concurrency": 64} for t in (1, 2 * n) if t != n]
+            sweep += [{"num_threads": n, "io_concurrency": c} for c in (16, 256)]
+        if workload.source == "synthetic" and not quick:  # the same wait as a plain function
+            sweep.append({"num_threads": n, "io_concurrency": 64, "read": "sync"})
+        configs = [default] + [{"tag": "tuned", **c} for c in sweep]
+        if not quick:  # asyncload's own autotuner, where this version has one
+            configs.append({"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"})
+        return configs
+
+    def sweep_value(self, config: dict) -> int | None:
+        value = super().sweep_value(config)
+        return value if isinstance(value, int) else None  # "auto" has no place on the x axis
+
+    def build(self, workload: Workload, config: dict, data: RunData) -> Any:
+        from asyncload import AsyncLoader, image_folder
+
+        settings = {k: config[k] for k in ("num_threads", "io_concurrency", "prefetch") if k in config}
+        device = "cuda" if data.device == "cuda" else None
+        if workload.source == "synthetic":
+            read = tasks.large_read_sync if config.get("read") == "sync" else tasks.large_read_async
+            return AsyncLoader(list(range(workload.samples)), batch_size=workload.batch_size,
+                               shuffle=True, seed=0, read=read, decode=tasks.large_array,
+                               device=device, **settings)
+        source = image_folder(data.root, storage_options=data.storage_options)
+        if len(source) != len(data.items):
+            raise RuntimeError(f"image_folder found {len(source)} items, the bench listed {len(data.items)}")
+        return AsyncLoader(source, batch_size=workload.batch_size, shuffle=True, seed=0,
+                           decode=tasks.image_decoder(), storage_options=data.storage_options,
+                           device=device, **settings)

@@ -1,0 +1,77 @@
+"""What the numbers were measured on: absolute figures mean nothing without the machine."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+from pathlib import Path
+
+import psutil
+
+PACKAGES = ("torch", "numpy", "opencv-python-headless", "simplejpeg", "fsspec", "s3fs",
+            "aiobotocore", "moto", "asyncload", "torchdata", "spdl", "spdl_io", "psutil")
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    return match.group(1).strip() if match else "unknown"
+
+
+def gpu_name() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - no GPU is an answer, not an error
+        pass
+    return None
+
+
+def machine_info() -> dict:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": gpu_name(),
+        "os": platform.platform(),
+    }
+
+
+def versions() -> dict:
+    """Installed versions (None where absent), read from package metadata without importing."""
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    if out["asyncload"] is None:  # run from the source tree, not installed
+        try:
+            import asyncload
+
+            out["asyncload"] = f"{asyncload.__version__} (source tree)"
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def machine_slug(info: dict) -> str:
+    """A file-name-safe machine tag, e.g. amd-epyc-2c."""
+    cpu = re.sub(r"\(r\)|\(tm\)|cpu|processor|@.*", "", info["cpu"].lower())
+    words = re.findall(r"[a-z0-9]+", cpu)[:3]
+    gpu = "-" + "-".join(re.findall(r"[a-z0-9]+", info["gpu"].lower())[-2:]) if info["gpu"] else ""
+    return "-".join(words + [f"{info['usable_cores']}c"]) + gpu

@@ -1,0 +1,136 @@
+"""The results as JSON (everything), a Markdown table (the summary) and a PNG (the sweeps).
+
+Ratios are taken against the best DataLoader configuration of the same workload and run, never
+against numbers from another machine or another day.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+BASELINE = "DataLoader"
+
+
+def _best_key(workload: dict):
+    """What "best" means: throughput, except where the consumer is the bottleneck and every
+    good loader ties on throughput; there it is the smallest share of time spent waiting."""
+    if workload["name"] == "consumer-bound":
+        return lambda row: -row["wait_share"]
+    return lambda row: row["samples_per_s"]
+
+
+def mark_best(results: list[dict], workloads: list[dict]) -> None:
+    """Sets row["best"] on each contender's best config per workload, and row["ratio"] against
+    the best DataLoader's samples/s."""
+    by_name = {w["name"]: w for w in workloads}
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in results:
+        if row.get("ok"):
+            groups[(row["workload"], row["contender"])].append(row)
+    for (workload, _), rows in groups.items():
+        max(rows, key=_best_key(by_name[workload]))["best"] = True
+    for row in results:
+        base = [r for r in groups.get((row["workload"], BASELINE), []) if r.get("best")]
+        if row.get("ok") and base:
+            row["ratio"] = row["samples_per_s"] / base[0]["samples_per_s"]
+
+
+def _mib(n: int | None) -> str:
+    return f"{n / 2**20:,.0f}" if n else "-"
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    """One table per workload, best row of each contender in bold, failures listed under it."""
+    m, v = report["machine"], report["versions"]
+    lines = [
+        f"# asyncload benchmark: {m['cpu']}, {m['usable_cores']} cores, {m['memory_gib']} GiB, "
+        f"GPU: {m['gpu'] or 'none'}",
+        "",
+        f"{report['started']}, {'quick' if report['settings']['quick'] else 'full'} mode, "
+        f"{report['duration_s']:.0f} s. Python {v['python']}, torch {v['torch']}, "
+        f"asyncload {v['asyncload']}, torchdata {v['torchdata'] or 'absent'}, spdl {v['spdl'] or 'absent'}.",
+        "",
+        "Each row is one process: a warm-up epoch, then the median samples/s of the measured epochs. "
+        "First batch: from iter() to the first batch of the cold (first) epoch. CPU and peak RSS "
+        "cover the process and all its children (worker processes). Wait: share of wall time the "
+        "consumer was blocked on the loader, in brackets without each epoch's first batch. **Bold**: best configuration of each contender; "
+        "x DL: samples/s over the best DataLoader's.",
+    ]
+    for workload in report["settings"]["workloads"]:
+        rows = [r for r in report["results"] if r["workload"] == workload["name"]]
+        lines += ["", f"## {workload['name']}: {workload['title']}", ""]
+        lines.append(f"{workload['samples']} samples/epoch, batch {workload['batch_size']}"
+                     + (f", step {workload['step_s'] * 1000:.0f} ms/batch" if workload["step_s"] else "")
+                     + (f". {workload['note']}" if workload["note"] else ""))
+        lines += ["", "| config | samples/s | x DL | s/batch | first batch s | CPU s/1000 | "
+                      "peak RSS MiB | PSS MiB | wait (steady) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if not r.get("ok"):
+                continue
+            name = f"**{r['label']}**" if r.get("best") else r["label"]
+            lines.append(
+                f"| {name} | {r['samples_per_s']:,.0f} | {_fmt(r.get('ratio'), '.2f')} | "
+                f"{_fmt(r['s_per_batch'], '.3f')} | {r['first_batch_s']:.2f} | {r['cpu_s_per_1000']:.2f} | "
+                f"{_mib(r['peak_rss_bytes'])} | {_mib(r['peak_pss_bytes'])} | {r['wait_share']:.0%} "
+                f"({_fmt(r.get('wait_share_steady'), '.0%')}) |")
+        failed = [r for r in rows if not r.get("ok")]
+        if failed:
+            lines.append("")
+            lines += [f"- not run / failed: {r['label']}: {r['error']}" for r in failed]
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """samples/s against workers (DataLoader) or threads (the others), a panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    workloads = report["settings"]["workloads"]
+    columns = min(3, len(workloads))
+    rows = -(-len(workloads) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(workloads):]:
+        ax.set_visible(False)
+    for ax, workload in zip(axes.flat, workloads):
+        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in report["results"]:
+            if r["workload"] == workload["name"] and r.get("ok") and r.get("x") is not None:
+                series[r["series"]].append((r["x"], r["samples_per_s"]))
+        for name, points in sorted(series.items()):
+            points.sort()
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", linestyle="-" if len(xs) > 1 else "none", label=name)
+        ax.set_xscale("symlog", base=2, linthresh=1)  # 0 workers sits left of 1
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_title(workload["name"], fontsize=10)
+        ax.set_xlabel("worker processes (DataLoader) / threads")
+        ax.set_ylabel("samples/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    m = report["machine"]
+    fig.suptitle(f"{m['cpu']}, {m['usable_cores']} cores, {report['started'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(report: dict, out_dir: Path, stem: str) -> dict[str, Path]:
+    """Writes <stem>.json, .md and .png under out_dir; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(report, indent=1, default=str))
+    paths["md"].write_text(markdown(report))
+    plot(report, paths["png"])
+    return paths

@@ -1,0 +1,56 @@
+"""Putting the image sets into the local S3 server, and the servers' lifetime for a bench run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from bench.dataset import DATA_ROOT, list_image_folder
+from bench.s3server import S3_ENV, LatencyProxy, MotoServer
+from bench.tasks import s3_options
+from bench.workloads import S3_BUCKET, S3_LATENCY
+
+# Threaded readers must not be capped by botocore's 10 pooled connections (asyncload raises its
+# own pool to io_concurrency; DataLoader workers read one object at a time each).
+S3_POOL = 64
+
+
+def upload(endpoint_url: str, dataset: str) -> int:
+    """Copies bench/data/<dataset>/ to s3://asyncload-bench/<dataset>/; returns objects put."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options(endpoint_url, S3_POOL))
+    if not fs.exists(S3_BUCKET):
+        fs.mkdir(S3_BUCKET)
+    root = DATA_ROOT / dataset
+    items, _ = list_image_folder(root)
+    objects = {f"{S3_BUCKET}/{dataset}/{Path(p).relative_to(root).as_posix()}": Path(p).read_bytes()
+               for p, _ in items}
+    fs.pipe(objects, batch_size=32)
+    return len(objects)
+
+
+@contextlib.contextmanager
+def s3_servers(datasets: set[str], latency: bool) -> Iterator[dict[str, dict]]:
+    """Starts moto (and the latency proxy in front of it), uploads the sets, and yields the
+    storage options per S3 source kind: {"s3": ..., "s3-latency": ...}, and under "pids" the
+    servers' process ids (their CPU time is reported separately). Stops both on exit."""
+    os.environ.update(S3_ENV)
+    with MotoServer() as moto:
+        for dataset in sorted(datasets):
+            upload(moto.endpoint_url, dataset)
+        options: dict = {"s3": s3_options(moto.endpoint_url, S3_POOL), "pids": [_pid(moto)]}
+        if not latency:
+            yield options
+            return
+        with LatencyProxy(moto.port, S3_LATENCY) as proxy:
+            options["s3-latency"] = s3_options(proxy.endpoint_url, S3_POOL)
+            options["pids"].append(_pid(proxy))
+            yield options
+
+
+def _pid(server) -> int:
+    process = server._process  # noqa: SLF001 - our own helper class; no public accessor
+    return process.pid if process is not None else -1

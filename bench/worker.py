@@ -1,0 +1,104 @@
+"""One measured run, in its own process: `python -m bench.worker < spec.json`.
+
+A fresh process per (workload, contender, config) keeps one contender's memory, threads, worker
+processes and imports out of the next one's figures, and a contender that crashes takes only its
+own row down. The spec comes on stdin; the result is written as JSON to spec["result_path"].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.contenders import CONTENDERS, RunData, batch_size_of
+from bench.dataset import DATA_ROOT, list_image_folder
+from bench.metrics import TreeSampler, summarise, timed_epoch
+from bench.s3server import S3_ENV
+from bench.workloads import S3_BUCKET, Workload
+
+
+def run_data(spec: dict, workload: Workload) -> RunData:
+    """The item list every contender gets: local paths, or the same files' S3 URLs."""
+    # Only the training loop moves batches to the GPU; elsewhere every contender stays on the CPU.
+    data = RunData(device=spec.get("device", "cpu") if workload.name == "train" else "cpu")
+    if workload.source == "synthetic":
+        return data
+    local_root = DATA_ROOT / workload.dataset
+    items, _ = list_image_folder(local_root)
+    if workload.source == "local":
+        data.root, data.items = str(local_root), items
+        return data
+    prefix = f"s3://{S3_BUCKET}/{workload.dataset}"
+    data.root = prefix
+    data.items = [(f"{prefix}/{Path(p).relative_to(local_root).as_posix()}", label) for p, label in items]
+    data.storage_options = spec["storage_options"]
+    return data
+
+
+def make_consumer(workload: Workload, device: str) -> Callable[[Any], int]:
+    """What the training loop does with a batch: nothing, or a simulated step (a sleep, which
+    releases the GIL as a GPU step does), or a real GPU step for the `train` workload."""
+    if workload.name == "train":
+        from bench.train import gpu_consumer
+
+        return gpu_consumer(workload)
+    step = workload.step_s
+
+    def consume(batch: Any) -> int:
+        n = batch_size_of(batch)
+        if step:
+            time.sleep(step)
+        return n
+
+    return consume
+
+
+def measure(spec: dict) -> dict:
+    """Build the loader, run a warm-up epoch, then as many measured epochs as the budget allows."""
+    workload = Workload(**spec["workload"])
+    contender = CONTENDERS[spec["contender"]]
+    config = spec["config"]
+    data = run_data(spec, workload)
+    consume = make_consumer(workload, data.device)
+    sampler = TreeSampler()
+    sampler.start()
+    started = time.perf_counter()
+    loader = contender.build(workload, config, data)
+    build_s = time.perf_counter() - started
+    try:
+        warmup = timed_epoch(loader, 0, consume)
+        fit = math.floor(workload.budget_s / max(warmup.wall_s, 1e-3))
+        epochs = [timed_epoch(loader, e, consume) for e in range(1, 1 + max(1, min(workload.epochs, fit)))]
+        for number, epoch in enumerate([warmup, *epochs]):
+            if epoch.samples != workload.samples:  # a loader that drops or repeats samples is wrong
+                raise RuntimeError(f"epoch {number} delivered {epoch.samples} samples, expected {workload.samples}")
+    finally:
+        loader.close()
+        sampler.stop()
+    result = summarise(epochs, warmup)
+    result.update(build_s=build_s, peak_rss_bytes=sampler.peak_rss, peak_pss_bytes=sampler.peak_pss)
+    return result
+
+
+def main() -> None:
+    spec = json.load(sys.stdin)
+    os.environ.update(S3_ENV)
+    out = Path(spec["result_path"])
+    try:
+        result = {"ok": True, **measure(spec)}
+    except BaseException as error:  # noqa: BLE001 - the report shows why a row is missing
+        result = {"ok": False, "error": f"{type(error).__name__}: {error}",
+                  "traceback": traceback.format_exc()[-4000:]}
+    out.write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0 if result["ok"] else 1)  # do not wait on stuck non-daemon threads of a contender
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The four workloads, in a quick and a full size.
+
+Sizes are set so that `python -m bench --quick` ends in under 3 minutes and `python -m bench` in
+under 15 on a 2-core machine, sweeps included; every epoch still holds several batches so that the
+pipeline's steady state, not its start-up, dominates the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from bench.dataset import ImageSetSpec
+
+S3_BUCKET = "asyncload-bench"
+S3_LATENCY = (0.02, 0.05)
+LARGE_IO_S = 0.003125
+LARGE_SHAPE = (1000, 150)
+LARGE_STEP_S = 0.05
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One measured scenario. `source` is "local", "s3", "s3-latency" or "synthetic"."""
+
+    name: str
+    title: str
+    source: str
+    dataset: str  # image set name: bench/data/<dataset>/, and the S3 prefix for S3 sources
+    batch_size: int
+    samples: int  # per epoch
+    epochs: int  # measured epochs at most, after one warm-up epoch
+    step_s: float = 0.0  # simulated training step per batch (sleep in the consumer)
+    budget_s: float = 10.0  # measured epochs are cut to fit this, but at least one is run
+    note: str = ""
+
+    @property
+    def is_image(self) -> bool:
+        return self.source != "synthetic"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def image_set(quick: bool) -> ImageSetSpec:
+    """The local JPEG folder; quick and full runs use separate folders so each is a whole
+    image_folder() of exactly the size measured."""
+    if quick:
+        return ImageSetSpec("imagenet-like-quick", count=512, classes=16)
+    return ImageSetSpec("imagenet-like", count=2048, classes=64)
+
+
+def s3_image_set(quick: bool) -> ImageSetSpec:
+    """The set uploaded to S3: smaller, because moto serves ~300 objects/s at best and a serial
+    reader behind 20-50 ms latency manages ~30/s."""
+    if quick:
+        return ImageSetSpec("imagenet-like-s3-quick", count=192, classes=8)
+    return ImageSetSpec("imagenet-like-s3", count=384, classes=16)
+
+
+MOTO_NOTE = ("moto's S3 server is single-threaded and closes every connection: ~300 objects/s is "
+             "its ceiling, not the loaders'")
+
+
+def workloads(quick: bool) -> list[Workload]:
+    """All workloads, in run order. The consumer-bound one reads the smaller (S3) set from local
+    disk: its epochs last as long as the simulated steps, so fewer samples keep it short."""
+    img, s3 = image_set(quick), s3_image_set(quick)
+    batch = 64 if quick else 256
+    s3_batch = 32 if quick else 48  # S3 sets are smaller; keep >= 6 batches so 4 workers all work
+    epochs = 2 if quick else 3
+    step = 0.004 * s3_batch  # 4 ms/sample: ~3x slower than decoding on 2 cores
+    return [
+        Workload("imagenet-local", "ImageNet-like JPEGs, local disk (decode + RRC224 + flip)",
+                 "local", img.name, batch, img.count, epochs, budget_s=4 if quick else 8),
+        Workload("imagenet-s3", "Same from S3 (local moto server)", "s3", s3.name, s3_batch, s3.count,
+                 epochs, budget_s=3 if quick else 6, note=MOTO_NOTE),
+        Workload("imagenet-s3-latency", "Same from S3 behind 20-50 ms first-byte latency",
+                 "s3-latency", s3.name, s3_batch, s3.count, epochs, budget_s=3 if quick else 6,
+                 note=MOTO_NOTE),
+        Workload("large-samples", "Large samples: 3.125 ms I/O each, (1000,150) float64, "
+                 "0.05 s step per batch", "synthetic", "", 128, 1024, epochs,
+                 step_s=LARGE_STEP_S, budget_s=3 if quick else 6,
+                 note="floor: 0.05 s per batch (the simulated step)"),
+        Workload("consumer-bound", f"Consumer-bound: {step * 1000:.0f} ms step per batch of "
+                 f"{s3_batch} local JPEGs", "local", s3.name, s3_batch, s3.count, 1 if quick else 2, step_s=step, budget_s=3 if quick else 6,
+                 note="a good loader keeps the consumer's wait share near 0"),
+    ]
