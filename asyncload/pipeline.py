@@ -244,25 +244,20 @@ class EpochRun:
             raise SampleError(key, "read", error) from error
 
     async def _load(self, batch: Batch, row: int, position: int) -> None:
-        """Reads and decodes the sample at ``position`` into ``row`` of ``batch``. Every outcome
-        ends in ``_row_done`` or a replacement load, so a batch always completes."""
+        """Reads (on the loop) and decodes (on a decode thread) the sample at ``position`` into
+        ``row`` of ``batch``. Every outcome ends in ``_row_done`` or a replacement load, so a
+        batch always completes."""
         index = int(self.order[position])
         try:
             try:
                 key, label = self._split(index)
-                local = self.s.read is None and self._reader.is_local(key)
-                data = None if local else await self._fetch(key)
+                data = await self._fetch(key)
             finally:
                 self._read_slots.release()
             assert batch.buffer is not None
-            if local:
-                await self.loop.run_in_executor(
-                    self.decode_pool, self._gated, self._read_and_decode_into, batch.buffer, row, key, label, index
-                )
-            else:
-                await self.loop.run_in_executor(
-                    self.decode_pool, self._gated, self._decode_into, batch.buffer, row, key, data, label, index
-                )
+            await self.loop.run_in_executor(
+                self.decode_pool, self._gated, self._decode_into, batch.buffer, row, key, data, label, index
+            )
         except SampleError as error:
             await self._failed(batch, row, error)
             return
