@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -34,10 +35,12 @@ def _default_threads() -> int:
 class AsyncLoader:
     """Batches from a source of URLs, ``(url, label)`` pairs, or keys, without worker processes.
 
-    Arguments beyond the design's contract: ``max_failures`` (with ``on_error="skip"``: a count,
-    or a fraction of the epoch, of samples that may fail before ``TooManyFailures`` is raised);
-    ``normalize=(mean, std)`` turns uint8 NHWC image fields into normalised float32 NCHW (on the
-    GPU with a CUDA ``device``); ``read_timeout`` and ``read_retries`` bound each read.
+    Beyond the design's contract: ``num_threads`` and ``io_concurrency`` also take ``"auto"``
+    (see ``autotune.py``); ``max_failures`` (with ``on_error="skip"``: a count, or a fraction of
+    the epoch, of samples that may fail before ``TooManyFailures`` is raised); ``progress``
+    shows a tqdm bar; ``normalize=(mean, std)`` turns uint8 NHWC image fields into normalised
+    float32 NCHW (on the GPU with a CUDA ``device``); ``read_timeout`` and ``read_retries``
+    bound each read.
     """
 
     def __init__(
@@ -117,10 +120,13 @@ class AsyncLoader:
             assert settings.thread_gate is not None
             settings.thread_gate.set_limit(value)
 
+        loader = weakref.ref(self)  # no cycle through the tuner: dropping the loader frees it at once
+
         def set_io(value: int) -> None:
             settings.io_concurrency = value
-            if self._run is not None:
-                self._run.set_io_limit(value)
+            run = getattr(loader(), "_run", None)
+            if run is not None:
+                run.set_io_limit(value)
 
         thread_knob = Knob("num_threads", threads, 1, max(2 * cores, threads), apply=set_threads) if auto_threads else None
         io_knob = Knob("io_concurrency", io, 1, MAX_IO, apply=set_io) if auto_io else None

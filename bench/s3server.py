@@ -127,25 +127,12 @@ class LatencyProxy(_ChildServer):
                 "--target-port", str(self.target_port), "--latency", str(low), str(high)]
 
 
-async def _pipe(reader, writer, delay_first: asyncio.Event | None, latency) -> None:
-    """Copy bytes one way. For responses, sleep before the first chunk after each request."""
+async def pump(reader, writer, before_write=None) -> None:
+    """Copies bytes one way until either side closes; awaits ``before_write()`` before each chunk."""
     try:
         while data := await reader.read(65536):
-            if delay_first is not None and delay_first.is_set():
-                delay_first.clear()
-                await asyncio.sleep(random.uniform(*latency))
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
-
-
-async def _request_side(reader, writer, request_sent: asyncio.Event) -> None:
-    try:
-        while data := await reader.read(65536):
-            request_sent.set()
+            if before_write is not None:
+                await before_write()
             writer.write(data)
             await writer.drain()
     except (ConnectionError, OSError):
@@ -162,9 +149,18 @@ async def _serve_proxy(listen_port: int, target_port: int, latency: tuple[float,
             client_writer.close()
             return
         request_sent = asyncio.Event()
+
+        async def mark_request() -> None:
+            request_sent.set()
+
+        async def delay_response() -> None:  # the first chunk after each request waits
+            if request_sent.is_set():
+                request_sent.clear()
+                await asyncio.sleep(random.uniform(*latency))
+
         await asyncio.gather(
-            _request_side(client_reader, server_writer, request_sent),
-            _pipe(server_reader, client_writer, request_sent, latency),
+            pump(client_reader, server_writer, mark_request),
+            pump(server_reader, client_writer, delay_response),
         )
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port, backlog=1024)

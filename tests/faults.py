@@ -15,7 +15,7 @@ import struct
 import threading
 from typing import Callable
 
-from bench.s3server import free_port
+from bench.s3server import free_port, pump
 
 PASS, RESET, STALL = "pass", "reset", "stall"
 SLOW_DOWN = (503, "SlowDown", "Please reduce your request rate.")
@@ -112,17 +112,6 @@ class FaultProxy:
     async def _forward(self, first: bytes, client_reader, client_writer) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         server_writer.write(first)
-
-        async def pump(reader, writer):
-            try:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                writer.close()
-
         await asyncio.gather(pump(client_reader, server_writer), pump(server_reader, client_writer))
 
 
