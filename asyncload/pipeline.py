@@ -452,7 +452,7 @@ class EpochRun:
         size = batch.buffer.close_holes(len(batch.positions), batch.holes)
         stage = self.s.device_stage
         if stage is not None:
-            pending = self._pending_copies.pop(batch.number, None) or stage.start_copy(batch.buffer, size)
+            pending = self._pending_copies.pop(batch.number, None) or self._start_copy(batch.buffer, size)
             out = batch.buffer.layout.unflatten(stage.hand_over(pending))
         elif self.s.normalize is not None:
             leaves = [t[:size] for t in batch.buffer.tensors]
@@ -475,7 +475,17 @@ class EpochRun:
             batch = self._finished.get(number)
         if batch is not None and not batch.errors and not batch.holes and number not in self._pending_copies:
             assert batch.buffer is not None
-            self._pending_copies[number] = stage.start_copy(batch.buffer, len(batch.positions))
+            self._pending_copies[number] = self._start_copy(batch.buffer, len(batch.positions))
+
+    def _start_copy(self, buffer: BatchBuffer, size: int) -> PendingCopy:
+        """Issues a batch's host-to-device copy. The stats count batches and bytes and the host
+        time to issue it; the copy itself runs on the GPU, overlapped, unmeasured by design."""
+        assert self.s.device_stage is not None
+        started = time.perf_counter()
+        pending = self.s.device_stage.start_copy(buffer, size)
+        nbytes = sum(t[:size].nbytes for t in buffer.tensors)
+        self.s.stats.add("copy", time.perf_counter() - started, nbytes)
+        return pending
 
     def _call_in_loop(self, callback: Callable[[], Any]) -> None:
         """Schedules ``callback`` on the event loop, unless the loop has already finished."""

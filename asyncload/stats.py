@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-STAGES = ("read", "decode", "write")
+STAGES = ("read", "decode", "write", "copy")  # copy: host-to-device, with device="cuda"
 
 
 @dataclass

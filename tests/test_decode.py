@@ -133,7 +133,7 @@ def test_cmyk_jpeg_becomes_rgb():
     assert out[..., 0].min() > 200 and out[..., 1:].max() < 60
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 500), (3000, 4000)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 500), (3000, 4000), (10000, 10000)])
 def test_tiny_and_large_images_decode(shape):
     data = simplejpeg.encode_jpeg(np.full((*shape, 3), 128, np.uint8), quality=90)
     for train in (False, True):

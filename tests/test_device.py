@@ -42,6 +42,7 @@ def test_batches_arrive_on_the_gpu_equal_to_the_cpu_ones(jpeg_folder):
         gpu_batches = [(i.cpu(), l.cpu()) for i, l in gpu]
         assert all(i.is_cuda for i, _ in gpu)
     assert len(cpu_batches) == len(gpu_batches)
+    assert gpu.stats.stages["copy"].items == len(gpu_batches)
     for (ci, cl), (gi, gl) in zip(cpu_batches, gpu_batches):
         assert torch.equal(ci, gi) and torch.equal(cl, gl)
 
