@@ -28,8 +28,9 @@ class AsyncLoadContender(Contender):
         and I/O concurrency below and above the default of 64."""
         n = cores()
         default = {"tag": "default"}
+        auto = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}
         if workload.name == "consumer-bound":
-            return [default]
+            return [default] if quick else [default, auto]
         if quick:
             sweep = [{"num_threads": 2 * n, "io_concurrency": 64}]
         else:
@@ -38,8 +39,8 @@ class AsyncLoadContender(Contender):
         if workload.source == "synthetic" and not quick:  # the same wait as a plain function
             sweep.append({"num_threads": n, "io_concurrency": 64, "read": "sync"})
         configs = [default] + [{"tag": "tuned", **c} for c in sweep]
-        if not quick:  # asyncload's own autotuner, where this version has one
-            configs.append({"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"})
+        if not quick:  # asyncload's own autotuner
+            configs.append(auto)
         return configs
 
     def sweep_value(self, config: dict) -> int | None:
