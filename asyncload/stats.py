@@ -23,6 +23,7 @@ class StageStats:
     items: int = 0
     seconds: float = 0.0
     bytes: int = 0
+    cpu_seconds: float = 0.0  # CPU time of the threads doing the work (decode only)
 
 
 @dataclass
@@ -88,12 +89,13 @@ class LoaderStats:
     def decode(self) -> StageStats:
         return self.stages["decode"]
 
-    def add(self, stage: str, seconds: float, nbytes: int = 0) -> None:
+    def add(self, stage: str, seconds: float, nbytes: int = 0, cpu_seconds: float = 0.0) -> None:
         with self._lock:
             stats = self.stages[stage]
             stats.items += 1
             stats.seconds += seconds
             stats.bytes += nbytes
+            stats.cpu_seconds += cpu_seconds
 
     def level(self, name: str, delta: int) -> None:
         with self._lock:
@@ -155,6 +157,7 @@ class LoaderStats:
             figures: dict[str, Any] = {}
             for name, stage in self.stages.items():
                 figures.update({f"{name}/items": stage.items, f"{name}/seconds": stage.seconds, f"{name}/bytes": stage.bytes})
+            figures["decode/cpu_seconds"] = self.stages["decode"].cpu_seconds
             for name, level in self.levels.items():
                 figures[f"{name}/mean"] = level.area_until(now) / active if active else 0.0
                 figures[f"{name}/peak"] = level.peak
@@ -220,8 +223,9 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
     """Names what limits the pipeline, from ``LoaderStats.as_dict()`` figures, with the evidence.
 
     consumer: the user's step (the loop rarely waits: the loader is ahead);
-    GIL: about one decode thread runs at a time and the process uses about one core while others
-    idle (Python code in the decode holds the GIL);
+    GIL: more than one decode thread is in decode at a time, yet together they get about one core
+    of CPU while other cores idle (Python code in the decode holds the GIL: a thread waiting for
+    it is in decode but not on a CPU);
     decode CPU: decode threads are busy and use the cores (or share them with other processes);
     storage: reads are in flight at the cap (raise io_concurrency), or reads take far longer
     than decoding while decode threads idle;
@@ -241,11 +245,12 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
                             f"{f['batches_ready/mean']:.1f} batches of {f['prefetch']} were ready on average")
     idle_cores = f["cpu_cores"] - cores_used - others
     decodes = f["decodes_running/mean"]
-    if (min(f["num_threads"], f["cpu_cores"]) >= 2 and 0.6 < decodes < 1.4 and 0.7 < cores_used < 1.3
-            and idle_cores > 0.5 and f["decode/seconds"] > f["read/seconds"]):
-        return "GIL", (f"{decodes:.1f} of {f['num_threads']} decode threads ran at a time and the process used "
-                       f"{cores_used:.2f} cores with {idle_cores:.1f} idle: the decode runs Python code that holds "
-                       f"the GIL, so the threads take turns")
+    decode_cores = f["decode/cpu_seconds"] / active  # the CPU the threads in decode actually got
+    if (min(f["num_threads"], f["cpu_cores"]) >= 2 and decodes >= 1.1 and decode_cores < 1.25
+            and decodes - decode_cores >= 0.25 and idle_cores > 0.5):
+        return "GIL", (f"{decodes:.1f} of {f['num_threads']} decode threads were in decode at a time but got "
+                       f"{decode_cores:.2f} cores of CPU, with {idle_cores:.1f} cores idle: the decode runs Python "
+                       f"code that holds the GIL, so the threads take turns")
     if decode_busy > 0.75 or (decode_busy > 0.4 and idle_cores < 0.5):
         return "decode CPU", (f"decode threads were busy {100 * decode_busy:.0f} % of the time; the process used "
                               f"{cores_used:.2f} and other processes {others:.2f} of {f['cpu_cores']} cores")

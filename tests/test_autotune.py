@@ -46,6 +46,7 @@ def window(waited, decodes=0.5, reads=1.0, threads=2, io=16, read_s=0.1, decode_
         "reads_in_flight/mean": reads, "batches_ready/mean": 0.5, "producer_waiting/mean": 0.0,
         "num_threads": threads, "io_concurrency": io, "prefetch": 2, "cpu_seconds": decodes, "cpu_cores": 8,
         "other_processes_cpu_seconds": 0.0, "read/seconds": read_s, "decode/seconds": decode_s,
+        "decode/cpu_seconds": decodes,
     }
 
 

@@ -72,6 +72,25 @@ def test_a_decode_that_holds_the_gil_is_named():
     assert name == "GIL", evidence
 
 
+def figures(decodes, decode_cores, cores_used, threads=4, cpu_cores=4):
+    """One second of a decode-bound run, as ``as_dict()`` gives it."""
+    return {
+        "active_seconds": 1.0, "batches": 4, "consumer_wait_seconds": 0.9, "decodes_running/mean": decodes,
+        "decode/cpu_seconds": decode_cores, "cpu_seconds": cores_used, "other_processes_cpu_seconds": 0.0,
+        "cpu_cores": cpu_cores, "num_threads": threads, "reads_in_flight/mean": 0.0, "io_concurrency": 64,
+        "batches_ready/mean": 0.0, "prefetch": 2, "producer_waiting/mean": 0.0, "read/seconds": 0.0,
+        "decode/seconds": decodes,
+    }
+
+
+def test_the_gil_is_told_by_cpu_the_decode_threads_got():
+    """Four threads in decode that get one core between them take turns on the GIL, however many
+    threads there are; four that get four cores are decode-bound."""
+    assert diagnose(figures(decodes=3.8, decode_cores=1.0, cores_used=1.1))[0] == "GIL"
+    assert diagnose(figures(decodes=3.8, decode_cores=3.6, cores_used=3.8))[0] == "decode CPU"
+    assert diagnose(figures(decodes=1.0, decode_cores=0.95, cores_used=1.0, threads=1))[0] != "GIL"
+
+
 def test_a_slow_consumer_is_named():
     loader = run(False, np.int64, n=80, batch_size=4, consume=lambda: time.sleep(0.05))
     name, evidence = diagnose(loader.stats.as_dict())
