@@ -20,6 +20,9 @@ _PUBLIC = {
     "image_folder": "asyncload.sources",
     "list_files": "asyncload.sources",
     "manifest": "asyncload.sources",
+    "tar_shards": "asyncload.shards",
+    "write_shards": "asyncload.shardwriter",
+    "index_shards": "asyncload.shardwriter",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from .decode import ImageDecoder
     from .errors import SampleError, TooManyFailures
     from .loader import AsyncLoader
+    from .shards import tar_shards
+    from .shardwriter import index_shards, write_shards
     from .sources import Source, image_folder, list_files, manifest
 
 

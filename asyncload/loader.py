@@ -20,6 +20,7 @@ from .device import DeviceStage, resolve_device
 from .pipeline import EpochRun, Settings, is_labelled
 from .progress import Positions
 from .sampler import EpochSampler, distributed_defaults
+from .shards import ShardSampler, ShardSource
 from .stats import LoaderStats
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
@@ -75,9 +76,12 @@ class AsyncLoader:
         io = 16 if auto_io else int(io_concurrency)
         self.device = resolve_device(device)
         rank, world_size = distributed_defaults(rank, world_size)
-        self.sampler = EpochSampler(
-            len(source), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size
-        )
+        order = dict(shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
+        if isinstance(source, ShardSource):
+            _check_shard_arguments(source, read, decode)
+            self.sampler: EpochSampler = ShardSampler(source, batch_size, **order)
+        else:
+            self.sampler = EpochSampler(len(source), batch_size, **order)
         self.epoch = 0
         self.stats = LoaderStats(io, threads, prefetch)
         self._done = Positions()  # positions of this epoch's order delivered to the user
@@ -241,6 +245,13 @@ def _check_arguments(on_error: str, io_concurrency: int | str, prefetch: int, re
         raise ValueError(f"max_failures as a fraction must be in [0, 1), got {max_failures}")
     if isinstance(max_failures, int) and max_failures < 0:
         raise ValueError(f"max_failures must not be negative, got {max_failures}")
+
+
+def _check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
+    if read is not None:
+        raise ValueError("a shard source is read by the loader itself: leave read=None")
+    if source.members == "all" and decode is None:
+        raise ValueError("tar_shards(..., members='all') gives each sample as {extension: bytes}: pass a decode= for it")
 
 
 class _ProgressBar:

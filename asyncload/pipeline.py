@@ -21,10 +21,12 @@ import numpy as np
 
 from .autotune import AsyncGate, Gate
 from .buffers import BatchBuffer, BufferRing, Field, SampleLayout
+from .cache import ShardCache
 from .device import DeviceStage, PendingCopy, convert_batch
 from .errors import SampleError, TooManyFailures
 from .progress import Cursor, Positions
 from .read import Reader
+from .shards import ShardSource, ShardStream
 from .stats import LoaderStats
 
 
@@ -88,6 +90,7 @@ class EpochRun:
         self.s = settings
         self.epoch = epoch
         self.order = order
+        self.done = done
         self.cursor = Cursor(len(order), done)
         self.failure_limit = _failure_limit(settings.max_failures, len(order))
         self.failures: list[SampleError] = []
@@ -139,6 +142,7 @@ class EpochRun:
             user_read=self.s.read if callable(self.s.read) else None,
         )
         self._reader = reader
+        self._shards = self._shard_stream(reader) if isinstance(self.s.source, ShardSource) else None
         self._tasks: set[asyncio.Task] = set()
         self._local_jobs: set[Future] = set()
         try:
@@ -150,7 +154,29 @@ class EpochRun:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._shards is not None:
+                await self._shards.aclose()
             await reader.aclose()
+
+    def _shard_stream(self, reader: Reader) -> ShardStream:
+        """Ranged reads for the positions of this run's order not yet delivered, through the
+        disk cache for remote shards when the source has one."""
+        source = self.s.source
+        assert isinstance(source, ShardSource)
+        wanted = np.ones(len(self.order), dtype=bool)
+        for start, stop in self.done.intervals():
+            wanted[start:stop] = False
+        read_range = reader.read_range
+        if source.cache_dir is not None:
+            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking)
+            sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
+
+            async def read_range(url: str, start: int, end: int) -> bytes:
+                if reader.is_local(url):
+                    return await reader.read_range(url, start, end)
+                return await cache.read_range(url, start, end, sizes[url])
+
+        return ShardStream(source, self.order[wanted], read_range)
 
     async def _produce(self) -> None:
         """Issues every sample's load, batch by batch in order, at most ``io_concurrency`` reads
@@ -237,6 +263,8 @@ class EpochRun:
         if self.s.read is False:
             return key
         try:
+            if self._shards is not None:
+                return await self._shards.get(key)
             return await self._reader.read(key)
         except Exception as error:
             raise SampleError(key, "read", error) from error

@@ -7,6 +7,7 @@ the network at once from one thread; sync ones (local disk, memory) run on a sma
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import random
 import time
@@ -62,20 +63,27 @@ class Reader:
     async def read(self, key: Any) -> Any:
         """The bytes at URL ``key`` (or what the user's ``read`` returns for it), retried on
         transient errors with exponential backoff and full jitter."""
+        return await self._counted(lambda: self._fetch(key))
+
+    async def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``url`` in one ranged request, retried as ``read`` is."""
+        return await self._counted(lambda: self._fetch_range(url, start, end))
+
+    async def _counted(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
         started = time.perf_counter()
         self.stats.level("reads_in_flight", 1)
         try:
-            data = await self._read_with_retries(key)
+            data = await self._with_retries(fetch)
         finally:
             self.stats.level("reads_in_flight", -1)
         nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
         self.stats.add("read", time.perf_counter() - started, nbytes)
         return data
 
-    async def _read_with_retries(self, key: Any) -> Any:
+    async def _with_retries(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
         for attempt in range(self.retries + 1):
             try:
-                return await asyncio.wait_for(self._fetch(key), self.timeout)
+                return await asyncio.wait_for(fetch(), self.timeout)
             except PERMANENT_ERRORS:
                 raise
             except Exception:
@@ -116,6 +124,17 @@ class Reader:
         if fs.async_impl:
             return fs._cat_file(path, **read_kwargs)
         return self.loop.run_in_executor(self._executor, fs.cat_file, path)
+
+    def _fetch_range(self, url: str, start: int, end: int) -> Awaitable[bytes]:
+        fs, _ = self._filesystem(url)
+        path = fs._strip_protocol(url)
+        if fs.async_impl:
+            return fs._cat_file(path, start=start, end=end)
+        return self.loop.run_in_executor(self._executor, functools.partial(fs.cat_file, path, start=start, end=end))
+
+    async def run_blocking(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Runs ``function(*args)`` on the I/O executor (file work that must not block the loop)."""
+        return await self.loop.run_in_executor(self._executor, function, *args)
 
     def _filesystem(self, url: str) -> tuple[Any, dict[str, Any]]:
         """The filesystem for ``url``'s protocol (one instance per protocol, bound to our loop)

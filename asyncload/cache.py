@@ -1,0 +1,120 @@
+"""A local disk cache of remote shards, bounded in size, shared safely by the processes of one
+machine (the ranks of a node, several jobs).
+
+A shard is downloaded whole (large sequential ranged reads) into a temporary file and renamed
+into place, so no process ever sees half a shard. A per-shard lock file (``flock``) lets one
+process download while the others wait for its file instead of downloading it again. After each
+download the least recently used shards are deleted until the cache fits ``max_bytes``; a shard
+deleted while another process is about to read it is simply downloaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import os
+import posixpath
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+ReadRange = Callable[[str, int, int], Awaitable[bytes]]
+
+LOCK_POLL_S = 0.05
+
+
+class ShardCache:
+    """``read_range(url, start, end, size)``: bytes of a remote shard, from the local copy."""
+
+    def __init__(self, directory: str | os.PathLike, max_bytes: int, download: ReadRange, chunk_bytes: int,
+                 run_blocking: Callable[..., Awaitable[Any]]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.download = download  # async (url, start, end) -> bytes, retried by the reader
+        self.chunk_bytes = chunk_bytes
+        self.run_blocking = run_blocking  # runs file work off the event loop
+        self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
+        self.hits = 0
+        self.downloaded = 0
+
+    def path(self, url: str) -> Path:
+        """Where ``url`` is kept: its file name (for people looking at the folder) and a hash."""
+        digest = hashlib.sha1(url.encode()).hexdigest()[:16]
+        return self.directory / f"{digest}-{posixpath.basename(url)}"
+
+    async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
+        for _ in range(3):  # evicted by another process between download and read: again
+            path = await self.ensure(url, size)
+            try:
+                return await self.run_blocking(_read_file_range, path, start, end)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(f"{url}: the cached copy keeps being evicted; raise cache_bytes")
+
+    async def ensure(self, url: str, size: int) -> Path:
+        """The local copy of ``url`` (``size`` bytes), downloaded if no process has it yet."""
+        path = self.path(url)
+        if path.exists():
+            self.hits += 1
+            os.utime(path)  # recently used: evicted last
+            return path
+        pending = self._downloads.get(url)
+        if pending is None:
+            pending = self._downloads[url] = asyncio.ensure_future(self._download(url, size, path))
+            pending.add_done_callback(lambda _: self._downloads.pop(url, None))
+        await asyncio.shield(pending)
+        return path
+
+    async def _download(self, url: str, size: int, path: Path) -> None:
+        lock = await self.run_blocking(os.open, f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            while not await self.run_blocking(_try_lock, lock):
+                await asyncio.sleep(LOCK_POLL_S)  # another process downloads it: wait for its file
+            if path.exists():
+                return
+            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+            try:
+                await self._fetch_to(url, size, partial)
+                os.replace(partial, path)
+            finally:
+                partial.unlink(missing_ok=True)
+            self.downloaded += 1
+            await self.run_blocking(self._evict, path)
+        finally:
+            os.close(lock)  # also releases the flock
+
+    async def _fetch_to(self, url: str, size: int, partial: Path) -> None:
+        with open(partial, "wb") as file:
+            for start in range(0, size, self.chunk_bytes):
+                data = await self.download(url, start, min(size, start + self.chunk_bytes))
+                await self.run_blocking(file.write, data)
+
+    def _evict(self, keep: Path) -> None:
+        """Deletes the least recently used shards until the cache fits ``max_bytes``."""
+        files = []
+        for entry in os.scandir(self.directory):
+            if entry.is_file() and not entry.name.startswith(".") and not entry.name.endswith(".lock"):
+                stat = entry.stat()
+                files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if path != keep:
+                path.unlink(missing_ok=True)
+                total -= size
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _read_file_range(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as file:
+        return os.pread(file.fileno(), end - start, start)

@@ -1,0 +1,146 @@
+"""Writing shard sets (a folder or a manifest -> tar shards + ``index.json``) and indexing shards
+written by other tools (WebDataset's ``tarwriter``, ``tar`` itself).
+
+The index records each member's byte range inside its shard, so the loader reads shards with
+ranged requests and never parses tar headers on the hot path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import tarfile
+from typing import Any, Iterator, Sequence
+
+import fsspec
+
+from .shards import INDEX_FORMAT, INDEX_NAME, LABEL_MEMBER
+
+READ_BATCH = 64  # files fetched at once while writing (concurrently, on async filesystems)
+
+
+def write_shards(
+    source: Sequence[Any],
+    url: str,
+    *,
+    samples_per_shard: int = 1000,
+    storage_options: dict | None = None,
+    name: str = "shard-{:06d}.tar",
+) -> str:
+    """Writes the items of ``source`` (URLs, or ``(url, label)`` pairs, e.g. from
+    ``image_folder`` or ``manifest``) as tar shards of ``samples_per_shard`` samples under ``url``
+    (a folder or bucket prefix), each sample ``<key>.<ext>`` plus ``<key>.cls`` for its label, and
+    the shards' ``index.json``. Keys are the items' positions in ``source``. Returns the index URL."""
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+    options = storage_options or {}
+    out_fs, root = fsspec.core.url_to_fs(url, **options)
+    out_fs.makedirs(root, exist_ok=True)
+    shards = []
+    for number, start in enumerate(range(0, len(source), samples_per_shard)):
+        items = [source[i] for i in range(start, min(start + samples_per_shard, len(source)))]
+        shard_name = name.format(number)
+        with out_fs.open(posixpath.join(root, shard_name), "wb") as file:
+            shards.append({"url": shard_name, **_write_shard(file, items, start, options)})
+    index = {"format": INDEX_FORMAT, "classes": list(getattr(source, "classes", [])), "shards": shards}
+    index_url = posixpath.join(url.rstrip("/"), INDEX_NAME)
+    with fsspec.open(index_url, "wt", **options) as file:
+        json.dump(index, file)
+    return index_url
+
+
+def _write_shard(file: Any, items: list[Any], first_key: int, options: dict) -> dict[str, Any]:
+    """Writes one tar of ``items``; returns its index entry (without the URL)."""
+    keys, members, labels = [], [], []
+    with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for offset, (item, data) in enumerate(zip(items, _read_all(items, options))):
+            url, label = item if isinstance(item, (tuple, list)) else (item, None)
+            key = f"{first_key + offset:08d}"
+            ext = posixpath.splitext(url)[1].lstrip(".").lower() or "bin"
+            entry = [_add(tar, f"{key}.{ext}", data)]
+            if label is not None:
+                entry.append(_add(tar, f"{key}.{LABEL_MEMBER}", str(int(label)).encode()))
+            keys.append(key)
+            members.append(entry)
+            labels.append(None if label is None else int(label))
+    return {"bytes": file.tell(), "keys": keys, "members": members,
+            "labels": labels if all(label is not None for label in labels) else None}
+
+
+def _read_all(items: list[Any], options: dict) -> Iterator[bytes]:
+    """The bytes of each item, fetched ``READ_BATCH`` at a time."""
+    urls = [item[0] if isinstance(item, (tuple, list)) else item for item in items]
+    for start in range(0, len(urls), READ_BATCH):
+        batch = urls[start : start + READ_BATCH]
+        fs, _ = fsspec.core.url_to_fs(batch[0], **options)
+        paths = [fs._strip_protocol(u) for u in batch]
+        contents = fs.cat(paths, on_error="raise")
+        for path in paths:
+            yield contents[path]
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> list[Any]:
+    """Adds a member; returns ``[extension, data offset, size]`` (the data ends the padded
+    blocks that ``addfile`` just wrote)."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+    padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    return [name.split(".", 1)[1], tar.offset - padded, len(data)]
+
+
+def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options: dict | None = None,
+                 classes: Sequence[str] = ()) -> str:
+    """Indexes existing WebDataset-style shards (``urls``): one streaming pass over each, reading
+    only the small ``.cls`` members' contents. A member ``dir/key.ext`` belongs to sample
+    ``dir/key`` (the part of the name before its first dot). Writes ``index.json`` to ``out``
+    (default: beside the first shard) and returns its URL."""
+    options = storage_options or {}
+    out = out or posixpath.join(posixpath.dirname(urls[0]), INDEX_NAME)
+    base = posixpath.dirname(out)
+    shards = []
+    for url in urls:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        with fs.open(path, "rb") as file:
+            entry = _index_shard(file, url)
+        entry["bytes"] = fs.size(path)
+        relative = posixpath.relpath(url, base) if posixpath.dirname(url) == base else url
+        shards.append({"url": relative, **entry})
+    index = {"format": INDEX_FORMAT, "classes": list(classes), "shards": shards}
+    with fsspec.open(out, "wt", **options) as file:
+        json.dump(index, file)
+    return out
+
+
+def _index_shard(file: Any, url: str) -> dict[str, Any]:
+    keys: list[str] = []
+    members: list[list[list[Any]]] = []
+    labels: list[int | None] = []
+    with tarfile.open(fileobj=file, mode="r|") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            directory, base = posixpath.split(member.name)
+            if "." not in base:
+                continue
+            stem, ext = base.split(".", 1)
+            key = posixpath.join(directory, stem)
+            if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
+                keys.append(key)
+                members.append([])
+                labels.append(None)
+            members[-1].append([ext, member.offset_data, member.size])
+            if ext == LABEL_MEMBER:
+                labels[-1] = _label(tar, member, url)
+    return {"keys": keys, "members": members,
+            "labels": labels if all(label is not None for label in labels) else None}
+
+
+def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, url: str) -> int:
+    extracted = tar.extractfile(member)
+    text = extracted.read().decode().strip() if extracted is not None else ""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{url}: {member.name} holds {text!r}, not an integer class") from None

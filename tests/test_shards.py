@@ -1,0 +1,286 @@
+"""Tar shards: written from a folder, read with ranged requests, shuffled, resumed, sharded across
+ranks, cached on disk; from local disk and from a real S3-compatible server."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
+from asyncload.shards import ShardSampler, buffer_shuffle, plan_chunks
+from conftest import CLASSES, PER_CLASS, identify
+
+ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
+DECODE = ImageDecoder(32)
+
+
+@pytest.fixture(scope="session")
+def shard_dir(jpeg_folder, tmp_path_factory):
+    """The 24 test JPEGs as 5 shards of up to 5 samples, with their index."""
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(image_folder(str(jpeg_folder)), str(out), samples_per_shard=5)
+    return out
+
+
+@pytest.fixture(scope="session")
+def s3_shards(s3_options, shard_dir) -> str:
+    """The shard set uploaded to ``s3://asyncload-test/shards``."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    fs.mkdir("asyncload-test", exist_ok=True)
+    for path in sorted(shard_dir.iterdir()):
+        fs.pipe_file(f"asyncload-test/shards/{path.name}", path.read_bytes())
+    return "s3://asyncload-test/shards"
+
+
+def delivered(loader) -> list[list[tuple[int, int]]]:
+    """Each batch as the (label, index) of its images; checks every label against its image."""
+    batches = []
+    for images, labels in loader:
+        seen = [identify(image.numpy()) for image in images]
+        assert [label for label, _ in seen] == labels.tolist()
+        batches.append(seen)
+    return batches
+
+
+def flat(batches):
+    return [sample for batch in batches for sample in batch]
+
+
+def test_every_sample_once_per_epoch_with_its_label(shard_dir):
+    source = tar_shards(str(shard_dir), shuffle_buffer=6)
+    assert len(source) == 24 and len(source.urls) == 5 and source.classes == list(CLASSES)
+    with AsyncLoader(source, batch_size=5, decode=DECODE) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches = delivered(loader)
+            assert [len(b) for b in batches] == [5, 5, 5, 5, 4]
+            assert sorted(flat(batches)) == sorted(ALL)
+            assert loader.stats.as_dict()["read/items"] == 5 * (epoch + 1)  # one ranged read per shard
+
+
+def test_pixels_equal_the_folder_loader(shard_dir, jpeg_folder):
+    """Same JPEG bytes, same decode: a sample from a shard is the image from the folder."""
+    source = tar_shards(str(shard_dir))
+    with AsyncLoader(source, batch_size=24, shuffle=False, decode=DECODE) as loader:
+        (shard_images, shard_labels), = list(loader)
+    with AsyncLoader(image_folder(str(jpeg_folder)), batch_size=24, shuffle=False, decode=DECODE) as loader:
+        (images, labels), = list(loader)
+    assert torch.equal(shard_images, images) and torch.equal(shard_labels, labels)
+
+
+def test_order_repeats_with_the_seed_and_changes_with_the_epoch(shard_dir):
+    def order(seed, epoch):
+        with AsyncLoader(tar_shards(str(shard_dir), shuffle_buffer=4), batch_size=8, seed=seed, decode=DECODE) as loader:
+            loader.set_epoch(epoch)
+            return flat(delivered(loader))
+
+    first = order(0, 0)
+    assert first == order(0, 0)
+    assert first != order(0, 1) and first != order(1, 0)
+    storage = sorted(ALL)  # image_folder's order: class by class
+    assert first != storage
+
+
+def test_the_shuffle_buffer_bounds_how_far_ahead_a_sample_comes_from():
+    stream = np.arange(1000)
+    out = buffer_shuffle(stream, 50, np.random.default_rng(0))
+    assert sorted(out.tolist()) == stream.tolist()
+    assert all(sample <= position + 50 for position, sample in enumerate(out.tolist()))
+    assert np.abs(out - stream).mean() > 10  # and it does mix
+
+
+def test_ranks_read_disjoint_contiguous_parts_of_equal_length(shard_dir):
+    source = tar_shards(str(shard_dir), shuffle_buffer=3)
+    parts = []
+    for rank in range(2):
+        with AsyncLoader(source, batch_size=4, decode=DECODE, rank=rank, world_size=2) as loader:
+            parts.append(flat(delivered(loader)))
+            reads = loader.stats.as_dict()["read/items"]
+        assert reads <= 3  # 12 samples of 5-sample shards touch at most 3 shards, one read each
+    assert len(parts[0]) == len(parts[1]) == 12
+    assert set(parts[0]).isdisjoint(parts[1]) and set(parts[0]) | set(parts[1]) == ALL
+
+
+def test_padding_and_drop_last_as_distributed_sampler(shard_dir):
+    source = tar_shards(str(shard_dir))
+    padded = [ShardSampler(source, 4, shuffle=True, seed=0, drop_last=False, rank=r, world_size=5).order(0) for r in range(5)]
+    assert [len(p) for p in padded] == [5] * 5
+    everything = np.concatenate(padded)
+    assert set(everything.tolist()) == set(range(24)) and len(everything) == 25  # one sample twice
+    dropped = [ShardSampler(source, 4, shuffle=True, seed=0, drop_last=True, rank=r, world_size=5).order(0) for r in range(5)]
+    assert [len(d) for d in dropped] == [4] * 5 and len(set(np.concatenate(dropped).tolist())) == 20
+
+
+def test_a_padded_epoch_delivers_a_sample_twice_on_one_rank(shard_dir):
+    """With more ranks than samples a rank's part repeats a sample: it must come out twice."""
+    source = tar_shards(str(shard_dir))
+    sampler = ShardSampler(source, 4, shuffle=False, seed=0, drop_last=False, rank=0, world_size=25)
+    assert sampler.order(0).tolist() == [0]
+    with AsyncLoader(source, batch_size=2, shuffle=False, decode=DECODE, rank=24, world_size=25) as loader:
+        assert flat(delivered(loader)) == [sorted(ALL)[0]]
+
+
+def test_resume_delivers_the_rest_without_reading_the_delivered_samples(shard_dir):
+    source = tar_shards(str(shard_dir), shuffle_buffer=6)
+    with AsyncLoader(source, batch_size=4, decode=DECODE, seed=5) as loader:
+        loader.set_epoch(1)
+        whole = delivered(loader)
+    with AsyncLoader(source, batch_size=4, decode=DECODE, seed=5) as loader:
+        loader.set_epoch(1)
+        iterator = iter(loader)
+        next(iterator), next(iterator), next(iterator)
+        state = json.loads(json.dumps(loader.state_dict()))  # as saved in a checkpoint
+        iterator.close()
+    with AsyncLoader(source, batch_size=4, decode=DECODE, seed=5) as loader:
+        loader.load_state_dict(state)
+        rest = delivered(loader)
+        read_bytes = loader.stats.as_dict()["read/bytes"]
+    assert rest == whole[3:]
+    order = ShardSampler(source, 4, shuffle=True, seed=5, drop_last=False, rank=0, world_size=1).order(1)
+    remaining = plan_chunks(source, order[12:], source.chunk_bytes)
+    assert read_bytes == sum(chunk.end - chunk.start for chunk in remaining)
+    assert not set(index for chunk in remaining for index in chunk.indices) & set(order[:12].tolist())
+
+
+def test_an_epoch_from_s3_equals_the_local_one_in_one_request_per_shard(shard_dir, s3_shards, s3_options):
+    local = tar_shards(str(shard_dir), shuffle_buffer=5)
+    remote = tar_shards(s3_shards, storage_options=s3_options, shuffle_buffer=5)
+    with AsyncLoader(local, batch_size=6, decode=DECODE) as loader:
+        expected = [(images.clone(), labels.clone()) for images, labels in loader]
+    with AsyncLoader(remote, batch_size=6, decode=DECODE, storage_options=s3_options) as loader:
+        got = [(images.clone(), labels.clone()) for images, labels in loader]
+        assert loader.stats.as_dict()["read/items"] == 5
+    assert len(got) == len(expected) == 4
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, expected))
+
+
+def test_small_chunks_split_a_shard_into_several_ranged_reads(shard_dir):
+    source = tar_shards(str(shard_dir), chunk_bytes=1500)  # each sample is ~1 KB of JPEG
+    with AsyncLoader(source, batch_size=8, decode=DECODE) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+        assert loader.stats.as_dict()["read/items"] > 5
+
+
+def test_the_disk_cache_downloads_each_shard_once(shard_dir, s3_shards, s3_options, tmp_path):
+    cache = tmp_path / "cache"
+
+    def epoch(results, index):
+        source = tar_shards(s3_shards, storage_options=s3_options, cache_dir=str(cache))
+        with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options) as loader:
+            results[index] = (sorted(flat(delivered(loader))), loader.stats.as_dict()["read/items"])
+
+    results: list = [None, None]  # two loaders at once share the folder, as two ranks would
+    threads = [threading.Thread(target=epoch, args=(results, i)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results[0][0] == results[1][0] == sorted(ALL)
+    assert results[0][1] + results[1][1] == 5  # each shard downloaded by one of them
+    cached = sorted(p for p in cache.iterdir() if p.suffix == ".tar")
+    assert len(cached) == 5 and not [p for p in cache.iterdir() if p.name.endswith(".part")]
+    again: list = [None]
+    epoch(again, 0)
+    assert again[0] == (sorted(ALL), 0)  # all from disk
+
+
+def test_the_disk_cache_stays_within_its_size(s3_shards, s3_options, tmp_path):
+    source = tar_shards(s3_shards, storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=25_000)
+    shard_size = int(source.shard_bytes.max())
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+    kept = sum(p.stat().st_size for p in tmp_path.iterdir() if p.suffix == ".tar")
+    assert shard_size <= kept <= 25_000 + shard_size
+
+
+def test_index_shards_indexes_shards_written_by_tar(shard_dir, tmp_path):
+    """Shards written by plain tarfile (as WebDataset's writer does), indexed after the fact."""
+    for number in range(2):
+        with tarfile.open(tmp_path / f"part-{number}.tar", "w") as tar:
+            for path in sorted(shard_dir.glob("*.tar"))[number * 2 : number * 2 + 2]:
+                with tarfile.open(path) as source:
+                    for member in source.getmembers():
+                        member.name = f"train/{member.name}"
+                        tar.addfile(member, source.extractfile(member))
+    urls = sorted(str(p) for p in tmp_path.glob("part-*.tar"))
+    source = tar_shards(index_shards(urls, classes=CLASSES), shuffle_buffer=2)
+    assert len(source) == 20 and source[0][0].key == "train/00000000"
+    with AsyncLoader(source, batch_size=7, decode=DECODE) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)[:20]
+
+
+def test_all_members_reach_a_user_decode(shard_dir):
+    def decode(members):
+        return np.frombuffer(members["cls"], dtype=np.uint8)[:1].astype(np.int64) - ord("0")
+
+    source = tar_shards(str(shard_dir), members="all")
+    with AsyncLoader(source, batch_size=24, shuffle=False, decode=decode) as loader:
+        (cls, labels), = list(loader)
+    assert cls[:, 0].tolist() == labels.tolist()
+    with pytest.raises(ValueError, match="pass a decode="):
+        AsyncLoader(source, batch_size=4)
+
+
+def corrupt_copy(shard_dir, tmp_path, sample: int, truncate: bool = False):
+    """The shard set with sample ``sample``'s JPEG bytes scrambled (or its shard cut short)."""
+    index = json.loads((shard_dir / "index.json").read_text())
+    for path in shard_dir.glob("*.tar"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    shard = index["shards"][sample // 5]
+    ext, offset, size = shard["members"][sample % 5][0]
+    path = tmp_path / shard["url"]
+    data = bytearray(path.read_bytes())
+    if truncate:
+        data = data[: offset + size // 2]
+    else:
+        data[offset + 2 : offset + size] = bytes(size - 2)
+    path.write_bytes(bytes(data))
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    return f"{path}#{shard['keys'][sample % 5]}"
+
+
+def test_a_corrupt_sample_names_its_shard_and_key(shard_dir, tmp_path):
+    name = corrupt_copy(shard_dir, tmp_path, sample=7)
+    with AsyncLoader(tar_shards(str(tmp_path)), batch_size=4, shuffle=False, decode=DECODE) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    assert caught.value.stage == "decode" and repr(caught.value.item) == repr(name)
+    assert name in str(caught.value)
+
+
+def test_a_truncated_shard_fails_its_samples_with_a_clear_error(shard_dir, tmp_path):
+    name = corrupt_copy(shard_dir, tmp_path, sample=12, truncate=True)
+    with AsyncLoader(tar_shards(str(tmp_path)), batch_size=4, shuffle=False, decode=DECODE) as loader:
+        with pytest.raises(SampleError, match=r"read: ShardTruncated: .*shard-000002.tar ends at byte") as caught:
+            list(loader)
+    assert repr(caught.value.item).startswith(repr(name.split("#")[0])[:-1])
+
+
+def test_skip_drops_the_bad_sample_and_delivers_the_rest_once(shard_dir, tmp_path):
+    corrupt_copy(shard_dir, tmp_path, sample=7)
+    with AsyncLoader(tar_shards(str(tmp_path), shuffle_buffer=4), batch_size=5, decode=DECODE,
+                     on_error="skip", max_failures=1) as loader:
+        got = flat(delivered(loader))
+        failures = loader.stats.failures
+    assert len(got) == 23 and len(set(got)) == 23 and sorted(ALL)[7] not in got
+    assert len(failures) == 1 and failures[0].stage == "decode" and failures[0].item.key == "00000007"
+
+
+def test_a_missing_shard_names_it(shard_dir, tmp_path):
+    index = json.loads((shard_dir / "index.json").read_text())
+    (tmp_path / "index.json").write_text(json.dumps(index))  # the index without its shards
+    with AsyncLoader(tar_shards(str(tmp_path)), batch_size=4, decode=DECODE) as loader:
+        with pytest.raises(SampleError, match=r"shard-00000\d.tar#\d+.* failed at read: FileNotFoundError"):
+            list(loader)
+
+
+def test_read_is_the_loaders_own_for_shards(shard_dir):
+    with pytest.raises(ValueError, match="leave read=None"):
+        AsyncLoader(tar_shards(str(shard_dir)), batch_size=4, read=lambda key: key)
