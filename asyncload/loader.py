@@ -17,7 +17,7 @@ from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .buffers import BufferRing, Field, SampleLayout
 from .decode import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .pipeline import EpochRun, Settings, is_labelled
+from .pipeline import BatchQuota, EpochRun, Settings, is_labelled
 from .progress import Positions
 from .sampler import EpochSampler, distributed_defaults
 from .shards import ShardSampler, ShardSource
@@ -85,6 +85,7 @@ class AsyncLoader:
         self.epoch = 0
         self.stats = LoaderStats(io, threads, prefetch)
         self._done = Positions()  # positions of this epoch's order delivered to the user
+        self._batches_done = 0  # batches of this epoch delivered to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochRun | None = None
         self._closed = False
@@ -151,31 +152,42 @@ class AsyncLoader:
         """Selects the shuffle of ``epoch`` (as ``DistributedSampler.set_epoch``)."""
         if epoch != self.epoch:
             self.epoch = epoch
-            self._done, self._resume = Positions(), False
+            self._done, self._batches_done, self._resume = Positions(), 0, False
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         self._stop_run()  # a new iteration replaces an unfinished one
         if not self._resume:  # as with DataLoader, a new iteration starts the epoch afresh
-            self._done = Positions()
+            self._done, self._batches_done = Positions(), 0
         self._resume = False
         order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
-        run = EpochRun(self._settings, self.epoch, order, self._done)
+        run = EpochRun(self._settings, self.epoch, order, self._done, self._batch_quota())
         self._run = run
         return self._iterate(run)
+
+    def _batch_quota(self) -> BatchQuota | None:
+        """With several ranks, every rank must deliver ``len(self)`` batches even when samples
+        fail and are skipped, or DDP hangs at the epoch's end: the batches still owed and the
+        size of the epoch's last one."""
+        if self.sampler.world_size == 1:
+            return None
+        batches, size = len(self.sampler), self.sampler.batch_size
+        last = size if self.sampler.drop_last else self.sampler.samples_per_rank - (batches - 1) * size
+        return BatchQuota(batches - self._batches_done, last)
 
     def _iterate(self, run: EpochRun) -> Iterator[Any]:
         bar = _ProgressBar(self) if self.progress else None
         try:
             for positions, batch in run:
                 self._done.add(positions)
+                self._batches_done += 1
                 if self.tuner is not None:
                     self.tuner.observe()
                 if bar is not None:
                     bar.advance(len(positions))
                 yield batch
-            self._done = Positions()  # the epoch is complete
+            self._done, self._batches_done = Positions(), 0  # the epoch is complete
         finally:
             run.stop()
             if self._run is run:
@@ -194,6 +206,7 @@ class AsyncLoader:
             "rank": self.sampler.rank,
             "world_size": self.sampler.world_size,
             "delivered": self._done.intervals(),
+            "batches": self._batches_done,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -205,6 +218,7 @@ class AsyncLoader:
                 raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has {mine[key]}")
         self.epoch = state["epoch"]
         self._done, self._resume = Positions(state["delivered"]), True
+        self._batches_done = state.get("batches", len(self._done) // self.sampler.batch_size)
 
     def _stop_run(self) -> None:
         if self._run is not None:

@@ -67,6 +67,15 @@ class Settings:
     stats: LoaderStats
 
 
+@dataclass(frozen=True)
+class BatchQuota:
+    """How many batches a run must deliver whatever fails (``count``), the last one with
+    ``last_size`` rows: ranks of a DDP job must all deliver the same number of batches."""
+
+    count: int
+    last_size: int
+
+
 @dataclass
 class Batch:
     """One batch being filled: its number in this run, the epoch positions in its rows, its buffer."""
@@ -84,10 +93,18 @@ class Batch:
 
 class EpochRun:
     """Delivers the batches of one epoch's ``order`` (source indices), leaving out the positions
-    in ``done``. Iterate it on the user's thread; ``stop()`` ends every thread it started."""
+    in ``done``. Iterate it on the user's thread; ``stop()`` ends every thread it started.
 
-    def __init__(self, settings: Settings, epoch: int, order: np.ndarray, done: Positions) -> None:
+    With a ``quota``, skipped samples that the epoch has no item left for are replaced by samples
+    repeated from the start of the order (as ``DistributedSampler`` pads), so the run delivers
+    exactly ``quota.count`` batches."""
+
+    def __init__(self, settings: Settings, epoch: int, order: np.ndarray, done: Positions,
+                 quota: BatchQuota | None = None) -> None:
         self.s = settings
+        self.quota = quota
+        self._next_padding = 0  # the next position to repeat, with a quota
+        self._failed_positions: set[int] = set()
         self.epoch = epoch
         self.order = order
         self.done = done
@@ -186,8 +203,8 @@ class EpochRun:
         while True:
             if number - self._handed_out >= self.s.prefetch:
                 await self._wait_for_room(number)
-            positions = self.cursor.take(self.s.batch_size)
-            if not positions or (self.s.drop_last and len(positions) < self.s.batch_size):
+            positions = self._take_batch(number)
+            if not positions:
                 break
             if self.s.ring.layout is None:
                 first_sample = await self._learn_layout(number, positions)
@@ -206,6 +223,31 @@ class EpochRun:
         with self._cond:
             self._batch_count = number
             self._cond.notify_all()
+
+    def _take_batch(self, number: int) -> list[int]:
+        """The positions of batch ``number``: the cursor's next ones, padded to the quota's
+        batch size once the cursor runs short; none when the epoch has no batch left."""
+        size = self.s.batch_size
+        if self.quota is not None:
+            if number >= self.quota.count:
+                return []
+            size = self.quota.last_size if number == self.quota.count - 1 else size
+        positions = self.cursor.take(size)
+        if self.quota is not None and len(positions) < size:
+            positions += self._padding(size - len(positions))
+        if self.s.drop_last and len(positions) < self.s.batch_size:
+            return []
+        return positions
+
+    def _padding(self, count: int) -> list[int]:
+        """Up to ``count`` positions to repeat: from the start of the order, passing over the
+        ones that failed; one pass, so a run whose samples all fail still ends."""
+        taken: list[int] = []
+        while len(taken) < count and self._next_padding < len(self.order):
+            if self._next_padding not in self._failed_positions:
+                taken.append(self._next_padding)
+            self._next_padding += 1
+        return taken
 
     async def _wait_for_room(self, number: int) -> None:
         """Waits until fewer than ``prefetch`` batches are ahead of the user."""
@@ -235,7 +277,7 @@ class EpochRun:
                 sample = await self.loop.run_in_executor(self.decode_pool, self._timed_decode, data)
                 break
             except Exception as error:
-                failure = self._record(error if isinstance(error, SampleError) else SampleError(key, "decode", error))
+                failure = self._record(positions[0], error if isinstance(error, SampleError) else SampleError(key, "decode", error))
                 if failure is not None:
                     self._finish(Batch(number, positions, None, 0, {0: failure}))
                     return None
@@ -403,11 +445,13 @@ class EpochRun:
     async def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """A sample failed. Raising: its batch carries the error. Skipping: the row gets the
         epoch's next position, or becomes a hole if the epoch has none left."""
-        failure = self._record(error)
+        failure = self._record(batch.positions[row], error)
         if failure is not None:
             batch.errors[row] = failure
         else:
             replacement = self.cursor.take(1)
+            if not replacement and self.quota is not None:
+                replacement = self._padding(1)
             if replacement:
                 batch.positions[row] = replacement[0]
                 if not self._submit_local(batch, row, replacement[0]):
@@ -417,8 +461,13 @@ class EpochRun:
             batch.holes.add(row)
         self._row_done(batch)
 
-    def _record(self, error: SampleError) -> SampleError | None:
-        """Counts a failure; returns the error its batch must raise, or None to skip the sample."""
+    def _record(self, position: int, error: SampleError) -> SampleError | None:
+        """Counts the failure of the sample at ``position``; returns the error its batch must
+        raise, or None to skip the sample. A sample that fails again (padding repeated it) is
+        skipped without counting twice."""
+        if position in self._failed_positions and self.s.skip_errors:
+            return None
+        self._failed_positions.add(position)
         self.s.stats.add_failure(error.item, error.stage, error.cause)
         self.failures.append(error)
         if not self.s.skip_errors:

@@ -94,6 +94,8 @@ def plan(chosen: list[Workload], quick: bool, names: list[str]) -> tuple[list[di
                 runs.append({"workload": workload.name, "contender": name, "label": name,
                              "config": {}, "skip": f"unavailable: {unavailable[name]}"})
                 continue
+            if not contender.supports(workload):
+                continue
             for config in contender.configs(workload, quick):
                 runs.append({"workload": workload.name, "contender": name, "config": config,
                              "label": contender.label(config), "x": contender.sweep_value(config),
@@ -149,9 +151,10 @@ def run_one(run: dict, workload: Workload, storage: dict, device: str, timeout: 
 def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool) -> list[dict]:
     """Runs the plan, with the S3 server up only if an S3 workload is in it."""
     by_name = {w.name: w for w in chosen}
-    s3_sets = {w.dataset for w in chosen if w.source.startswith("s3")}
+    s3_sets = {w.dataset for w in chosen if w.source.startswith("s3") and not w.samples_per_shard}
+    shard_sets = {w.shard_set: (w.dataset, w.samples_per_shard) for w in chosen if w.samples_per_shard}
     latency = any(w.source == "s3-latency" for w in chosen)
-    servers = s3_servers(s3_sets, latency) if s3_sets else nullcontext({})
+    servers = s3_servers(s3_sets, shard_sets, latency) if s3_sets or shard_sets else nullcontext({})
     timeout = 120 if quick else 300
     todo = [r for r in runs if "skip" not in r]
     results = []

@@ -19,28 +19,45 @@ S3_POOL = 64
 
 def upload(endpoint_url: str, dataset: str) -> int:
     """Copies bench/data/<dataset>/ to s3://asyncload-bench/<dataset>/; returns objects put."""
+    root = DATA_ROOT / dataset
+    items, _ = list_image_folder(root)
+    return _put(endpoint_url, dataset, root, [Path(p) for p, _ in items])
+
+
+def upload_shards(endpoint_url: str, name: str, dataset: str, samples_per_shard: int) -> int:
+    """Writes bench/data/<dataset>/ as tar shards in bench/data/<name>/ (once; cached like the
+    images) and copies them to s3://asyncload-bench/<name>/; returns objects put."""
+    from asyncload import image_folder, write_shards
+
+    root = DATA_ROOT / name
+    if not (root / "index.json").exists():
+        write_shards(image_folder(str(DATA_ROOT / dataset)), str(root), samples_per_shard=samples_per_shard)
+    return _put(endpoint_url, name, root, sorted(root.iterdir()))
+
+
+def _put(endpoint_url: str, prefix: str, root: Path, paths: list[Path]) -> int:
     import s3fs
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options(endpoint_url, S3_POOL))
     if not fs.exists(S3_BUCKET):
         fs.mkdir(S3_BUCKET)
-    root = DATA_ROOT / dataset
-    items, _ = list_image_folder(root)
-    objects = {f"{S3_BUCKET}/{dataset}/{Path(p).relative_to(root).as_posix()}": Path(p).read_bytes()
-               for p, _ in items}
+    objects = {f"{S3_BUCKET}/{prefix}/{p.relative_to(root).as_posix()}": p.read_bytes() for p in paths}
     fs.pipe(objects, batch_size=32)
     return len(objects)
 
 
 @contextlib.contextmanager
-def s3_servers(datasets: set[str], latency: bool) -> Iterator[dict[str, dict]]:
-    """Starts moto (and the latency proxy in front of it), uploads the sets, and yields the
+def s3_servers(datasets: set[str], shard_sets: dict[str, tuple[str, int]], latency: bool) -> Iterator[dict[str, dict]]:
+    """Starts moto (and the latency proxy in front of it), uploads the image sets and the shard
+    sets (name -> (image set, samples per shard)), and yields the
     storage options per S3 source kind: {"s3": ..., "s3-latency": ...}, and under "pids" the
     servers' process ids (their CPU time is reported separately). Stops both on exit."""
     os.environ.update(S3_ENV)
     with MotoServer() as moto:
         for dataset in sorted(datasets):
             upload(moto.endpoint_url, dataset)
+        for name, (dataset, samples_per_shard) in sorted(shard_sets.items()):
+            upload_shards(moto.endpoint_url, name, dataset, samples_per_shard)
         options: dict = {"s3": s3_options(moto.endpoint_url, S3_POOL), "pids": [_pid(moto)]}
         if not latency:
             yield options

@@ -34,7 +34,7 @@ def run_data(spec: dict, workload: Workload) -> RunData:
     if workload.source == "local":
         data.root, data.items = str(local_root), items
         return data
-    prefix = f"s3://{S3_BUCKET}/{workload.dataset}"
+    prefix = f"s3://{S3_BUCKET}/{workload.shard_set if workload.samples_per_shard else workload.dataset}"
     data.root = prefix
     data.items = [(f"{prefix}/{Path(p).relative_to(local_root).as_posix()}", label) for p, label in items]
     data.storage_options = spec["storage_options"]

@@ -1,4 +1,4 @@
-"""The four workloads, in a quick and a full size.
+"""The workloads, in a quick and a full size.
 
 Sizes are set so that `python -m bench --quick` ends in under 3 minutes and `python -m bench` in
 under 15 on a 2-core machine, sweeps included; every epoch still holds several batches so that the
@@ -32,6 +32,12 @@ class Workload:
     step_s: float = 0.0  # simulated training step per batch (sleep in the consumer)
     budget_s: float = 10.0  # measured epochs are cut to fit this, but at least one is run
     note: str = ""
+    samples_per_shard: int = 0  # > 0: the image set is read as tar shards of this many samples
+
+    @property
+    def shard_set(self) -> str:
+        """Where the shards are: bench/data/<shard_set>/ and the S3 prefix of that name."""
+        return f"{self.dataset}-shards{self.samples_per_shard}"
 
     @property
     def is_image(self) -> bool:
@@ -77,6 +83,10 @@ def workloads(quick: bool) -> list[Workload]:
         Workload("imagenet-s3-latency", "Same from S3 behind 20-50 ms first-byte latency",
                  "s3-latency", s3.name, s3_batch, s3.count, epochs, budget_s=3 if quick else 6,
                  note=MOTO_NOTE),
+        Workload("shards-s3-latency", "Same images as tar shards from S3 behind 20-50 ms first-byte latency",
+                 "s3-latency", s3.name, s3_batch, s3.count, epochs, budget_s=3 if quick else 6,
+                 samples_per_shard=s3.count // 8,
+                 note="asyncload only (the others read single objects): compare with imagenet-s3-latency"),
         Workload("large-samples", "Large samples: 3.125 ms I/O each, (1000,150) float64, "
                  "0.05 s step per batch", "synthetic", "", 128, 1024, epochs,
                  step_s=LARGE_STEP_S, budget_s=3 if quick else 6,

@@ -121,3 +121,45 @@ def test_resume_after_skips_delivers_the_rest_once():
         resumed.load_state_dict(state)
         rest = list(resumed)
     assert sorted(rows(head) + rows(rest)) == sorted(set(range(40)) - bad)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_with_several_ranks_skips_keep_len_batches_by_repeating_samples(drop_last):
+    """A rank whose samples fail must still deliver len(loader) batches, or DDP hangs at the end
+    of the epoch: rows left without an item are filled with the rank's first good samples again,
+    as DistributedSampler pads."""
+    bad = {0, 2, 4, 6, 8}  # all on rank 0 of 2 (unshuffled ranks take every other item)
+    counts = []
+    for rank in range(2):
+        with loader_with_bad(bad, n=24, shuffle=False, drop_last=drop_last, max_failures=10,
+                             rank=rank, world_size=2) as loader:
+            batches = list(loader)
+            counts.append((len(batches), len(loader)))
+            if rank == 0:
+                got = rows(batches)
+                assert set(got) == set(range(0, 24, 2)) - bad  # every good sample of the rank
+                assert len(got) == 12 and len(got) - len(set(got)) == 5  # five repeats fill the rows
+                repeated = sorted(v for v in set(got) if got.count(v) == 2)
+                assert repeated == [10, 12, 14, 16, 18]  # the rank's first good samples again
+                assert len(loader.stats.failures) == 5
+    assert counts == [(3, 3), (3, 3)]
+
+
+def test_one_rank_alone_delivers_each_good_sample_once_without_repeats():
+    with loader_with_bad({0, 2}, n=12, shuffle=False, max_failures=5) as loader:
+        batches = list(loader)
+    assert sorted(rows(batches)) == [1, 3, 4, 5, 6, 7, 8, 9, 10, 11] and len(batches) == 3
+
+
+def test_resume_with_several_ranks_still_delivers_len_batches():
+    kwargs = dict(n=24, shuffle=False, max_failures=10, rank=0, world_size=2, prefetch=1)
+    with loader_with_bad({6, 8, 10}, **kwargs) as loader:
+        iterator = iter(loader)
+        first = next(iterator)
+        state = loader.state_dict()
+        iterator.close()
+    assert state["batches"] == 1
+    with loader_with_bad({6, 8, 10}, **kwargs) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    assert len(rest) == 2 and len(rows([first, *rest])) == 12

@@ -33,7 +33,8 @@ def s3_shards(s3_options, shard_dir) -> str:
     import s3fs
 
     fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    fs.mkdir("asyncload-test", exist_ok=True)
+    if not fs.exists("asyncload-test"):
+        fs.mkdir("asyncload-test")
     for path in sorted(shard_dir.iterdir()):
         fs.pipe_file(f"asyncload-test/shards/{path.name}", path.read_bytes())
     return "s3://asyncload-test/shards"

@@ -31,6 +31,8 @@ class AsyncLoadContender(Contender):
         auto = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}
         if workload.name == "consumer-bound":
             return [default] if quick else [default, auto]
+        if workload.samples_per_shard:  # a handful of ranged reads: decode threads are the knob
+            return [default] if quick else [default, {"tag": "tuned", "num_threads": 2 * n}, auto]
         if quick:
             sweep = [{"num_threads": 2 * n, "io_concurrency": 64}]
         else:
@@ -43,12 +45,15 @@ class AsyncLoadContender(Contender):
             configs.append(auto)
         return configs
 
+    def supports(self, workload: Workload) -> bool:
+        return True
+
     def sweep_value(self, config: dict) -> int | None:
         value = super().sweep_value(config)
         return value if isinstance(value, int) else None  # "auto" has no place on the x axis
 
     def build(self, workload: Workload, config: dict, data: RunData) -> Any:
-        from asyncload import AsyncLoader, image_folder
+        from asyncload import AsyncLoader, image_folder, tar_shards
 
         settings = {k: config[k] for k in ("num_threads", "io_concurrency", "prefetch") if k in config}
         device = "cuda" if data.device == "cuda" else None
@@ -57,9 +62,12 @@ class AsyncLoadContender(Contender):
             return AsyncLoader(list(range(workload.samples)), batch_size=workload.batch_size,
                                shuffle=True, seed=0, read=read, decode=tasks.large_array,
                                device=device, **settings)
-        source = image_folder(data.root, storage_options=data.storage_options)
+        if workload.samples_per_shard:
+            source = tar_shards(data.root, storage_options=data.storage_options, shuffle_buffer=2 * workload.batch_size)
+        else:
+            source = image_folder(data.root, storage_options=data.storage_options)
         if len(source) != len(data.items):
-            raise RuntimeError(f"image_folder found {len(source)} items, the bench listed {len(data.items)}")
+            raise RuntimeError(f"the source has {len(source)} items, the bench listed {len(data.items)}")
         return AsyncLoader(source, batch_size=workload.batch_size, shuffle=True, seed=0,
                            decode=tasks.image_decoder(), storage_options=data.storage_options,
                            device=device, **settings)

@@ -31,6 +31,10 @@ class Contender:
         """None when it can run here, else the reason (an exception's text)."""
         return None
 
+    def supports(self, workload: Workload) -> bool:
+        """Whether this contender has a reader for the workload's data (tar shards need one)."""
+        return not workload.samples_per_shard
+
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
         """The sweep for this workload: a list of settings, the first being the defaults."""
         raise NotImplementedError
