@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 
 def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size: the given ones, else those of an initialised torch.distributed, else 0/1."""
+    """Rank and world size: the given ones, else those of an initialised torch.distributed, else
+    those torchrun put in the environment (``RANK``, ``WORLD_SIZE``: a loader built before
+    ``init_process_group`` must not read the whole dataset on every rank), else 0/1."""
     if rank is None or world_size is None:
         import torch.distributed as dist
 
-        initialised = dist.is_available() and dist.is_initialized()
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
-        if world_size is None:
-            world_size = dist.get_world_size() if initialised else 1
+        if dist.is_available() and dist.is_initialized():
+            found = dist.get_rank(), dist.get_world_size()
+        else:
+            found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     return rank, world_size

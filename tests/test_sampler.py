@@ -59,3 +59,13 @@ def test_rank_outside_world_is_rejected():
 
 def test_defaults_without_torch_distributed():
     assert distributed_defaults(None, None) == (0, 1)
+
+
+def test_rank_and_world_size_come_from_torchrun_before_init_process_group(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert distributed_defaults(None, None) == (1, 4)
+    assert distributed_defaults(0, None) == (0, 4)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert distributed_defaults(None, None) == (0, 1)
