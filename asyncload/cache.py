@@ -36,8 +36,6 @@ class ShardCache:
         self.chunk_bytes = chunk_bytes
         self.run_blocking = run_blocking  # runs file work off the event loop
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
-        self.hits = 0
-        self.downloaded = 0
 
     def path(self, url: str) -> Path:
         """Where ``url`` is kept: its file name (for people looking at the folder) and a hash."""
@@ -57,7 +55,6 @@ class ShardCache:
         """The local copy of ``url`` (``size`` bytes), downloaded if no process has it yet."""
         path = self.path(url)
         if path.exists():
-            self.hits += 1
             os.utime(path)  # recently used: evicted last
             return path
         pending = self._downloads.get(url)
@@ -80,7 +77,6 @@ class ShardCache:
                 os.replace(partial, path)
             finally:
                 partial.unlink(missing_ok=True)
-            self.downloaded += 1
             await self.run_blocking(self._evict, path)
         finally:
             os.close(lock)  # also releases the flock

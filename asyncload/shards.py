@@ -230,14 +230,14 @@ def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> li
     """Ranged reads for the samples ``wanted`` (sample numbers in the order the epoch needs them):
     shards in the order of their first need, and within a shard runs of neighbouring samples,
     each read at most ``chunk_bytes`` long (a sample larger than that is read alone)."""
-    unique = np.unique(wanted)
+    unique = np.flatnonzero(np.bincount(wanted, minlength=len(source)))  # ascending: storage order, so by shard
     shard_of = source.shard_of[unique]
-    first_need: dict[int, int] = {}
-    for position, shard in enumerate(source.shard_of[wanted].tolist()):
-        first_need.setdefault(shard, position)
+    groups = np.split(unique, np.flatnonzero(np.diff(shard_of)) + 1) if len(unique) else []
+    shards, first_need = np.unique(source.shard_of[wanted], return_index=True)
+    group_of = dict(zip(shards.tolist(), groups))
     chunks: list[Chunk] = []
-    for shard in sorted(first_need, key=first_need.__getitem__):
-        indices = unique[shard_of == shard]  # ascending: storage order
+    for shard in shards[np.argsort(first_need, kind="stable")].tolist():
+        indices = group_of[shard]
         breaks = np.flatnonzero(np.diff(indices) != 1) + 1
         for run in np.split(indices, breaks):
             chunks.extend(_split_run(source, shard, run, chunk_bytes))
@@ -263,19 +263,23 @@ class ShardTruncated(ValueError):
 class ShardStream:
     """Serves one epoch run's samples from ranged reads of their shards, on the event loop.
 
-    ``get(sample)`` starts the reads of the plan up to the chunk that holds the sample (so reads
-    stay in the epoch's order and read ahead no further than the epoch asks), at most
-    ``concurrent_reads`` at once, and waits for its bytes. Each sample's bytes are copied out of
-    its chunk, so a sample that waits long in the shuffle does not keep a whole chunk alive.
+    ``get(sample)`` starts the reads of the plan up to the chunk that holds the sample and
+    ``concurrent_reads - 1`` chunks beyond it (so reads stay in the epoch's order, overlap, and
+    run ahead of the epoch by a few chunks only), at most ``concurrent_reads`` at once, and waits
+    for its bytes. Each sample's bytes are copied out of its chunk, so a sample that waits long
+    in the shuffle does not keep a whole chunk alive. Per-sample bookkeeping is in arrays: a few
+    bytes a sample, for millions of samples.
     """
 
     def __init__(self, source: ShardSource, wanted: np.ndarray, read_range: Any, concurrent_reads: int = 4) -> None:
         self.source = source
         self.read_range = read_range  # async (url, start, end) -> bytes
         self.chunks = plan_chunks(source, wanted, source.chunk_bytes)
-        self.chunk_of = {index: number for number, chunk in enumerate(self.chunks) for index in chunk.indices}
-        uses = np.unique(wanted, return_counts=True)
-        self.uses = dict(zip(uses[0].tolist(), uses[1].tolist()))  # a padded epoch may want one twice
+        self.chunk_of = np.full(len(source), -1, dtype=np.int64)
+        for number, chunk in enumerate(self.chunks):
+            self.chunk_of[chunk.indices] = number
+        self.uses = np.bincount(wanted, minlength=len(source)).astype(np.int32)  # padding may repeat one
+        self.read_ahead = concurrent_reads - 1
         self.started = 0
         self.slots = asyncio.Semaphore(concurrent_reads)
         self.ready: dict[int, Any] = {}  # sample -> bytes (or members), read and not yet taken
@@ -284,9 +288,9 @@ class ShardStream:
 
     async def get(self, sample: ShardSample) -> Any:
         index = sample.index
-        if index not in self.chunk_of:
+        if self.chunk_of[index] < 0:
             raise KeyError(f"{sample!r} is not part of this epoch's reads")
-        self._start_through(self.chunk_of[index])
+        self._start_through(int(self.chunk_of[index]) + self.read_ahead)
         if index not in self.ready and index not in self.failed:
             future = self.waiting.get(index)
             if future is None:
@@ -303,7 +307,7 @@ class ShardStream:
         return self.ready[index]
 
     def _start_through(self, number: int) -> None:
-        while self.started <= number:
+        while self.started <= min(number, len(self.chunks) - 1):
             chunk = self.chunks[self.started]
             chunk.task = asyncio.get_running_loop().create_task(self._fetch(chunk))
             self.started += 1
