@@ -1,7 +1,8 @@
 """Reads on one asyncio event loop: fsspec filesystems, retries with backoff, a timeout per read.
 
-Async filesystems (s3fs, gcsfs, http) are awaited natively, so hundreds of requests can wait on
-the network at once from one thread; sync ones (local disk, memory) run on a small executor.
+Async filesystems (s3fs, gcsfs, http, obstore's FsspecStore) are awaited natively, so hundreds of
+requests can wait on the network at once from one thread; sync ones (local disk, memory) run on a
+small executor.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import asyncio
 import functools
 import inspect
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
 import fsspec
@@ -31,6 +34,15 @@ PERMANENT_ERRORS = (
     TypeError,
     NotImplementedError,
 )
+# obstore raises FileNotFoundError itself, and these of its own (all derive from Exception only).
+OBSTORE_PERMANENT_ERRORS = {
+    "NotFoundError": FileNotFoundError,
+    "PermissionDeniedError": PermissionError,
+    "UnauthenticatedError": PermissionError,
+    "InvalidPathError": ValueError,
+    "UnknownConfigurationKeyError": ValueError,
+    "NotSupportedError": NotImplementedError,
+}
 
 
 class Reader:
@@ -86,7 +98,10 @@ class Reader:
                 return await asyncio.wait_for(fetch(), self.timeout)
             except PERMANENT_ERRORS:
                 raise
-            except Exception:
+            except Exception as error:
+                permanent = _as_builtin(error)
+                if permanent is not None:
+                    raise permanent from error
                 if attempt == self.retries:
                     raise
                 self.stats.add_retry()
@@ -147,12 +162,9 @@ class Reader:
                 options.update(asynchronous=True, loop=self.loop)
             is_s3fs = "config_kwargs" in inspect.signature(cls.__init__).parameters
             if is_s3fs:
-                # botocore allows 10 connections by default, which would cap reads in flight, and
-                # retries by itself, unseen and unbounded by ours: leave retrying to this class.
-                config = dict(options.get("config_kwargs") or {})
-                config.setdefault("max_pool_connections", self.io_concurrency)
-                config.setdefault("retries", {"total_max_attempts": 1})
-                options["config_kwargs"] = config
+                self._s3fs_options(options)
+            elif _is_obstore(cls):
+                self._obstore_options(options)
             fs = cls(skip_instance_cache=True, **options)
             if is_s3fs and "retries" not in self.storage_options:
                 fs.retries = 1  # s3fs's own retry loop: one attempt, then ours
@@ -162,6 +174,21 @@ class Reader:
                 read_kwargs["max_concurrency"] = 1
             self._filesystems[protocol] = (fs, read_kwargs)
         return self._filesystems[protocol]
+
+    def _s3fs_options(self, options: dict[str, Any]) -> None:
+        """botocore allows 10 connections by default, which would cap reads in flight, and retries
+        by itself, unseen and unbounded by ours: leave retrying to this class."""
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", self.io_concurrency)
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options["config_kwargs"] = config
+
+    def _obstore_options(self, options: dict[str, Any]) -> None:
+        """obstore (``obstore.fsspec.register``) retries 10 times by itself and ends every request
+        at 30 s: leave retrying to this class and let our read timeout be the one that fires.
+        Its HTTP client has no cap on connections."""
+        options["retry_config"] = options.get("retry_config") or {"max_retries": 0}
+        options["client_options"] = {"timeout": timedelta(seconds=self.timeout + 1), **(options.get("client_options") or {})}
 
     async def aclose(self) -> None:
         """Closes the async filesystems' HTTP sessions on this loop and stops the executor."""
@@ -182,8 +209,26 @@ async def _close_sessions(fs: Any) -> None:
         close = getattr(getattr(fs, "_session", None), "close", None)  # aiohttp (http, gcsfs)
         if close is not None and inspect.iscoroutinefunction(close):
             await close()
+        # obstore keeps a store, with its pool of connections, per bucket in an lru_cache on the
+        # instance (a reference cycle, so dropping the instance would free them only at a GC).
+        clear = getattr(getattr(fs, "_construct_store", None), "cache_clear", None)
+        if clear is not None:
+            clear()
     except Exception:
         pass
+
+
+def _is_obstore(cls: type) -> bool:
+    obstore = sys.modules.get("obstore.fsspec")  # imported if it was registered with fsspec
+    return obstore is not None and issubclass(cls, obstore.FsspecStore)
+
+
+def _as_builtin(error: Exception) -> Exception | None:
+    """obstore's errors for what another try cannot fix, as the built-in errors the other fsspec
+    filesystems raise (so they are not retried and read the same); None for any other error."""
+    kind = type(error)
+    builtin = OBSTORE_PERMANENT_ERRORS.get(kind.__name__) if kind.__module__ == "obstore.exceptions" else None
+    return None if builtin is None else builtin(str(error))
 
 
 def _protocol(fs: Any) -> str:
