@@ -112,6 +112,15 @@ def test_a_missing_object_names_its_url_and_is_not_retried(s3_jpeg_bucket, obsto
     assert loader.stats.retries == 0
 
 
+def test_s3fs_storage_options_fail_at_once_with_the_key_named(s3_jpeg_bucket, s3_options, obstore_s3):
+    """obstore names its options differently (``config={"aws_endpoint": ...}``, not
+    ``endpoint_url``/``key``/``secret``): said at the first read, not retried."""
+    with AsyncLoader([f"{s3_jpeg_bucket}/cat/0.jpg"], batch_size=1, storage_options=s3_options) as loader:
+        with pytest.raises(SampleError, match="read: ValueError: Configuration key: '(key|secret|endpoint_url)' is not valid"):
+            list(loader)
+    assert loader.stats.retries == 0
+
+
 def test_access_denied_is_a_permission_error_not_retried(s3_server, source):
     denied = (403, "AccessDenied", "Access Denied")
     with FaultProxy(s3_server.port, first_tries(denied, tries=100)) as proxy:
