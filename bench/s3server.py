@@ -43,6 +43,20 @@ def storage_options(endpoint_url: str) -> dict:
     }
 
 
+def obstore_options(endpoint_url: str) -> dict:
+    """The same for obstore's filesystem (``obstore.fsspec.register("s3")``): its own names."""
+    return {
+        "config": {
+            "aws_endpoint": endpoint_url,
+            "aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "aws_region": S3_ENV["AWS_DEFAULT_REGION"],
+            "aws_virtual_hosted_style_request": False,
+        },
+        "client_options": {"allow_http": True},
+    }
+
+
 def _wait_for_port(port: int, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

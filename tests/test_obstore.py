@@ -20,7 +20,7 @@ from fsspec.registry import _registry
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, tar_shards, write_shards
 from asyncload.read import Reader
 from asyncload.stats import LoaderStats
-from bench.s3server import S3_ENV, LatencyProxy, free_port
+from bench.s3server import LatencyProxy, free_port, obstore_options
 from tests.conftest import CLASSES, PER_CLASS, identify, wait_until
 from tests.faults import RESET, SLOW_DOWN, STALL, FaultProxy, first_tries
 
@@ -28,20 +28,6 @@ obstore_fsspec = pytest.importorskip("obstore.fsspec")
 
 ALL = sorted((label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS))
 DECODE = ImageDecoder(24)
-
-
-def obstore_options(endpoint_url: str) -> dict:
-    """obstore's storage options for the test server (its names, not s3fs's)."""
-    return {
-        "config": {
-            "aws_endpoint": endpoint_url,
-            "aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
-            "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
-            "aws_region": "us-east-1",
-            "aws_virtual_hosted_style_request": False,
-        },
-        "client_options": {"allow_http": True},
-    }
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
 from asyncload.shards import ShardSampler, buffer_shuffle, plan_chunks
-from conftest import CLASSES, PER_CLASS, identify
+from tests.conftest import CLASSES, PER_CLASS, identify
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
