@@ -107,8 +107,8 @@ class EpochRun:
         self._failed_positions: set[int] = set()
         self.epoch = epoch
         self.order = order
-        self.done = done
         self.cursor = Cursor(len(order), done)
+        self._undelivered = _undelivered(order, done)  # what the run reads: the rest of the epoch
         self.failure_limit = _failure_limit(settings.max_failures, len(order))
         self.failures: list[SampleError] = []
         self.loop = asyncio.new_event_loop()
@@ -176,13 +176,10 @@ class EpochRun:
             await reader.aclose()
 
     def _shard_stream(self, reader: Reader) -> ShardStream:
-        """Ranged reads for the positions of this run's order not yet delivered, through the
+        """Ranged reads for the samples of this run's order not yet delivered, through the
         disk cache for remote shards when the source has one."""
         source = self.s.source
         assert isinstance(source, ShardSource)
-        wanted = np.ones(len(self.order), dtype=bool)
-        for start, stop in self.done.intervals():
-            wanted[start:stop] = False
         read_range = reader.read_range
         if source.cache_dir is not None:
             cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking)
@@ -193,7 +190,7 @@ class EpochRun:
                     return await reader.read_range(url, start, end)
                 return await cache.read_range(url, start, end, sizes[url])
 
-        return ShardStream(source, self.order[wanted], read_range)
+        return ShardStream(source, self._undelivered, read_range)
 
     async def _produce(self) -> None:
         """Issues every sample's load, batch by batch in order, at most ``io_concurrency`` reads
@@ -595,6 +592,14 @@ class EpochRun:
         self.s.stats.level("batches_ready", -len(self._finished))
         self._finished.clear()
         self.s.stats.run_stopped()
+
+
+def _undelivered(order: np.ndarray, done: Positions) -> np.ndarray:
+    """The source indices of ``order`` at positions not in ``done``, in order."""
+    wanted = np.ones(len(order), dtype=bool)
+    for start, stop in done.intervals():
+        wanted[start:stop] = False
+    return order[wanted]
 
 
 def _failure_limit(max_failures: int | float, epoch_size: int) -> int:
