@@ -4,8 +4,9 @@ machine (the ranks of a node, several jobs).
 A shard is downloaded whole (large sequential ranged reads) into a temporary file and renamed
 into place, so no process ever sees half a shard. A per-shard lock file (``flock``) lets one
 process download while the others wait for its file instead of downloading it again. After each
-download the least recently used shards are deleted until the cache fits ``max_bytes``; a shard
-deleted while another process is about to read it is simply downloaded again.
+download the least recently used shards are deleted until the cache fits ``max_bytes``, except
+those this process is reading (the cache exceeds its size by those until they are released); a
+shard another process deletes just before it is read is simply downloaded again.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import os
 import posixpath
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -36,6 +38,8 @@ class ShardCache:
         self.chunk_bytes = chunk_bytes
         self.run_blocking = run_blocking  # runs file work off the event loop
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
+        self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
+        self._over_size = False  # the last eviction had to keep shards in use past max_bytes
 
     def path(self, url: str) -> Path:
         """Where ``url`` is kept: its file name (for people looking at the folder) and a hash."""
@@ -43,13 +47,22 @@ class ShardCache:
         return self.directory / f"{digest}-{posixpath.basename(url)}"
 
     async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
-        for _ in range(3):  # evicted by another process between download and read: again
-            path = await self.ensure(url, size)
-            try:
-                return await self.run_blocking(_read_file_range, path, start, end)
-            except FileNotFoundError:
-                continue
-        raise FileNotFoundError(f"{url}: the cached copy keeps being evicted; raise cache_bytes")
+        path = self.path(url)
+        self._in_use[path] += 1
+        try:
+            for _ in range(3):  # evicted by another process between download and read: again
+                await self.ensure(url, size)
+                try:
+                    return await self.run_blocking(_read_file_range, path, start, end)
+                except FileNotFoundError:
+                    continue
+        finally:
+            self._in_use[path] -= 1
+            if not self._in_use[path]:
+                del self._in_use[path]
+                if self._over_size:
+                    await self._evict()
+        raise FileNotFoundError(f"{url}: the cached copy keeps being evicted by other processes; raise cache_bytes")
 
     async def ensure(self, url: str, size: int) -> Path:
         """The local copy of ``url`` (``size`` bytes), downloaded if no process has it yet."""
@@ -77,7 +90,7 @@ class ShardCache:
                 os.replace(partial, path)
             finally:
                 partial.unlink(missing_ok=True)
-            await self.run_blocking(self._evict, path)
+            await self._evict()
         finally:
             os.close(lock)  # also releases the flock
 
@@ -87,20 +100,30 @@ class ShardCache:
                 data = await self.download(url, start, min(size, start + self.chunk_bytes))
                 await self.run_blocking(file.write, data)
 
-    def _evict(self, keep: Path) -> None:
-        """Deletes the least recently used shards until the cache fits ``max_bytes``."""
-        files = []
-        for entry in os.scandir(self.directory):
-            if entry.is_file() and not entry.name.startswith(".") and not entry.name.endswith(".lock"):
-                stat = entry.stat()
-                files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.max_bytes:
-                break
-            if path != keep:
-                path.unlink(missing_ok=True)
-                total -= size
+    async def _evict(self) -> None:
+        self._over_size = await self.run_blocking(_evict, self.directory, self.max_bytes, set(self._in_use))
+
+
+def _evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
+    """Deletes the least recently used shards in ``directory`` but ``keep`` until the shards
+    there fit ``max_bytes``; returns whether they still do not."""
+    files = []
+    for entry in os.scandir(directory):
+        if entry.name.startswith(".") or entry.name.endswith(".lock"):
+            continue
+        try:
+            stat = entry.stat()
+        except FileNotFoundError:  # another eviction (this process's or another's) took it
+            continue
+        files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total <= max_bytes:
+            break
+        if path not in keep:
+            path.unlink(missing_ok=True)
+            total -= size
+    return total > max_bytes
 
 
 def _try_lock(fd: int) -> bool:

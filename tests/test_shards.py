@@ -192,6 +192,14 @@ def test_the_disk_cache_downloads_each_shard_once(shard_dir, s3_shards, s3_optio
     assert again[0] == (sorted(ALL), 0)  # all from disk
 
 
+def test_a_cache_smaller_than_a_shard_still_serves_every_sample(s3_shards, s3_options, tmp_path):
+    """Each download evicts the others; a shard this process is reading must not go with them."""
+    source = tar_shards(s3_shards, storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1)
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+    assert not list(tmp_path.glob("*.tar"))  # released, then evicted: the cache fits its size
+
+
 def test_the_disk_cache_stays_within_its_size(s3_shards, s3_options, tmp_path):
     source = tar_shards(s3_shards, storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=25_000)
     shard_size = int(source.shard_bytes.max())
