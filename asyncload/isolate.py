@@ -566,15 +566,15 @@ class _Child:
             forgotten, self.forgotten = self.forgotten, []
         return Report(stats.as_dict(), failures, forgotten)
 
-    def hold(self, batch: Any) -> int:
-        """Keeps the views of a batch sent to the parent; returns its segment."""
+    def hold(self, batch: Any) -> tuple[int, int]:
+        """Keeps the views of a batch sent to the parent; returns its segment and rows."""
         leaf = batch
         while not isinstance(leaf, torch.Tensor):
             leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
         with self.lock:
             segment = self.by_address[leaf.untyped_storage().data_ptr()]
             self.held[segment] = batch
-        return segment
+        return segment, leaf.shape[0]
 
 
 class _Forwarder(threading.Thread):
@@ -611,9 +611,9 @@ class _Forwarder(threading.Thread):
             delivered = self.child.loader.state_dict()["delivered"]
             positions = new_positions(self.delivered, delivered)
             self.delivered = delivered
-            segment = self.child.hold(batch)
+            segment, size = self.child.hold(batch)
             del batch  # the child's only reference is in `held` now
-            self.child.send(Ready(self.run_id, segment, sum(b - a for a, b in positions), positions))
+            self.child.send(Ready(self.run_id, segment, size, positions))
             sent += 1
 
     def run(self) -> None:
