@@ -16,8 +16,9 @@ parent tells the child which buffers were released (the storage use count test o
 reuse them and allocates a new segment when none is free.
 
 Shutdown: ``close()``/garbage collection tell the child to stop and wait briefly, then kill it;
-the child exits when the pipe closes (the parent died); if the child dies, the parent raises a
-``RuntimeError`` rather than wait. Segments need no cleanup in any of these cases.
+the child exits when its parent dies (a thread of its own waits for that and nothing else); if
+the child dies, the parent raises a ``RuntimeError`` rather than wait. Segments need no cleanup
+in any of these cases.
 """
 
 from __future__ import annotations
@@ -420,6 +421,7 @@ def child_main(conn: Any, payload: dict[str, bytes]) -> None:
     """The child process: builds the loader, then serves the parent until it closes or dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # no CUDA context here: the parent pins and copies
+    threading.Thread(target=_exit_with_parent, name="asyncload-isolate-lifeline", daemon=True).start()
     child = _Child(conn)
     try:
         child.build(payload)
@@ -427,6 +429,16 @@ def child_main(conn: Any, payload: dict[str, bytes]) -> None:
         child.send(Failed(None, portable(error)))
         _exit(1)
     child.serve()
+
+
+def _exit_with_parent() -> None:
+    """Exits as soon as the parent process is gone, whatever the other threads are doing: the
+    control thread that reads the pipe may be waiting for a stuck decode to finish."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    multiprocessing.connection.wait([parent.sentinel])  # ready once the parent has exited
+    _exit(0)
 
 
 def _exit(code: int) -> None:

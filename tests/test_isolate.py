@@ -49,6 +49,12 @@ def fails_if_a_multiple_of_seven(i):
     return np.full(2, i, np.int64)
 
 
+def hangs_after_the_first_batch(i):
+    if i >= 4:
+        time.sleep(60)
+    return np.full(2, i, np.int64)
+
+
 async def stalls_after_the_first_batch(i):
     if i >= 8:
         await asyncio.sleep(60)  # a read that hangs; stopping must not wait for it
@@ -260,18 +266,22 @@ def test_a_child_that_dies_mid_epoch_raises_runtime_error():
 
 
 def test_the_child_exits_when_the_parent_dies():
+    """Even while the child is busy stopping an iteration whose decodes hang."""
     script = textwrap.dedent("""
         import time
-        import numpy as np
         from asyncload import AsyncLoader
-        loader = AsyncLoader(list(range(10**6)), batch_size=4, read=False, decode=np.asarray, isolate=True)
+        from tests.test_isolate import hangs_after_the_first_batch
+        loader = AsyncLoader(list(range(1000)), batch_size=4, shuffle=False, read=False,
+                             decode=hangs_after_the_first_batch, isolate=True)
         batches = iter(loader)
         next(batches)
+        del batches  # the child now waits for the hanging decodes to stop
+        time.sleep(0.5)
         print(loader._isolated.process.pid, flush=True)
         time.sleep(60)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         pid = int(parent.stdout.readline())
         assert not gone(pid)
