@@ -427,8 +427,18 @@ def child_main(conn: Any, payload: dict[str, bytes]) -> None:
         child.build(payload)
     except BaseException as error:
         child.send(Failed(None, portable(error)))
+        _wait_for_close(conn)  # exiting now could break the pipe before the parent reads why
         _exit(1)
     child.serve()
+
+
+def _wait_for_close(conn: Any) -> None:
+    while True:
+        try:
+            if isinstance(conn.recv(), Close):
+                return
+        except (EOFError, OSError):
+            return
 
 
 def _exit_with_parent() -> None:

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from collections import deque
 from pathlib import Path
 
@@ -341,6 +342,25 @@ def test_arguments_that_do_not_pickle_are_named_at_construction():
     with pytest.raises(TypeError, match="source= must pickle"):
         AsyncLoader([threading.Lock()], read=False, decode=index_sample, isolate=True)
     assert len(psutil.Process().children()) == started, "no child is started"
+
+
+def test_a_function_the_child_cannot_find_is_reported_at_the_first_batch():
+    module = types.ModuleType("only_in_this_process")  # as a function in a notebook's __main__
+    exec("import numpy as np\ndef decode(i):\n    return np.int64(i)\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with AsyncLoader(list(range(4)), read=False, decode=module.decode, isolate=True) as loader:
+            pid = child_pid(loader)
+            assert wait_until(loader._isolated.conn.poll, timeout=20)  # the child has failed: it must still say why
+            time.sleep(0.2)
+            with pytest.raises(RuntimeError, match="could not build its pipeline") as caught:
+                list(loader)
+            assert "could not unpickle decode=" in str(caught.value.__cause__)
+            with pytest.raises(RuntimeError, match="could not build its pipeline"):
+                list(loader)
+        assert reaped(pid)
+    finally:
+        del sys.modules[module.__name__]
 
 
 @given(st.lists(st.integers(0, 60), max_size=30), st.lists(st.integers(0, 60), max_size=30))
