@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, TooManyFailures, image_folder
-from asyncload.isolate import RING_SLACK, new_positions
+from asyncload.isolate import CHILD_NICENESS, RING_SLACK, new_positions
 from asyncload.progress import Positions
 from tests.conftest import make_jpeg, wait_until
 
@@ -218,6 +218,7 @@ def test_break_stops_the_childs_pipeline_and_close_ends_the_child():
     first = iter(loader)
     next(first)
     running = child.num_threads()  # with the event loop, decode and forwarding threads
+    assert child.nice() == min(19, os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICENESS), "it yields the CPU"
     for batch in loader:  # a new iteration replaces the unfinished one
         break  # while the child waits for stalled reads
     del batch
