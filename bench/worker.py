@@ -43,11 +43,22 @@ def run_data(spec: dict, workload: Workload) -> RunData:
 
 def make_consumer(workload: Workload, device: str) -> Callable[[Any], int]:
     """What the training loop does with a batch: nothing, or a simulated step (a sleep, which
-    releases the GIL as a GPU step does), or a real GPU step for the `train` workload."""
+    releases the GIL as a GPU step does, or pure-Python work, which holds it), or a real GPU
+    step for the `train` workload."""
     if workload.name == "train":
         from bench.train import gpu_consumer
 
         return gpu_consumer(workload)
+    if workload.step_kind == "python":
+        from bench.steps import python_step
+
+        loops = workload.python_loops
+
+        def python_consume(batch: Any) -> int:
+            python_step(loops)
+            return batch_size_of(batch)
+
+        return python_consume
     step = workload.step_s
 
     def consume(batch: Any) -> int:
@@ -66,6 +77,11 @@ def measure(spec: dict) -> dict:
     config = spec["config"]
     data = run_data(spec, workload)
     consume = make_consumer(workload, data.device)
+    alone = None
+    if workload.step_kind == "python":  # the step's own time, before any loader runs
+        from bench.steps import time_alone
+
+        alone = time_alone(workload.python_loops)
     sampler = TreeSampler()
     sampler.start()
     started = time.perf_counter()
@@ -83,6 +99,8 @@ def measure(spec: dict) -> dict:
         sampler.stop()
     result = summarise(epochs, warmup)
     result.update(build_s=build_s, peak_rss_bytes=sampler.peak_rss, peak_pss_bytes=sampler.peak_pss)
+    if alone is not None:
+        result["step_alone_s"] = alone
     return result
 
 
