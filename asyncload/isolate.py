@@ -218,7 +218,8 @@ class IsolatedPipeline:
         self._broken: tuple[str, BaseException | None] | None = None
         self._closed = False
         self._send_lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _shut_down, self.process, self.conn, self.segments, self.pinned)
+        self._finalizer = weakref.finalize(self, _shut_down, self.process, self.conn, self._send_lock, self.segments,
+                                           self.pinned)
 
     # ----- iterations -----
 
@@ -306,6 +307,8 @@ class IsolatedPipeline:
             ready = []
         if self.conn in ready:
             return self._io(self.conn.recv)
+        if self._closed:
+            raise RuntimeError("this iteration has ended: the loader was closed")
         self._died()
 
     def _send(self, message: Any) -> None:
@@ -349,15 +352,19 @@ class IsolatedPipeline:
         self._finalizer()
 
 
-def _shut_down(process: multiprocessing.process.BaseProcess, conn: Any, segments: dict[int, BatchBuffer],
-               pinned: bool) -> None:
+def _shut_down(process: multiprocessing.process.BaseProcess, conn: Any, send_lock: threading.Lock,
+               segments: dict[int, BatchBuffer], pinned: bool) -> None:
     """The child stops and is reaped; segments are unpinned and dropped (a batch the user still
     holds stays valid: its views keep the mapping, which goes when they do). Runs from
-    ``close()``, garbage collection or interpreter exit, so it takes no reference to the loader."""
-    try:
-        conn.send(Close())
-    except (OSError, ValueError):
-        pass  # the child is gone already
+    ``close()`` (perhaps on another thread than the iteration's), garbage collection or
+    interpreter exit, so it takes no reference to the loader."""
+    if send_lock.acquire(timeout=CLOSE_TIMEOUT_S):
+        try:
+            conn.send(Close())
+        except (OSError, ValueError):
+            pass  # the child is gone already
+        finally:
+            send_lock.release()
     process.join(CLOSE_TIMEOUT_S)
     if process.exitcode is None:
         process.kill()

@@ -295,7 +295,7 @@ def test_the_child_exits_when_the_parent_dies():
         parent.stdout.close()
 
 
-def test_ctrl_c_while_waiting_for_a_batch():
+def test_ctrl_c_and_close_from_another_thread_while_waiting_for_a_batch():
     loader = AsyncLoader(list(range(100)), batch_size=4, read=slow_read, decode=np.asarray, io_concurrency=2,
                          isolate=True)
     pid = child_pid(loader)
@@ -316,7 +316,13 @@ def test_ctrl_c_while_waiting_for_a_batch():
     assert time.monotonic() - started < 2.0
     assert next(iter(loader)).shape == (4,), "the child leaves Ctrl-C to the parent and goes on"
     assert child_pid(loader) == pid
-    loader.close()
+    closer = threading.Timer(0.1, loader.close)  # close() from another thread, during a wait
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="iteration has ended"):
+        deque(iter(loader), maxlen=0)
+    closer.join()
+    assert time.monotonic() - started < 3.0
     assert reaped(pid)
 
 
