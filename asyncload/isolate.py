@@ -35,7 +35,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Any, Iterator, NoReturn
 
