@@ -455,9 +455,12 @@ def _lower_priority() -> None:
     decode threads still compete for cores with the training step. At a lower priority they
     get the cores the training process leaves idle, and the step runs about as fast as alone
     (the README's measurement). The cost: a training process that keeps every core busy
-    starves the loader."""
+    starves the loader. Linux keeps a niceness per thread: threads that exist already (thread
+    pools started by imports) are lowered one by one; later ones inherit it."""
     try:
-        os.nice(CHILD_NICENESS)
+        niceness = os.nice(CHILD_NICENESS)
+        for thread in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
     except OSError:
         pass
 
