@@ -78,7 +78,7 @@ def measure(spec: dict) -> dict:
     data = run_data(spec, workload)
     consume = make_consumer(workload, data.device)
     alone = None
-    if workload.step_kind == "python":  # the step's own time, before any loader runs
+    if workload.step_kind == "python":  # the step's own time, before the loader runs
         from bench.steps import time_alone
 
         alone = time_alone(workload.python_loops)
@@ -91,6 +91,10 @@ def measure(spec: dict) -> dict:
         warmup = timed_epoch(loader, 0, consume)
         fit = math.floor(workload.budget_s / max(warmup.wall_s, 1e-3))
         epochs = [timed_epoch(loader, e, consume) for e in range(1, 1 + max(1, min(workload.epochs, fit)))]
+        if alone is not None:  # and again with the loader idle: the machine's drift evens out
+            from bench.steps import time_alone
+
+            alone = (alone + time_alone(workload.python_loops)) / 2
         for number, epoch in enumerate([warmup, *epochs]):
             if epoch.samples != workload.samples:  # a loader that drops or repeats samples is wrong
                 raise RuntimeError(f"epoch {number} delivered {epoch.samples} samples, expected {workload.samples}")

@@ -93,5 +93,5 @@ def workloads(quick: bool) -> list[Workload]:
                  step_s=PYTHON_STEP_S, step_kind="python", budget_s=6 if quick else 10,  # a 3 s warm-up
                  # epoch (isolate=True starts its process in it) still leaves room for 2 epochs
                  note="the step holds the GIL; step ms: its time per batch while loading (alone: "
-                      "before the loader started)"),
+                      "before the loader started and after its epochs, the mean)"),
     ]
