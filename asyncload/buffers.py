@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -89,15 +89,22 @@ def _storage_refs(tensor: torch.Tensor) -> int:
 
 
 class BatchBuffer:
-    """The tensors of one batch, ``[capacity, *field.shape]`` each, and NumPy views for writing rows."""
+    """The tensors of one batch, ``[capacity, *field.shape]`` each, and NumPy views for writing rows.
 
-    def __init__(self, layout: SampleLayout, capacity: int, pin_memory: bool) -> None:
+    ``tensors`` takes memory allocated elsewhere (``isolate=True`` puts every buffer in a shared
+    memory segment that the parent process maps); by default each field is its own tensor."""
+
+    def __init__(
+        self, layout: SampleLayout, capacity: int, pin_memory: bool = False, tensors: list[torch.Tensor] | None = None
+    ) -> None:
         self.layout = layout
         self.capacity = capacity
-        self.tensors = [
-            torch.empty((capacity, *f.shape), dtype=_torch_dtype(f.dtype), pin_memory=pin_memory)
-            for f in layout.fields
-        ]
+        if tensors is None:
+            tensors = [
+                torch.empty((capacity, *f.shape), dtype=_torch_dtype(f.dtype), pin_memory=pin_memory)
+                for f in layout.fields
+            ]
+        self.tensors = tensors
         self._arrays = [t.numpy() for t in self.tensors]
         self._baseline = [_storage_refs(t) for t in self.tensors]
         self.in_pipeline = False  # taken by the pipeline and not yet handed out or given back
@@ -143,17 +150,22 @@ class BatchBuffer:
         return all(_storage_refs(t) <= base for t, base in zip(self.tensors, self._baseline))
 
 
+Allocator = Callable[[SampleLayout, int], BatchBuffer]
+
+
 class BufferRing:
     """Hands out batch buffers, reusing released ones, keeping at most ``keep`` spare.
 
     The pipeline bounds how many buffers it fills ahead (``prefetch``); the ring only decides
     whether a buffer can be recycled. A buffer the user still holds is never reused: if none is
-    provably free, a fresh one is allocated.
+    provably free, a fresh one is allocated, by ``allocate(layout, capacity)`` when given (the
+    hook ``isolate.py`` uses for shared memory).
     """
 
-    def __init__(self, keep: int, pin_memory: bool) -> None:
+    def __init__(self, keep: int, pin_memory: bool, allocate: Allocator | None = None) -> None:
         self.keep = keep
         self.pin_memory = pin_memory
+        self.allocate = allocate
         self.layout: SampleLayout | None = None
         self.capacity = 0
         self._buffers: list[BatchBuffer] = []
@@ -177,11 +189,17 @@ class BufferRing:
                     del self._buffers[index]
                     break
             else:
-                buffer = BatchBuffer(self.layout, self.capacity, self.pin_memory)
+                buffer = self._new_buffer()
             buffer.in_pipeline = True
             self._buffers.append(buffer)  # most recently used goes last
             self._forget_held_buffers()
             return buffer
+
+    def _new_buffer(self) -> BatchBuffer:
+        assert self.layout is not None
+        if self.allocate is not None:
+            return self.allocate(self.layout, self.capacity)
+        return BatchBuffer(self.layout, self.capacity, self.pin_memory)
 
     def _forget_held_buffers(self) -> None:
         """Past ``keep`` buffers, stop tracking the oldest: the user owns them, memory goes when

@@ -12,6 +12,7 @@ bench/results/<machine>-<date>.{json,md,png} (<machine>-<date>-quick.* with --qu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -70,7 +71,16 @@ def select_workloads(args: argparse.Namespace) -> list[Workload]:
         chosen.append(train_workload(args.quick))
     if args.workloads:
         chosen = [w for w in chosen if w.name in args.workloads]
-    return chosen
+    return [calibrated(w) for w in chosen]
+
+
+def calibrated(workload: Workload) -> Workload:
+    """A Python step's loop count, measured here once, so every contender runs the same work."""
+    if workload.step_kind != "python":
+        return workload
+    from bench.steps import calibrate
+
+    return dataclasses.replace(workload, python_loops=calibrate(workload.step_s))
 
 
 def image_sets(chosen: list[Workload], quick: bool) -> dict[str, ImageSetSpec]:

@@ -68,15 +68,19 @@ def markdown(report: dict) -> str:
         lines.append(f"{workload['samples']} samples/epoch, batch {workload['batch_size']}"
                      + (f", step {workload['step_s'] * 1000:.0f} ms/batch" if workload["step_s"] else "")
                      + (f". {workload['note']}" if workload["note"] else ""))
-        lines += ["", "| config | samples/s | x DL | s/batch | first batch s | CPU s/1000 | "
-                      "peak RSS MiB | PSS MiB | wait (steady) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        python_step = workload.get("step_kind") == "python"
+        lines += ["", "| config | samples/s | x DL | s/batch | " + ("step ms (alone) | " if python_step else "")
+                  + "first batch s | CPU s/1000 | peak RSS MiB | PSS MiB | wait (steady) |",
+                  "|---|---:|---:|---:|" + ("---:|" if python_step else "") + "---:|---:|---:|---:|---:|"]
         for r in rows:
             if not r.get("ok"):
                 continue
             name = f"**{r['label']}**" if r.get("best") else r["label"]
+            step = (f"{1000 * r['step_s_per_batch']:.1f} ({1000 * r['step_alone_s']:.1f}) | "
+                    if python_step and r.get("step_alone_s") else "- | " if python_step else "")
             lines.append(
                 f"| {name} | {r['samples_per_s']:,.0f} | {_fmt(r.get('ratio'), '.2f')} | "
-                f"{_fmt(r['s_per_batch'], '.3f')} | {r['first_batch_s']:.2f} | {r['cpu_s_per_1000']:.2f} | "
+                f"{_fmt(r['s_per_batch'], '.3f')} | {step}{r['first_batch_s']:.2f} | {r['cpu_s_per_1000']:.2f} | "
                 f"{_mib(r['peak_rss_bytes'])} | {_mib(r['peak_pss_bytes'])} | {r['wait_share']:.0%} "
                 f"({_fmt(r.get('wait_share_steady'), '.0%')}) |")
         failed = [r for r in rows if not r.get("ok")]

@@ -43,11 +43,22 @@ def run_data(spec: dict, workload: Workload) -> RunData:
 
 def make_consumer(workload: Workload, device: str) -> Callable[[Any], int]:
     """What the training loop does with a batch: nothing, or a simulated step (a sleep, which
-    releases the GIL as a GPU step does), or a real GPU step for the `train` workload."""
+    releases the GIL as a GPU step does, or pure-Python work, which holds it), or a real GPU
+    step for the `train` workload."""
     if workload.name == "train":
         from bench.train import gpu_consumer
 
         return gpu_consumer(workload)
+    if workload.step_kind == "python":
+        from bench.steps import python_step
+
+        loops = workload.python_loops
+
+        def python_consume(batch: Any) -> int:
+            python_step(loops)
+            return batch_size_of(batch)
+
+        return python_consume
     step = workload.step_s
 
     def consume(batch: Any) -> int:
@@ -66,6 +77,11 @@ def measure(spec: dict) -> dict:
     config = spec["config"]
     data = run_data(spec, workload)
     consume = make_consumer(workload, data.device)
+    alone = None
+    if workload.step_kind == "python":  # the step's own time, before the loader runs
+        from bench.steps import time_alone
+
+        alone = time_alone(workload.python_loops)
     sampler = TreeSampler()
     sampler.start()
     started = time.perf_counter()
@@ -75,6 +91,10 @@ def measure(spec: dict) -> dict:
         warmup = timed_epoch(loader, 0, consume)
         fit = math.floor(workload.budget_s / max(warmup.wall_s, 1e-3))
         epochs = [timed_epoch(loader, e, consume) for e in range(1, 1 + max(1, min(workload.epochs, fit)))]
+        if alone is not None:  # and again with the loader idle: the machine's drift evens out
+            from bench.steps import time_alone
+
+            alone = (alone + time_alone(workload.python_loops)) / 2
         for number, epoch in enumerate([warmup, *epochs]):
             if epoch.samples != workload.samples:  # a loader that drops or repeats samples is wrong
                 raise RuntimeError(f"epoch {number} delivered {epoch.samples} samples, expected {workload.samples}")
@@ -83,6 +103,8 @@ def measure(spec: dict) -> dict:
         sampler.stop()
     result = summarise(epochs, warmup)
     result.update(build_s=build_s, peak_rss_bytes=sampler.peak_rss, peak_pss_bytes=sampler.peak_pss)
+    if alone is not None:
+        result["step_alone_s"] = alone
     return result
 
 

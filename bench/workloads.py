@@ -16,6 +16,7 @@ S3_LATENCY = (0.02, 0.05)
 LARGE_IO_S = 0.003125
 LARGE_SHAPE = (1000, 150)
 LARGE_STEP_S = 0.05
+PYTHON_STEP_S = 0.025
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class Workload:
     batch_size: int
     samples: int  # per epoch
     epochs: int  # measured epochs at most, after one warm-up epoch
-    step_s: float = 0.0  # simulated training step per batch (sleep in the consumer)
+    step_s: float = 0.0  # simulated training step per batch
+    step_kind: str = "sleep"  # "sleep" (releases the GIL, as a GPU step) or "python" (holds it)
+    python_loops: int = 0  # a "python" step's work, calibrated to step_s by `python -m bench`
     budget_s: float = 10.0  # measured epochs are cut to fit this, but at least one is run
     note: str = ""
     samples_per_shard: int = 0  # > 0: the image set is read as tar shards of this many samples
@@ -68,8 +71,9 @@ MOTO_NOTE = ("moto's S3 server is single-threaded and closes every connection: ~
 
 
 def workloads(quick: bool) -> list[Workload]:
-    """All workloads, in run order. The consumer-bound one reads the smaller (S3) set from local
-    disk: its epochs last as long as the simulated steps, so fewer samples keep it short."""
+    """All workloads, in run order. The consumer-bound and Python-step ones read the smaller (S3)
+    set from local disk: their epochs last as long as the simulated steps, so fewer samples keep
+    them short."""
     img, s3 = image_set(quick), s3_image_set(quick)
     batch = 64 if quick else 256
     s3_batch = 32 if quick else 48  # S3 sets are smaller; keep >= 6 batches so 4 workers all work
@@ -94,4 +98,10 @@ def workloads(quick: bool) -> list[Workload]:
         Workload("consumer-bound", f"Consumer-bound: {step * 1000:.0f} ms step per batch of "
                  f"{s3_batch} local JPEGs", "local", s3.name, s3_batch, s3.count, 1 if quick else 2, step_s=step, budget_s=3 if quick else 6,
                  note="a good loader keeps the consumer's wait share near 0"),
+        Workload("python-step", f"Python-bound step: {PYTHON_STEP_S * 1000:.0f} ms of pure-Python work "
+                 f"per batch of {s3_batch} local JPEGs", "local", s3.name, s3_batch, s3.count, 3,
+                 step_s=PYTHON_STEP_S, step_kind="python", budget_s=6 if quick else 10,  # a 3 s warm-up
+                 # epoch (isolate=True starts its process in it) still leaves room for 2 epochs
+                 note="the step holds the GIL; step ms: its time per batch while loading (alone: "
+                      "before the loader started and after its epochs, the mean)"),
     ]

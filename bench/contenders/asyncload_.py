@@ -35,6 +35,8 @@ class AsyncLoadContender(Contender):
             return [default] if quick else [default, auto]
         if workload.samples_per_shard:  # a handful of ranged reads: decode threads are the knob
             return [default] if quick else [default, {"tag": "tuned", "num_threads": 2 * n}, auto]
+        if workload.name == "python-step":  # the same pipeline, in-process and in a child process
+            return [default, {"isolate": True}]
         if quick:
             sweep = [{"num_threads": 2 * n, "io_concurrency": 64}]
         else:
@@ -59,7 +61,7 @@ class AsyncLoadContender(Contender):
     def build(self, workload: Workload, config: dict, data: RunData) -> Any:
         from asyncload import AsyncLoader, image_folder, tar_shards
 
-        settings = {k: config[k] for k in ("num_threads", "io_concurrency", "prefetch") if k in config}
+        settings = {k: config[k] for k in ("num_threads", "io_concurrency", "prefetch", "isolate") if k in config}
         device = "cuda" if data.device == "cuda" else None
         if workload.source == "synthetic":
             read = tasks.large_read_sync if config.get("read") == "sync" else tasks.large_read_async

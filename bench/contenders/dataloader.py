@@ -68,6 +68,8 @@ class DataLoaderContender(Contender):
         """num_workers 0..2x cores, prefetch_factor 2 and 4 where there are workers; a reduced
         sweep in quick mode and for the consumer-bound workload."""
         n, top = cores(), 2 * cores()
+        if workload.name == "python-step":  # workers as processes, against asyncload's one child
+            return [{"num_workers": w, "prefetch_factor": 2} for w in ((n,) if quick else (n, top))]
         if workload.name == "consumer-bound" or quick:
             # Quick mode leaves out num_workers=0 where I/O waits dominate (S3, large samples):
             # one serial reader there takes longer than the rest of the sweep and is never best.

@@ -152,7 +152,7 @@ class SPDLContender(Contender):
         io = 64
         if workload.source == "synthetic":
             return [{"num_threads": t, "io_concurrency": io} for t in ((2 * n,) if quick else (n, 2 * n))]
-        if workload.name == "consumer-bound":
+        if workload.name in ("consumer-bound", "python-step"):
             return [{"num_threads": 2 * n, "io_concurrency": io}]
         own = [{"num_threads": t, "io_concurrency": io} for t in ((2 * n,) if quick else (n, 2 * n))]
         if quick:

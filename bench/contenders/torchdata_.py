@@ -59,7 +59,7 @@ class TorchDataContender(Contender):
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
         """Thread counts from the core count up: I/O-bound samples want many more threads."""
         n = cores()
-        if workload.name == "consumer-bound":
+        if workload.name in ("consumer-bound", "python-step"):
             return [{"num_workers": 2 * n}]
         if quick:
             threads = (2 * n,) if workload.source == "local" else (16,)
