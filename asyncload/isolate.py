@@ -3,12 +3,12 @@
 In-process decode threads share the training process's cores and its GIL: a training step that
 runs Python (a data-parallel wrapper, a Python-heavy model, logging) is slowed by them, and they
 by it. Here one child, started with ``spawn`` (never fork: the parent has threads and maybe
-CUDA), runs an ordinary ``AsyncLoader`` whose batch buffers are shared-memory segments
-(``shm.py``; the child's side is ``isolate_child.py``); decode threads write each sample
-straight into them, and the parent maps each
-segment once and hands out views of it, pinned for the GPU when CUDA is there. The pipe carries
-only control data: segment announcements (with their descriptors), which buffer a batch is in,
-its rows and epoch positions, errors, and a stats snapshot; never batch data.
+CUDA), runs an ordinary ``AsyncLoader`` (``isolate_child.py``) whose batch buffers are
+shared-memory segments (``shm.py``); decode threads write each sample straight into them, and
+the parent maps each segment once and hands out views of it, pinned for the GPU when CUDA is
+there. The pipe carries only control data: segment announcements (with their descriptors),
+which buffer a batch is in, its rows and epoch positions, errors, and a stats snapshot; never
+batch data. This module holds the messages and the parent's side.
 
 The parent owns the epoch and resume state (``AsyncLoader`` keeps them as usual) and sends them
 with each iteration. A buffer leaves the user only when nothing holds its memory any more: the
