@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, TooManyFailures, image_folder
-from asyncload.isolate import CHILD_NICENESS, RING_SLACK, new_positions
+from asyncload.isolate_child import CHILD_NICENESS, RING_SLACK, new_positions
 from asyncload.progress import Positions
 from tests.conftest import make_jpeg, wait_until
 
