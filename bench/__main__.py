@@ -186,7 +186,7 @@ def notes(chosen: list[Workload], quick: bool) -> list[str]:
         out.append(MOTO_NOTE + "; its CPU time (server_cpu_s in the JSON) is outside the measured "
                    "process tree but shares the same cores.")
     if quick:
-        out.append("quick mode: small data and reduced sweeps; timings are indicative only.")
+        out.append("quick mode: small data, reduced sweeps, one measured epoch; timings are indicative only.")
     out.append("Time to first batch of DataLoader includes starting its worker processes; "
                "with persistent workers later epochs start faster (first_batch_warm_s in the JSON).")
     out.append("RSS sums count pages shared between processes once per process (DataLoader's "
