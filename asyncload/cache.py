@@ -41,6 +41,14 @@ class ShardCache:
         self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
         self._over_size = False  # the last eviction had to keep shards in use past max_bytes
 
+    async def aclose(self) -> None:
+        """Cancels this process's downloads (their partial files are removed), before the
+        reader they use closes."""
+        pending = list(self._downloads.values())
+        for download in pending:
+            download.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
     def path(self, url: str) -> Path:
         """Where ``url`` is kept: its file name (for people looking at the folder) and a hash."""
         digest = hashlib.sha1(url.encode()).hexdigest()[:16]

@@ -171,9 +171,11 @@ class EpochRun:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._shards is not None:
-                await self._shards.aclose()
-            await reader.aclose()
+            try:
+                if self._shards is not None:
+                    await self._shards.aclose()
+            finally:
+                await reader.aclose()
 
     def _shard_stream(self, reader: Reader) -> ShardStream:
         """Ranged reads for the samples of this run's order not yet delivered, through the
@@ -181,6 +183,7 @@ class EpochRun:
         source = self.s.source
         assert isinstance(source, ShardSource)
         read_range = reader.read_range
+        cache = None
         if source.cache_dir is not None:
             cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking)
             sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
@@ -190,7 +193,7 @@ class EpochRun:
                     return await reader.read_range(url, start, end)
                 return await cache.read_range(url, start, end, sizes[url])
 
-        return ShardStream(source, self._undelivered, read_range)
+        return ShardStream(source, self._undelivered, read_range, cache=cache)
 
     async def _produce(self) -> None:
         """Issues every sample's load, batch by batch in order, at most ``io_concurrency`` reads

@@ -191,12 +191,16 @@ class Reader:
         options["client_options"] = {"timeout": timedelta(seconds=self.timeout + 1), **(options.get("client_options") or {})}
 
     async def aclose(self) -> None:
-        """Closes the async filesystems' HTTP sessions on this loop and stops the executor."""
-        for fs, _ in self._filesystems.values():
-            if fs.async_impl:
-                await _close_sessions(fs)
-        self._filesystems.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Closes the async filesystems' HTTP sessions on this loop and stops the executor, the
+        latter whatever closing a session raises (a request cut off mid-flight can raise
+        CancelledError into it)."""
+        try:
+            for fs, _ in self._filesystems.values():
+                if fs.async_impl:
+                    await _close_sessions(fs)
+        finally:
+            self._filesystems.clear()
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 async def _close_sessions(fs: Any) -> None:

@@ -271,9 +271,11 @@ class ShardStream:
     bytes a sample, for millions of samples.
     """
 
-    def __init__(self, source: ShardSource, wanted: np.ndarray, read_range: Any, concurrent_reads: int = 4) -> None:
+    def __init__(self, source: ShardSource, wanted: np.ndarray, read_range: Any, concurrent_reads: int = 4,
+                 cache: Any = None) -> None:
         self.source = source
         self.read_range = read_range  # async (url, start, end) -> bytes
+        self.cache = cache  # the ShardCache behind read_range, if any: its downloads end with us
         self.chunks = plan_chunks(source, wanted, source.chunk_bytes)
         self.chunk_of = np.full(len(source), -1, dtype=np.int64)
         for number, chunk in enumerate(self.chunks):
@@ -353,3 +355,5 @@ class ShardStream:
         self.cancel()
         tasks = [chunk.task for chunk in self.chunks[: self.started] if chunk.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.cache is not None:
+            await self.cache.aclose()
