@@ -108,7 +108,8 @@ class EpochRun:
         self.epoch = epoch
         self.order = order
         self.cursor = Cursor(len(order), done)
-        self._undelivered = _undelivered(order, done)  # what the run reads: the rest of the epoch
+        # What a shard run reads: the rest of the epoch (taken here, with the cursor, on the user's thread).
+        self._undelivered = _undelivered(order, done) if isinstance(settings.source, ShardSource) else None
         self.failure_limit = _failure_limit(settings.max_failures, len(order))
         self.failures: list[SampleError] = []
         self.loop = asyncio.new_event_loop()
@@ -181,7 +182,7 @@ class EpochRun:
         """Ranged reads for the samples of this run's order not yet delivered, through the
         disk cache for remote shards when the source has one."""
         source = self.s.source
-        assert isinstance(source, ShardSource)
+        assert isinstance(source, ShardSource) and self._undelivered is not None
         read_range = reader.read_range
         cache = None
         if source.cache_dir is not None:

@@ -79,7 +79,7 @@ class Reader:
 
     async def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``url`` in one ranged request, retried as ``read`` is."""
-        return await self._counted(lambda: self._fetch_range(url, start, end))
+        return await self._counted(lambda: self._fetch_file(url, start=start, end=end))
 
     async def _counted(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
         started = time.perf_counter()
@@ -134,18 +134,15 @@ class Reader:
             if self._user_read_is_async:
                 return self.user_read(key)
             return self.loop.run_in_executor(self._executor, self.user_read, key)
-        fs, read_kwargs = self._filesystem(key)
-        path = fs._strip_protocol(key)
-        if fs.async_impl:
-            return fs._cat_file(path, **read_kwargs)
-        return self.loop.run_in_executor(self._executor, fs.cat_file, path)
+        return self._fetch_file(key)
 
-    def _fetch_range(self, url: str, start: int, end: int) -> Awaitable[bytes]:
-        fs, _ = self._filesystem(url)
+    def _fetch_file(self, url: str, **byte_range: int) -> Awaitable[bytes]:
+        """The bytes of ``url`` (``start``/``end``: of that range) through its filesystem."""
+        fs, read_kwargs = self._filesystem(url)
         path = fs._strip_protocol(url)
         if fs.async_impl:
-            return fs._cat_file(path, start=start, end=end)
-        return self.loop.run_in_executor(self._executor, functools.partial(fs.cat_file, path, start=start, end=end))
+            return fs._cat_file(path, **read_kwargs, **byte_range)
+        return self.loop.run_in_executor(self._executor, functools.partial(fs.cat_file, path, **byte_range))
 
     async def run_blocking(self, function: Callable[..., Any], *args: Any) -> Any:
         """Runs ``function(*args)`` on the I/O executor (file work that must not block the loop)."""

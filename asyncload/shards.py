@@ -82,7 +82,6 @@ class ShardSource(Sequence):
         self.cache_dir = cache_dir
         self.cache_bytes = cache_bytes
         self.classes = list(index.get("classes", []))
-        self.extensions: list[str] = []
         self._read_index(index["shards"], base_url)
 
     def _read_index(self, shards: list[dict[str, Any]], base_url: str) -> None:
@@ -102,7 +101,7 @@ class ShardSource(Sequence):
                     member_offset.append(offset)
                     member_size.append(size)
                 member_start.append(len(member_ext))
-        self.extensions = list(ext_ids)
+        self.extensions: list[str] = list(ext_ids)
         self.member_start = np.array(member_start, dtype=np.int64)
         self.member_ext = np.array(member_ext, dtype=np.int16)
         self.member_offset = np.array(member_offset, dtype=np.int64)
@@ -346,14 +345,11 @@ class ShardStream:
         if future is not None and not future.done():
             future.set_result(None)
 
-    def cancel(self) -> None:
-        for chunk in self.chunks[: self.started]:
-            if chunk.task is not None:
-                chunk.task.cancel()
-
     async def aclose(self) -> None:
-        self.cancel()
+        """Cancels the reads in flight, then the cache's downloads (before the reader closes)."""
         tasks = [chunk.task for chunk in self.chunks[: self.started] if chunk.task is not None]
+        for task in tasks:
+            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.cache is not None:
             await self.cache.aclose()
