@@ -246,8 +246,9 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
     idle_cores = f["cpu_cores"] - cores_used - others
     decodes = f["decodes_running/mean"]
     decode_cores = f["decode/cpu_seconds"] / active  # the CPU the threads in decode actually got
+    on_cpu = decode_cores / decodes if decodes else 1.0  # share of in-decode time on a CPU: < 1 waits on a lock
     if (min(f["num_threads"], f["cpu_cores"]) >= 2 and decodes >= 1.1 and decode_cores < 1.25
-            and decodes - decode_cores >= 0.25 and idle_cores > 0.5):
+            and on_cpu < 0.85 and idle_cores > 0.5):
         return "GIL", (f"{decodes:.1f} of {f['num_threads']} decode threads were in decode at a time but got "
                        f"{decode_cores:.2f} cores of CPU, with {idle_cores:.1f} cores idle: the decode runs Python "
                        f"code that holds the GIL, so the threads take turns")

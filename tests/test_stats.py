@@ -89,6 +89,10 @@ def test_the_gil_is_told_by_cpu_the_decode_threads_got():
     assert diagnose(figures(decodes=3.8, decode_cores=1.0, cores_used=1.1))[0] == "GIL"
     assert diagnose(figures(decodes=3.8, decode_cores=3.6, cores_used=3.8))[0] == "decode CPU"
     assert diagnose(figures(decodes=1.0, decode_cores=0.95, cores_used=1.0, threads=1))[0] != "GIL"
+    # At the margin: a little over one thread in decode, on a CPU 80 % of that time, is the GIL;
+    # on a CPU 92 % of it, it is not.
+    assert diagnose(figures(decodes=1.12, decode_cores=0.9, cores_used=1.0))[0] == "GIL"
+    assert diagnose(figures(decodes=1.2, decode_cores=1.1, cores_used=1.2))[0] != "GIL"
 
 
 def test_a_slow_consumer_is_named():
