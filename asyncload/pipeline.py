@@ -261,6 +261,11 @@ class EpochRun:
             self.s.stats.level("producer_waiting", -1)
 
     def _spawn(self, coroutine: Any) -> None:
+        """Runs ``coroutine`` as a task of this run; once the run is stopped nothing starts (a
+        late failure of a local read would otherwise leave a task the closing loop never runs)."""
+        if self._stopped:
+            coroutine.close()
+            return
         task = self.loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
