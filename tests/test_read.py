@@ -1,4 +1,5 @@
 import asyncio
+import random
 import threading
 import time
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError
+from asyncload.read import backoff
 
 
 class FlakyStore:
@@ -95,3 +97,13 @@ def test_stats_count_bytes_read(jpeg_folder):
     assert loader.stats.decode.items == len(source)
     assert loader.stats.batches == 3 and loader.stats.samples == len(source)
     assert "read" in loader.stats.report() and "decode" in loader.stats.report()
+
+
+def test_the_default_retries_wait_long_enough_to_outlast_a_short_restart():
+    """Equal jitter: each wait is at least half its exponential step, so 6 retries always wait
+    over 3 s in all (full jitter sometimes waited under 1 s and failed across a restart)."""
+    random.seed(1)
+    for _ in range(1000):
+        waits = [backoff(attempt) for attempt in range(6)]
+        assert 3.15 <= sum(waits) <= 6.3
+        assert all(0.1 * 2**a / 2 <= w <= 0.1 * 2**a for a, w in enumerate(waits))

@@ -51,19 +51,18 @@ def test_a_stalled_read_times_out_and_is_retried(s3_server, source):
 
 def test_a_server_restart_mid_epoch_loses_nothing(s3_server, source):
     with FaultProxy(s3_server.port) as proxy:
-        def restart():
-            proxy.stop_listening()
-            time.sleep(1.0)
-            proxy.start_listening()
-
+        restart = threading.Timer(1.0, proxy.start_listening)
         with AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), prefetch=1, io_concurrency=4,
                          storage_options=storage_options(proxy.endpoint_url)) as loader:
             seen = []
             for number, (images, _) in enumerate(loader):
                 seen += [identify(image) for image in images.numpy()]
                 if number == 1:
-                    threading.Thread(target=restart).start()
-                    time.sleep(0.2)  # the server is down while the next reads go out
+                    # Down before this loop takes the next batch, so the reads of the batch
+                    # after it (prefetch=1) cannot have gone out yet: they must meet a dead server.
+                    proxy.stop_listening()
+                    restart.start()
+        restart.join()
     assert sorted(seen) == ALL
     assert loader.stats.retries > 0 and loader.stats.failures == []
 
