@@ -25,6 +25,9 @@ from .shards import ShardSampler, ShardSource
 from .stats import LoaderStats
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
+OBJECT_READS = 64  # default reads in flight, of single objects
+SHARD_READS = 4  # default reads in flight for tar shards: ranged reads of up to chunk_bytes each
+AUTO_OBJECT_READS = 16  # where "auto" starts for single objects (for shards: at SHARD_READS)
 
 
 def _default_threads() -> int:
@@ -43,6 +46,8 @@ class AsyncLoader:
     shows a tqdm bar; ``normalize=(mean, std)`` turns uint8 NHWC image fields into normalised
     float32 NCHW (on the GPU with a CUDA ``device``); ``read_timeout`` and ``read_retries``
     bound each read; ``isolate=True`` runs the pipeline in a child process (see ``isolate.py``).
+    ``io_concurrency`` counts requests in flight: for tar shards each is a ranged read of up to
+    ``chunk_bytes`` (16 MiB), so its default there is 4 rather than 64.
     """
 
     def __init__(
@@ -55,7 +60,7 @@ class AsyncLoader:
         read: Callable[[Any], Any] | bool | None = None,
         decode: Callable[[Any], Any] | None = None,
         num_threads: int | str | None = None,
-        io_concurrency: int | str = 64,
+        io_concurrency: int | str | None = None,
         prefetch: int = 2,
         in_order: bool = True,
         device: str | torch.device | None = None,
@@ -75,7 +80,7 @@ class AsyncLoader:
         cores = _default_threads()
         auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
         threads = cores if auto_threads or num_threads is None else int(num_threads)
-        io = 16 if auto_io else int(io_concurrency)
+        io = _initial_reads(io_concurrency, isinstance(source, ShardSource))
         self.device = resolve_device(device)
         rank, world_size = distributed_defaults(rank, world_size)
         order = dict(shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
@@ -268,11 +273,21 @@ class AsyncLoader:
             pass
 
 
-def _check_arguments(on_error: str, io_concurrency: int | str, prefetch: int, read: Any, max_failures: int | float) -> None:
+def _initial_reads(io_concurrency: int | str | None, shards: bool) -> int:
+    """Reads in flight to start with: the user's number, else the default for the source's kind
+    of read; "auto" starts low for single objects and grows while storage is the bottleneck."""
+    if isinstance(io_concurrency, int):
+        return io_concurrency
+    if shards:
+        return SHARD_READS
+    return AUTO_OBJECT_READS if io_concurrency == "auto" else OBJECT_READS
+
+
+def _check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float) -> None:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if io_concurrency != "auto" and (not isinstance(io_concurrency, int) or io_concurrency < 1):
-        raise ValueError(f"io_concurrency must be a positive integer or 'auto', got {io_concurrency!r}")
+    if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
+        raise ValueError(f"io_concurrency must be a positive integer, 'auto' or None, got {io_concurrency!r}")
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
     if read is True or (read not in (None, False) and not callable(read)):

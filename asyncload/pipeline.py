@@ -125,13 +125,23 @@ class EpochRun:
         self._pending_copies: dict[int, PendingCopy] = {}
         self._stopped = False
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
-        self._read_slots = AsyncGate(settings.io_concurrency)
+        self._read_slots = AsyncGate(self._sample_slots(settings))
+        self._shards: ShardStream | None = None  # a shard source's reads, made on the loop
         decode = settings.decode
         self._decode_in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
         settings.stats.run_started()
         self._main = self.loop.create_task(self._produce_all())
         self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def _sample_slots(settings: Settings) -> int:
+        """Samples whose read may be under way at once. With tar shards the reads are the shard
+        stream's ranged chunk reads, which ``io_concurrency`` caps there; a sample only waits for
+        its chunk, and the prefetch window bounds how many do."""
+        if isinstance(settings.source, ShardSource):
+            return settings.batch_size * settings.prefetch
+        return settings.io_concurrency
 
     # ----- the event loop thread -----
 
@@ -194,7 +204,7 @@ class EpochRun:
                     return await reader.read_range(url, start, end)
                 return await cache.read_range(url, start, end, sizes[url])
 
-        return ShardStream(source, self._undelivered, read_range, cache=cache)
+        return ShardStream(source, self._undelivered, read_range, self.s.io_concurrency, cache=cache)
 
     async def _produce(self) -> None:
         """Issues every sample's load, batch by batch in order, at most ``io_concurrency`` reads
@@ -396,7 +406,7 @@ class EpochRun:
 
     def set_io_limit(self, limit: int) -> None:
         """Changes how many reads may be in flight, from any thread."""
-        self._call_in_loop(lambda: self._read_slots.set_limit(limit))
+        self._call_in_loop(lambda: (self._read_slots if self._shards is None else self._shards).set_limit(limit))
 
     def _write(self, buffer: BatchBuffer, row: int, sample: Any) -> None:
         started = time.perf_counter()

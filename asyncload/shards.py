@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import fsspec
 import numpy as np
 
+from .autotune import AsyncGate
 from .sampler import EpochSampler
 from .sources import Source
 
@@ -265,7 +266,8 @@ class ShardStream:
     ``get(sample)`` starts the reads of the plan up to the chunk that holds the sample and
     ``concurrent_reads - 1`` chunks beyond it (so reads stay in the epoch's order, overlap, and
     run ahead of the epoch by a few chunks only), at most ``concurrent_reads`` at once, and waits
-    for its bytes. Each sample's bytes are copied out of its chunk, so a sample that waits long
+    for its bytes. ``set_limit`` changes ``concurrent_reads`` while the epoch runs (the tuner's
+    ``io_concurrency``). Each sample's bytes are copied out of its chunk, so a sample that waits long
     in the shuffle does not keep a whole chunk alive. Per-sample bookkeeping is in arrays: a few
     bytes a sample, for millions of samples.
     """
@@ -280,9 +282,8 @@ class ShardStream:
         for number, chunk in enumerate(self.chunks):
             self.chunk_of[chunk.indices] = number
         self.uses = np.bincount(wanted, minlength=len(source)).astype(np.int32)  # padding may repeat one
-        self.read_ahead = concurrent_reads - 1
         self.started = 0
-        self.slots = asyncio.Semaphore(concurrent_reads)
+        self.slots = AsyncGate(concurrent_reads)
         self.ready: dict[int, Any] = {}  # sample -> bytes (or members), read and not yet taken
         self.failed: dict[int, BaseException] = {}
         self.waiting: dict[int, asyncio.Future] = {}
@@ -291,7 +292,7 @@ class ShardStream:
         index = sample.index
         if self.chunk_of[index] < 0:
             raise KeyError(f"{sample!r} is not part of this epoch's reads")
-        self._start_through(int(self.chunk_of[index]) + self.read_ahead)
+        self._start_through(int(self.chunk_of[index]) + self.slots.limit - 1)
         if index not in self.ready and index not in self.failed:
             future = self.waiting.get(index)
             if future is None:
@@ -315,8 +316,11 @@ class ShardStream:
 
     async def _fetch(self, chunk: Chunk) -> None:
         try:
-            async with self.slots:
+            await self.slots.acquire()
+            try:
                 data = await self.read_range(chunk.url, chunk.start, chunk.end)
+            finally:
+                self.slots.release()
             if len(data) < chunk.end - chunk.start:
                 raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
             view = memoryview(data)
@@ -344,6 +348,10 @@ class ShardStream:
         future = self.waiting.pop(index, None)
         if future is not None and not future.done():
             future.set_result(None)
+
+    def set_limit(self, concurrent_reads: int) -> None:
+        """Allows ``concurrent_reads`` reads at once from now on, and reading that far ahead."""
+        self.slots.set_limit(concurrent_reads)
 
     async def aclose(self) -> None:
         """Cancels the reads in flight, then the cache's downloads (before the reader closes)."""

@@ -81,10 +81,16 @@ def s3_jpeg_bucket(s3_options, jpeg_folder) -> str:
     import s3fs
 
     fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    fs.mkdir("asyncload-test")
+    make_bucket(fs)
     for path in sorted(jpeg_folder.rglob("*.jpg")):
         fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
     return "s3://asyncload-test/jpegs"
+
+
+def make_bucket(fs) -> None:
+    """Creates the test bucket unless an earlier fixture did."""
+    if not fs.exists("asyncload-test"):
+        fs.mkdir("asyncload-test")
 
 
 def wait_until(condition, timeout: float = 5.0) -> bool:

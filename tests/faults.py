@@ -40,6 +40,7 @@ class FaultProxy:
         self.plan = plan or (lambda line, count: PASS)
         self.counts: dict[str, int] = {}
         self.stall_seconds = 30.0
+        self.delay_seconds = 0.0  # before each request that passes: a far bucket's first byte
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
@@ -103,6 +104,7 @@ class FaultProxy:
                 client_writer.write(error_response(*action))
                 await client_writer.drain()
             else:
+                await asyncio.sleep(self.delay_seconds)
                 await self._forward(first, client_reader, client_writer)
         except (ConnectionError, OSError, asyncio.CancelledError):
             pass

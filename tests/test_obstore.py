@@ -21,7 +21,7 @@ from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, tar_
 from asyncload.read import Reader
 from asyncload.stats import LoaderStats
 from bench.s3server import LatencyProxy, free_port, obstore_options
-from tests.conftest import CLASSES, PER_CLASS, identify, wait_until
+from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, wait_until
 from tests.faults import RESET, SLOW_DOWN, STALL, FaultProxy, first_tries
 
 obstore_fsspec = pytest.importorskip("obstore.fsspec")
@@ -262,8 +262,7 @@ def s3_obstore_shards(s3_options, jpeg_folder, tmp_path_factory) -> tuple[str, s
     local = tmp_path_factory.mktemp("obstore-shards")
     write_shards(image_folder(str(jpeg_folder)), str(local), samples_per_shard=5)
     fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    if not fs.exists("asyncload-test"):
-        fs.mkdir("asyncload-test")
+    make_bucket(fs)
     for path in sorted(local.iterdir()):
         fs.pipe_file(f"asyncload-test/obstore-shards/{path.name}", path.read_bytes())
     return str(local), "s3://asyncload-test/obstore-shards"

@@ -13,7 +13,10 @@ import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
 from asyncload.shards import ShardSampler, buffer_shuffle, plan_chunks
-from tests.conftest import CLASSES, PER_CLASS, identify
+from asyncload.stats import diagnose
+from bench.s3server import storage_options
+from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket
+from tests.faults import FaultProxy
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
@@ -33,8 +36,7 @@ def s3_shards(s3_options, shard_dir) -> str:
     import s3fs
 
     fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    if not fs.exists("asyncload-test"):
-        fs.mkdir("asyncload-test")
+    make_bucket(fs)
     for path in sorted(shard_dir.iterdir()):
         fs.pipe_file(f"asyncload-test/shards/{path.name}", path.read_bytes())
     return "s3://asyncload-test/shards"
@@ -167,6 +169,40 @@ def test_small_chunks_split_a_shard_into_several_ranged_reads(shard_dir):
     with AsyncLoader(source, batch_size=8, decode=DECODE) as loader:
         assert sorted(flat(delivered(loader))) == sorted(ALL)
         assert loader.stats.as_dict()["read/items"] > 5
+
+
+@pytest.fixture
+def slow_shards(s3_server, s3_shards):
+    """The S3 shard set behind 0.1 s of first-byte latency, one ranged read per sample."""
+    with FaultProxy(s3_server.port) as proxy:
+        proxy.delay_seconds = 0.1
+        options = storage_options(proxy.endpoint_url)
+        yield tar_shards(s3_shards, storage_options=options, chunk_bytes=1), options
+
+
+@pytest.mark.parametrize("io_concurrency, reads", [(None, 4), (2, 2)])
+def test_io_concurrency_caps_the_ranged_reads_and_slow_ones_are_named_storage(slow_shards, io_concurrency, reads):
+    source, options = slow_shards
+    with AsyncLoader(source, batch_size=6, decode=DECODE, storage_options=options, io_concurrency=io_concurrency) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+    figures = loader.stats.as_dict()
+    assert figures["read/items"] == len(ALL)
+    assert figures["io_concurrency"] == reads and figures["reads_in_flight/peak"] == reads
+    name, evidence = diagnose(figures)
+    assert name == "storage", evidence
+
+
+def test_auto_reads_more_chunks_at_once_from_slow_storage(slow_shards):
+    source, options = slow_shards
+    loader = AsyncLoader(source, batch_size=6, decode=DECODE, storage_options=options, io_concurrency="auto")
+    loader.tuner.interval = 0.2
+    with loader:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert sorted(flat(delivered(loader))) == sorted(ALL)
+    assert loader.stats.limits["io_concurrency"] > 4
+    assert loader.stats.as_dict()["reads_in_flight/peak"] > 4
+    assert [name for _, name, *_ in loader.tuner.changes][:1] == ["io_concurrency"]
 
 
 def test_the_disk_cache_downloads_each_shard_once(shard_dir, s3_shards, s3_options, tmp_path):
