@@ -26,22 +26,25 @@ class AsyncLoadContender(Contender):
 
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
         """Defaults first, then the tuned sweep: decode threads at the core count and around it,
-        I/O concurrency below and above the default of 64, and for S3 obstore's client (where
-        it is installed), which spends less CPU per GET than s3fs."""
+        I/O concurrency below and above the default of 64 (not for local files: decode threads
+        read those themselves), and for S3 obstore's client (where it is installed), which
+        spends less CPU per GET than s3fs."""
         n = cores()
         default = {"tag": "default"}
         auto = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}
         if workload.name == "consumer-bound":
             return [default] if quick else [default, auto]
-        if workload.samples_per_shard:  # a handful of ranged reads: decode threads are the knob
-            return [default] if quick else [default, {"tag": "tuned", "num_threads": 2 * n}, auto]
+        if workload.samples_per_shard:  # a handful of ranged reads (4 at once by default)
+            tuned = [{"tag": "tuned", "num_threads": 2 * n}, {"tag": "tuned", "num_threads": n, "io_concurrency": 8}]
+            return [default] if quick else [default, *tuned, auto]
         if workload.name == "python-step":  # the same pipeline, in-process and in a child process
             return [default, {"isolate": True}]
         if quick:
             sweep = [{"num_threads": 2 * n, "io_concurrency": 64}]
         else:
             sweep = [{"num_threads": t, "io_concurrency": 64} for t in (1, 2 * n) if t != n]
-            sweep += [{"num_threads": n, "io_concurrency": c} for c in (16, 256)]
+            if workload.source != "local":
+                sweep += [{"num_threads": n, "io_concurrency": c} for c in (16, 256)]
         if workload.source == "synthetic" and not quick:  # the same wait as a plain function
             sweep.append({"num_threads": n, "io_concurrency": 64, "read": "sync"})
         if workload.source.startswith("s3") and _has_obstore():

@@ -66,7 +66,9 @@ class DataLoaderContender(Contender):
 
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
         """num_workers 0..2x cores, prefetch_factor 2 and 4 where there are workers; a reduced
-        sweep in quick mode and for the consumer-bound workload."""
+        sweep in quick mode and for the consumer-bound workload. From S3, 0 and 1 workers are
+        left out: each reads one object at a time (a quarter of 4 workers' rate, never best) and
+        takes a minute of the run behind latency; prefetch_factor 4 is tried at 2x cores only."""
         n, top = cores(), 2 * cores()
         if workload.name == "python-step":  # workers as processes, against asyncload's one child
             return [{"num_workers": w, "prefetch_factor": 2} for w in ((n,) if quick else (n, top))]
@@ -76,8 +78,9 @@ class DataLoaderContender(Contender):
             workers = [w for w in sorted({0, n, top}) if w or not (quick and workload.source != "local")]
             factors: dict[int, tuple] = {w: (2,) for w in workers}
         else:
-            workers = list(range(top + 1))
-            factors = {w: (2, 4) if w in (n, top) else (2,) for w in workers}
+            s3 = workload.source.startswith("s3")
+            workers = list(range(2 if s3 else 0, top + 1))
+            factors = {w: (2, 4) if w == top or (w == n and not s3) else (2,) for w in workers}
         return [{"num_workers": w, "prefetch_factor": pf} if w else {"num_workers": 0}
                 for w in workers for pf in (factors[w] if w else (None,))]
 
