@@ -11,7 +11,8 @@ A shard set is described by an index (``index.json``, written by ``write_shards`
   skip policy work as for single objects;
 - reads follow that order: the samples still wanted are grouped into runs of neighbouring
   samples of a shard, each run one ranged read of up to ``chunk_bytes``, fetched from the event
-  loop in the order the epoch needs them. What is read ahead of the consumer is bounded by the
+  loop in the order the epoch needs them, the loader's ``io_concurrency`` at once (4 by
+  default: each read is large). What is read ahead of the consumer is bounded by the
   shuffle buffer, as with a streaming shuffle buffer.
 """
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from bench.contenders import CONTENDERS
 from bench.dataset import ImageSetSpec, ensure_image_set
-from bench.machine import machine_info, machine_slug, versions
+from bench.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
 from bench.report import mark_best, markdown, write_all
 from bench.s3data import s3_servers
 from bench.workloads import MOTO_NOTE, Workload, image_set, s3_image_set, workloads
@@ -194,6 +194,14 @@ def notes(chosen: list[Workload], quick: bool) -> list[str]:
     return out
 
 
+def calibrate(quick: bool, threads: int) -> float:
+    """The machine's decode rate with one thread per core, on the first 256 local images."""
+    spec = image_set(quick)
+    ensure_image_set(spec)
+    paths = sorted(spec.root.rglob("*.jpg"))[:256]
+    return decode_rate(paths, threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_device(args.device)
@@ -204,8 +212,11 @@ def main(argv: list[str] | None = None) -> None:
         ensure_image_set(spec)
     names = args.contenders or list(CONTENDERS)
     runs, unavailable = plan(chosen, args.quick, names)
-    results = execute(runs, chosen, args.device, args.quick)
     info = machine_info()
+    info["decode_per_s"] = calibrate(args.quick, info["usable_cores"])
+    ticks = cpu_ticks()
+    results = execute(runs, chosen, args.device, args.quick)
+    info["cpu_steal_share"] = steal_share(ticks, cpu_ticks())
     report = {
         "machine": info, "versions": versions(), "started": started.isoformat(timespec="seconds"),
         "duration_s": time.perf_counter() - t0, "unavailable": unavailable,

@@ -7,6 +7,8 @@ import os
 import platform
 import re
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -49,6 +51,37 @@ def machine_info() -> dict:
         "gpu": gpu_name(),
         "os": platform.platform(),
     }
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks since boot from /proc/stat; None where there is no such file."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[7] if len(fields) > 7 else 0, sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests between two ``cpu_ticks()``: a VM
+    whose neighbours are busy runs slower, and its figures say so."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def decode_rate(paths: list[Path], threads: int) -> float:
+    """Images/s that ``threads`` threads decode and transform (the bench's per-sample code) from
+    the page cache: this machine's speed at the run's time, to read every absolute figure by."""
+    from bench.tasks import image_decoder
+
+    decoder = image_decoder()
+    blobs = [path.read_bytes() for path in paths]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(decoder, blobs[: 2 * threads]))  # warm: code, caches, thread start
+        started = time.perf_counter()
+        list(pool.map(decoder, blobs))
+        return len(blobs) / (time.perf_counter() - started)
 
 
 def versions() -> dict:

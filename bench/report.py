@@ -45,6 +45,17 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def machine_speed(m: dict) -> str:
+    """How fast the machine was during the run: the same VM can differ 2x from day to day."""
+    rate, steal = m.get("decode_per_s"), m.get("cpu_steal_share")
+    parts = []
+    if rate is not None:
+        parts.append(f"{m['usable_cores']} threads decoded {rate:.0f} images/s of this run's data just before it")
+    if steal is not None:
+        parts.append(f"{100 * steal:.1f} % of CPU time was stolen by the hypervisor during it")
+    return "Machine speed: " + "; ".join(parts) + "." if parts else ""
+
+
 def markdown(report: dict) -> str:
     """One table per workload, best row of each contender in bold, failures listed under it."""
     m, v = report["machine"], report["versions"]
@@ -55,6 +66,8 @@ def markdown(report: dict) -> str:
         f"{report['started']}, {'quick' if report['settings']['quick'] else 'full'} mode, "
         f"{report['duration_s']:.0f} s. Python {v['python']}, torch {v['torch']}, "
         f"asyncload {v['asyncload']}, torchdata {v['torchdata'] or 'absent'}, spdl {v['spdl'] or 'absent'}.",
+        "",
+        machine_speed(m),
         "",
         "Each row is one process: a warm-up epoch, then the median samples/s of the measured epochs. "
         "First batch: from iter() to the first batch of the cold (first) epoch. CPU and peak RSS "

@@ -26,6 +26,9 @@ class Contender:
     name = ""
     # Is this the baseline that ratios are computed against?
     baseline = False
+    # Workloads left out of this contender's runs (python-step weighs isolate=True against
+    # DataLoader's processes; the thread-based contenders add nothing there but minutes).
+    skipped: tuple[str, ...] = ()
 
     def unavailable(self) -> str | None:
         """None when it can run here, else the reason (an exception's text)."""
@@ -33,7 +36,7 @@ class Contender:
 
     def supports(self, workload: Workload) -> bool:
         """Whether this contender has a reader for the workload's data (tar shards need one)."""
-        return not workload.samples_per_shard
+        return not workload.samples_per_shard and workload.name not in self.skipped
 
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
         """The sweep for this workload: a list of settings, the first being the defaults."""

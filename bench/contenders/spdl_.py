@@ -131,6 +131,7 @@ class _Loader:
 
 class SPDLContender(Contender):
     name = "spdl"
+    skipped = ("python-step",)
 
     def unavailable(self) -> str | None:
         """SPDL imports without FFmpeg but cannot decode: try a real decode of a tiny JPEG."""
@@ -146,17 +147,13 @@ class SPDLContender(Contender):
         return None
 
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
-        """Its FFmpeg decoder at 2x the core count (for large samples also at 1x; its images
-        came out slower at 1x in every earlier run); in full mode also asyncload's decoder at
-        2x (the same transform code as every other contender, to tell pipeline from decoder)."""
+        """Its FFmpeg decoder at 2x the core count (1x was slower in every earlier full run);
+        in full mode also asyncload's decoder at 2x (the same transform code as every other
+        contender, to tell pipeline from decoder)."""
         n = cores()
         io = 64
-        if workload.source == "synthetic":
-            return [{"num_threads": t, "io_concurrency": io} for t in ((2 * n,) if quick else (n, 2 * n))]
-        if workload.name in ("consumer-bound", "python-step"):
-            return [{"num_threads": 2 * n, "io_concurrency": io}]
         own = [{"num_threads": 2 * n, "io_concurrency": io}]
-        if quick:
+        if quick or workload.source == "synthetic" or workload.name == "consumer-bound":
             return own
         return own + [{"decoder": "ImageDecoder", "num_threads": 2 * n, "io_concurrency": io}]
 

@@ -48,6 +48,7 @@ class _Loader:
 
 class TorchDataContender(Contender):
     name = "torchdata.nodes"
+    skipped = ("python-step",)
 
     def unavailable(self) -> str | None:
         try:
@@ -57,20 +58,10 @@ class TorchDataContender(Contender):
         return None
 
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
-        """Thread counts from the core count up: I/O-bound samples want many more threads (from
-        S3, so many that the core count is left out); decoding local files, 16 cannot help."""
-        n = cores()
-        if workload.name in ("consumer-bound", "python-step"):
-            return [{"num_workers": 2 * n}]
-        if quick:
-            threads = (2 * n,) if workload.source == "local" else (16,)
-        elif workload.source.startswith("s3"):
-            threads = (2 * n, 16)
-        elif workload.source == "local":
-            threads = (n, 2 * n)
-        else:
-            threads = (n, 2 * n, 16)
-        return [{"num_workers": t} for t in threads]
+        """One thread count, its best in every earlier full run (which swept 1x, 2x cores and
+        16): 2x cores to decode local files, 16 where reads wait (S3, large samples)."""
+        threads = 2 * cores() if workload.source == "local" else 16
+        return [{"num_workers": threads}]
 
     def build(self, workload: Workload, config: dict, data: RunData) -> Any:
         return _Loader(workload, config, data)
