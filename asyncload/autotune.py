@@ -2,7 +2,8 @@
 
 Every second or so of running, the tuner looks at what happened since its last look. If the
 training loop waited for data, it raises the knob the bottleneck points to (decode threads for
-"decode CPU", reads in flight for "storage"), one step at a time. If the loop has not waited for
+"decode CPU", reads in flight for "storage"), one step at a time, and only where the raise can
+help: a thread when a core is idle to run it, reads when they fill most of their cap. If the loop has not waited for
 a few looks in a row, it lowers a knob that had slack, but never below a value that once made
 the loop wait (its floor): so settings settle at the smallest that keep the loop fed, and do
 not oscillate. Reads in flight are also kept within a memory budget.
@@ -137,10 +138,17 @@ class AutoTuner:
             self._lower_one(window)
 
     def _knob_for(self, bottleneck: str, window: dict[str, Any]) -> Knob | None:
+        """The knob whose raise can shorten the wait: decode threads while they are busy and a
+        core is idle to run one more; reads in flight while they fill most of their cap. None
+        when the wait comes from elsewhere (saturated cores, the event loop, a short prefetch
+        window): more threads on busy cores, or a cap that reads do not reach, only add cost."""
         threads, io = self.knobs.get("num_threads"), self.knobs.get("io_concurrency")
-        if bottleneck == "decode CPU" or (bottleneck == "mixed" and window["decodes_running/mean"] > 0.6 * window["num_threads"]):
+        active = window["active_seconds"]
+        idle_cores = window["cpu_cores"] - (window["cpu_seconds"] + window["other_processes_cpu_seconds"]) / active
+        busy_threads = window["decodes_running/mean"] > 0.6 * window["num_threads"]
+        if bottleneck in ("decode CPU", "mixed") and busy_threads and idle_cores >= 0.5:
             return threads
-        if bottleneck in ("storage", "mixed"):
+        if bottleneck in ("storage", "mixed") and window["reads_in_flight/mean"] > 0.75 * window["io_concurrency"]:
             return io
         return None
 

@@ -69,6 +69,16 @@ def test_decode_bound_waiting_adds_a_thread():
     assert (threads.value, io.value) == (3, 16)
 
 
+def test_no_raise_where_it_cannot_help():
+    t, threads, io = tuner()
+    busy_cores = window(0.5, decodes=1.9, threads=2)
+    busy_cores["cpu_seconds"] = 7.8  # of 8 cores: a third thread would have no core to run on
+    t._decide(busy_cores)
+    slow_reads_below_cap = window(0.5, decodes=0.2, reads=4.0, io=16, read_s=5.0, decode_s=0.2)
+    t._decide(slow_reads_below_cap)  # "storage", yet 4 reads of 16 allowed: the cap is not the limit
+    assert (threads.value, io.value, t.changes) == (2, 16, [])
+
+
 def test_calm_looks_lower_an_idle_knob_but_never_below_its_floor():
     t, threads, io = tuner()
     threads.set(4)
