@@ -194,12 +194,13 @@ def notes(chosen: list[Workload], quick: bool) -> list[str]:
     return out
 
 
-def calibrate(quick: bool, threads: int) -> float:
-    """The machine's decode rate with one thread per core, on the first 256 local images."""
-    spec = image_set(quick)
-    ensure_image_set(spec)
-    paths = sorted(spec.root.rglob("*.jpg"))[:256]
-    return decode_rate(paths, threads)
+def calibrate(sets: dict[str, ImageSetSpec], threads: int) -> float | None:
+    """The machine's decode rate with one thread per core, on the first 256 images of the
+    smallest image set the run uses (None when it uses none)."""
+    if not sets:
+        return None
+    spec = min(sets.values(), key=lambda s: s.count)
+    return decode_rate(sorted(spec.root.rglob("*.jpg"))[:256], threads)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,12 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     started = dt.datetime.now()
     t0 = time.perf_counter()
     chosen = select_workloads(args)
-    for spec in image_sets(chosen, args.quick).values():
+    sets = image_sets(chosen, args.quick)
+    for spec in sets.values():
         ensure_image_set(spec)
     names = args.contenders or list(CONTENDERS)
     runs, unavailable = plan(chosen, args.quick, names)
     info = machine_info()
-    info["decode_per_s"] = calibrate(args.quick, info["usable_cores"])
+    info["decode_per_s"] = calibrate(sets, info["usable_cores"])
     ticks = cpu_ticks()
     results = execute(runs, chosen, args.device, args.quick)
     info["cpu_steal_share"] = steal_share(ticks, cpu_ticks())
