@@ -29,7 +29,7 @@ import numpy as np
 
 from .autotune import AsyncGate
 from .sampler import EpochSampler
-from .sources import Source
+from .sources import Source, checked_index
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "asyncload-shards/1"
@@ -119,12 +119,7 @@ class ShardSource(Sequence):
         return len(self.keys)
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
-        if isinstance(index, slice):
-            raise TypeError("a ShardSource is indexed by integers")
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
+        index = checked_index(index, len(self), "ShardSource")
         sample = ShardSample(self.urls[self.shard_of[index]], self.keys.url(index), index)
         return sample if self.labels is None else (sample, int(self.labels[index]))
 

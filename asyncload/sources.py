@@ -15,6 +15,18 @@ import numpy as np
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 
 
+def checked_index(index: Any, length: int, kind: str) -> int:
+    """``index`` as a position in ``range(length)``, counting a negative one from the end, as a
+    list does; a slice or a position outside raises. ``kind`` names the sequence in the error."""
+    if isinstance(index, slice):
+        raise TypeError(f"a {kind} is indexed by integers")
+    if index < 0:
+        index += length
+    if not 0 <= index < length:
+        raise IndexError(index)
+    return index
+
+
 class Source(Sequence):
     """A sized sequence of URLs, or of ``(url, label)`` pairs when labels are given."""
 
@@ -35,12 +47,7 @@ class Source(Sequence):
         return self._blob[self._offsets[index] : self._offsets[index + 1]].decode()
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
-        if isinstance(index, slice):
-            raise TypeError("a Source is indexed by integers")
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
+        index = checked_index(index, len(self), "Source")
         if self.labels is None:
             return self.url(index)
         return self.url(index), int(self.labels[index])

@@ -15,10 +15,10 @@ import argparse
 import json
 import statistics
 
-from bench.__main__ import execute
+from bench.__main__ import execute, image_sets
 from bench.contenders import CONTENDERS
 from bench.dataset import ensure_image_set
-from bench.workloads import image_set, s3_image_set, workloads
+from bench.workloads import workloads
 
 AUTO = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tuned", type=json.loads, help="a hand-tuned setting as JSON, also run each round")
     args = parser.parse_args(argv)
     workload = next(w for w in workloads(False) if w.name == args.workload)
-    for spec in (image_set(False), s3_image_set(False)):
+    for spec in image_sets([workload], False).values():
         ensure_image_set(spec)
     contender = CONTENDERS["asyncload"]
     configs = [{"tag": "default"}, AUTO] + ([{"tag": "tuned", **args.tuned}] if args.tuned else [])

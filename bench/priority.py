@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from bench.steps import calibrate, python_step
+from bench.steps import calibrate, time_alone
 
 DECODER = r"""
 import os, sys, threading
@@ -38,12 +38,7 @@ SETTINGS = ((0, 0), (1, 0), (2, 0), (2, 10), (2, 19))  # (decode threads, nicene
 
 
 def step_ms(loops: int, steps: int = 20) -> float:
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        python_step(loops)
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+    return 1000 * time_alone(loops, steps)
 
 
 def next_to_decoding(loops: int, threads: int, niceness: int) -> float:

@@ -8,6 +8,7 @@ loader slows it down (and how much it slows the loader).
 
 from __future__ import annotations
 
+import statistics
 import time
 
 
@@ -36,4 +37,4 @@ def time_alone(loops: int, tries: int = 5) -> float:
         started = time.perf_counter()
         python_step(loops)
         times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import simplejpeg
 
+from asyncload import AsyncLoader, ImageDecoder
 from bench.s3server import S3_ENV, MotoServer, storage_options
 
 CLASSES = ("cat", "dog", "fox")
@@ -85,6 +86,13 @@ def s3_jpeg_bucket(s3_options, jpeg_folder) -> str:
     for path in sorted(jpeg_folder.rglob("*.jpg")):
         fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
     return "s3://asyncload-test/jpegs"
+
+
+def epoch(source, **kwargs) -> list[tuple]:
+    """One seeded, augmented epoch as (images, labels) batches: equal for equal bytes, so the
+    same images read from two places must give equal epochs."""
+    with AsyncLoader(source, batch_size=5, shuffle=True, seed=3, decode=ImageDecoder(24, train=True), **kwargs) as loader:
+        return [(images.clone(), labels.clone()) for images, labels in loader]
 
 
 def make_bucket(fs) -> None:

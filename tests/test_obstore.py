@@ -21,7 +21,7 @@ from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, tar_
 from asyncload.read import Reader
 from asyncload.stats import LoaderStats
 from bench.s3server import LatencyProxy, free_port, obstore_options
-from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, wait_until
+from tests.conftest import CLASSES, PER_CLASS, epoch, identify, make_bucket, wait_until
 from tests.faults import RESET, SLOW_DOWN, STALL, FaultProxy, first_tries
 
 obstore_fsspec = pytest.importorskip("obstore.fsspec")
@@ -79,10 +79,6 @@ def test_the_registration_is_undone(s3_server):
 
 
 def test_an_epoch_through_obstore_equals_the_local_one(jpeg_folder, source, obstore_s3):
-    def epoch(source, **kwargs):
-        with AsyncLoader(source, batch_size=5, shuffle=True, seed=3, decode=ImageDecoder(24, train=True), **kwargs) as loader:
-            return [(images.clone(), labels.clone()) for images, labels in loader]
-
     local = epoch(image_folder(str(jpeg_folder)))
     remote = epoch(source, storage_options=obstore_s3)
     assert len(local) == len(remote) == 5

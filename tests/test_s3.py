@@ -5,11 +5,8 @@ import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
 from bench.s3server import LatencyProxy, storage_options
+from tests.conftest import epoch
 
-
-def epoch(source, **kwargs):
-    with AsyncLoader(source, batch_size=5, shuffle=True, seed=3, decode=ImageDecoder(24, train=True), **kwargs) as loader:
-        return [(images.clone(), labels.clone()) for images, labels in loader]
 
 
 def test_an_epoch_from_s3_equals_the_local_one(jpeg_folder, s3_jpeg_bucket, s3_options):
