@@ -110,6 +110,11 @@ class BatchBuffer:
         self.in_pipeline = False  # taken by the pipeline and not yet handed out or given back
         self.copy_done: Any = None  # a CUDA event: the buffer's device copy must finish before reuse
 
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """Writable NumPy views of every field, ``[capacity, *shape]``: row ``i`` is ``array[i]``."""
+        return self._arrays
+
     def rows(self, index: int) -> list[np.ndarray]:
         """Writable views of row ``index`` of every field."""
         return [array[index, ...] for array in self._arrays]  # `...` keeps 0-d rows as views

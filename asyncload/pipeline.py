@@ -9,25 +9,27 @@ either fails its batch (``on_error="raise"``: the user gets its ``SampleError`` 
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .autotune import AsyncGate, Gate
-from .buffers import BatchBuffer, BufferRing, Field, SampleLayout
+from .buffers import BatchBuffer, BufferRing, SampleLayout
 from .cache import ShardCache
 from .device import DeviceStage, PendingCopy, convert_batch
 from .errors import SampleError, TooManyFailures
 from .progress import Cursor, Positions
 from .read import Reader
+from .rows import Batch, Row, RowFiller, chunk_rows, labelled, local_path
 from .shards import ShardSource, ShardStream
 from .stats import LoaderStats
+from .workers import DecodeWorkers
+
+STOP_TIMEOUT_S = 5.0  # stop(): how long threads stuck in a user's read or decode may hold it up
 
 
 def is_labelled(item: Any) -> bool:
@@ -76,21 +78,6 @@ class BatchQuota:
     last_size: int
 
 
-@dataclass
-class Batch:
-    """One batch being filled: its number in this run, the epoch positions in its rows, its buffer."""
-
-    number: int
-    positions: list[int]
-    buffer: BatchBuffer | None
-    remaining: int
-    errors: dict[int, SampleError] = field(default_factory=dict)
-    holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
-
-    def first_error(self) -> SampleError | None:
-        return self.errors[min(self.errors)] if self.errors else None
-
-
 class EpochRun:
     """Delivers the batches of one epoch's ``order`` (source indices), leaving out the positions
     in ``done``. Iterate it on the user's thread; ``stop()`` ends every thread it started.
@@ -113,7 +100,8 @@ class EpochRun:
         self.failure_limit = _failure_limit(settings.max_failures, len(order))
         self.failures: list[SampleError] = []
         self.loop = asyncio.new_event_loop()
-        self.decode_pool = ThreadPoolExecutor(settings.num_threads, thread_name_prefix="asyncload-decode")
+        self.workers = DecodeWorkers(settings.num_threads, settings.thread_gate)
+        self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
         self._cond = threading.Condition()
         self._rows_lock = threading.Lock()
         self._finished: dict[int, Batch] = {}
@@ -125,10 +113,12 @@ class EpochRun:
         self._pending_copies: dict[int, PendingCopy] = {}
         self._stopped = False
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
+        self._completed = 0  # batches complete (every row done or failed)
+        self._all_complete = asyncio.Event()  # the loop stays up until then: failures need it
         self._read_slots = AsyncGate(self._sample_slots(settings))
         self._shards: ShardStream | None = None  # a shard source's reads, made on the loop
-        decode = settings.decode
-        self._decode_in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+        self._reader: Reader | None = None
+        self.filler = RowFiller(settings.decode, epoch, settings.stats, self._read_other, self._rows_done, self._job_failed)
         settings.stats.run_started()
         self._main = self.loop.create_task(self._produce_all())
         self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
@@ -172,12 +162,11 @@ class EpochRun:
         self._reader = reader
         self._shards = self._shard_stream(reader) if isinstance(self.s.source, ShardSource) else None
         self._tasks: set[asyncio.Task] = set()
-        self._local_jobs: set[Future] = set()
         try:
             await self._produce()
-            while self._tasks or self._local_jobs:  # failures may add replacements meanwhile
-                jobs = [asyncio.wrap_future(job) for job in list(self._local_jobs)]
-                await asyncio.gather(*list(self._tasks), *jobs, return_exceptions=True)
+            await self._all_complete.wait()
+            while self._tasks:  # failures may add replacements meanwhile
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
             for task in self._tasks:
                 task.cancel()
@@ -224,16 +213,17 @@ class EpochRun:
             batch = Batch(number, positions, self.s.ring.take(), remaining=len(positions))
             self._in_pipeline.append(batch)
             number += 1
-            for row, position in enumerate(positions):
-                if first_sample is not None:  # row 0 of the first batch: already decoded
-                    self._spawn(self._write_decoded(batch, row, *first_sample))
-                    first_sample = None
-                elif not self._submit_local(batch, row, position):
-                    await self._read_slots.acquire()
-                    self._spawn(self._load(batch, row, position))
+            rows = range(len(positions))
+            if first_sample is not None:  # row 0 of the first batch: already decoded
+                self.workers.submit(lambda b=batch, s=first_sample: self.filler.write_job(b, 0, s[1], s[0]))
+                first_sample, rows = None, range(1, len(positions))
+            await self._submit(batch, rows)
         with self._cond:
             self._batch_count = number
+            every_batch_complete = self._completed >= number
             self._cond.notify_all()
+        if every_batch_complete:
+            self._all_complete.set()
 
     def _take_batch(self, number: int) -> list[int]:
         """The positions of batch ``number``: the cursor's next ones, padded to the quota's
@@ -290,7 +280,7 @@ class EpochRun:
             try:
                 key, label = self._split(index)
                 data = await self._fetch(key)
-                sample = await self.loop.run_in_executor(self.decode_pool, self._timed_decode, data)
+                sample = await self.workers.run_async(self.loop, self.filler.timed_decode, data)
                 break
             except Exception as error:
                 failure = self._record(positions[0], error if isinstance(error, SampleError) else SampleError(key, "decode", error))
@@ -301,7 +291,7 @@ class EpochRun:
                 if not replacement:
                     return None  # every remaining sample failed and was skipped
                 positions[0] = replacement[0]
-        sample = self._labelled(sample, label)
+        sample = labelled(sample, label)
         self.s.ring.configure(SampleLayout.of(sample), self.s.batch_size)
         return key, sample
 
@@ -327,136 +317,69 @@ class EpochRun:
         except Exception as error:
             raise SampleError(key, "read", error) from error
 
-    async def _load(self, batch: Batch, row: int, position: int) -> None:
-        """Reads (on the loop) and decodes (on a decode thread) the sample at ``position`` into
-        ``row`` of ``batch``. Every outcome ends in ``_row_done`` or a replacement load, so a
-        batch always completes."""
-        index = int(self.order[position])
-        try:
+    async def _submit(self, batch: Batch, rows: Sequence[int]) -> None:
+        """Starts the loads of ``rows`` of ``batch``. Local files go to the decode threads by
+        chunks (each job reads and decodes its rows, with no hand-off back to the loop); other
+        items are read here, within ``io_concurrency``, then decoded one job each."""
+        local: list[Row] = []
+        for row in rows:
+            index = int(self.order[batch.positions[row]])
             try:
                 key, label = self._split(index)
-                data = await self._fetch(key)
+            except SampleError as error:
+                await self._failed(batch, row, error)
+                continue
+            if self._is_local(key):
+                local.append(Row(row, key, label, index))
+                if len(local) == self._chunk:
+                    self._submit_job(batch, local)
+                    local = []
+            else:
+                await self._read_slots.acquire()
+                self._spawn(self._load(batch, Row(row, key, label, index)))
+        if local:
+            self._submit_job(batch, local)
+
+    def _submit_job(self, batch: Batch, rows: list[Row]) -> None:
+        if not self._stopped:
+            self.workers.submit(lambda: self.filler.fill(batch, rows))
+
+    def _is_local(self, key: Any) -> bool:
+        """Whether a decode thread reads ``key`` itself: local files, with the loader's own read."""
+        if self.s.read is not None or self._shards is not None:
+            return False
+        assert self._reader is not None
+        return local_path(key) is not None or self._reader.is_local(key)
+
+    def _read_other(self, key: str) -> bytes:
+        """On a decode thread: a local URL that is not a plain path (e.g. ``memory://``)."""
+        assert self._reader is not None
+        return self._reader.read_local(key)
+
+    async def _load(self, batch: Batch, row: Row) -> None:
+        """Reads a sample on the loop, then hands it to a decode job; a failed read takes the
+        failure path, so the row is always completed."""
+        try:
+            try:
+                row.data = await self._fetch(row.key)
             finally:
                 self._read_slots.release()
-            assert batch.buffer is not None
-            await self.loop.run_in_executor(
-                self.decode_pool, self._gated, self._decode_into, batch.buffer, row, key, data, label, index
-            )
         except SampleError as error:
-            await self._failed(batch, row, error)
+            await self._failed(batch, row.row, error)
             return
         except Exception as error:  # not the sample's fault, but it must not be lost either
-            await self._failed(batch, row, SampleError(f"source[{index}]", "load", error))
+            await self._failed(batch, row.row, SampleError(f"source[{row.index}]", "load", error))
             return
-        self._row_done(batch)
+        self._submit_job(batch, [row])
 
-    def _submit_local(self, batch: Batch, row: int, position: int) -> bool:
-        """Local files skip the event loop: a decode thread reads the file, decodes it into its
-        row and completes the row itself, with no hand-off back to the loop. False if the item
-        is not a local file (or cannot be told apart here); ``_load`` then takes it."""
-        if self.s.read is not None:
-            return False
-        index = int(self.order[position])
-        try:
-            key, label = self._split(index)
-        except SampleError:
-            return False
-        if not self._reader.is_local(key):
-            return False
-        job = self.decode_pool.submit(self._gated, self._read_and_decode_into, batch.buffer, row, key, label, index)
-        self._local_jobs.add(job)
-        job.add_done_callback(functools.partial(self._local_job_done, batch, row, index))
-        return True
-
-    def _local_job_done(self, batch: Batch, row: int, index: int, job: Future) -> None:
-        """On the decode thread that ran ``job`` (or the one that cancelled it)."""
-        if job.cancelled():
-            return
-        error = job.exception()
-        if error is None:
-            self._local_jobs.discard(job)
-            self._row_done(batch)
-            return
-        if not isinstance(error, SampleError):
-            error = SampleError(f"source[{index}]", "load", error)
-
-        def on_loop() -> None:  # a failure may take the cursor's next position: the loop's job
-            self._spawn(self._failed(batch, row, error))
-            self._local_jobs.discard(job)
-
-        self._call_in_loop(on_loop)
-
-    async def _write_decoded(self, batch: Batch, row: int, key: Any, sample: Any) -> None:
-        """Copies an already decoded sample into ``row`` of ``batch``."""
-        assert batch.buffer is not None
-        try:
-            await self.loop.run_in_executor(self.decode_pool, self._write, batch.buffer, row, sample)
-        except Exception as error:
-            await self._failed(batch, row, SampleError(key, "decode", error))
-            return
-        self._row_done(batch)
-
-    def _gated(self, work: Callable[..., None], *args: Any) -> None:
-        """Runs ``work`` on a decode thread, within the tuner's thread limit if there is one."""
-        if self.s.thread_gate is None:
-            work(*args)
-            return
-        with self.s.thread_gate:
-            work(*args)
+    def _job_failed(self, batch: Batch, row: int, error: SampleError) -> None:
+        """On a decode thread: a row failed. The failure policy may take the cursor's next
+        position, which the loop owns: run it there."""
+        self._call_in_loop(lambda: self._spawn(self._failed(batch, row, error)))
 
     def set_io_limit(self, limit: int) -> None:
         """Changes how many reads may be in flight, from any thread."""
         self._call_in_loop(lambda: (self._read_slots if self._shards is None else self._shards).set_limit(limit))
-
-    def _write(self, buffer: BatchBuffer, row: int, sample: Any) -> None:
-        started = time.perf_counter()
-        buffer.write(row, sample)
-        self.s.stats.add("write", time.perf_counter() - started)
-
-    def _read_and_decode_into(self, buffer: BatchBuffer, row: int, key: str, label: int | None, index: int) -> None:
-        """On a decode thread: reads a local URL, then decodes it into its row (one hand-off)."""
-        try:
-            data = self._reader.read_local(key)
-        except Exception as error:
-            raise SampleError(key, "read", error) from error
-        self._decode_into(buffer, row, key, data, label, index)
-
-    def _timed_decode(self, data: Any) -> Any:
-        """On a decode thread: the user's decode of ``data``, counted in the decode stage."""
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        sample = self.s.decode(data)
-        self.s.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
-        return sample
-
-    def _decode_into(self, buffer: BatchBuffer, row: int, key: Any, data: Any, label: int | None, index: int) -> None:
-        """On a decode thread: decode ``data`` and write it into row ``row`` of ``buffer``. The
-        thread's CPU time is counted beside the wall time: a thread waiting for the GIL is in
-        its decode but gets no CPU, which is how the report tells the GIL from busy cores."""
-        stats = self.s.stats
-        stats.level("decodes_running", 1)
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        try:
-            if self._decode_in_place:  # the decoder writes the row itself
-                rows = buffer.rows(row)
-                self.s.decode.decode_into(data, rows[0], (self.epoch, index))
-                if label is not None:
-                    rows[1][...] = label
-            else:
-                sample = self.s.decode(data)
-        except Exception as error:
-            raise SampleError(key, "decode", error) from error
-        finally:
-            stats.level("decodes_running", -1)
-        stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
-        if not self._decode_in_place:
-            try:
-                self._write(buffer, row, self._labelled(sample, label))
-            except Exception as error:
-                raise SampleError(key, "decode", error) from error
-
-    @staticmethod
-    def _labelled(sample: Any, label: int | None) -> Any:
-        return sample if label is None else (sample, np.int64(label))
 
     async def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """A sample failed. Raising: its batch carries the error. Skipping: the row gets the
@@ -470,12 +393,10 @@ class EpochRun:
                 replacement = self._padding(1)
             if replacement:
                 batch.positions[row] = replacement[0]
-                if not self._submit_local(batch, row, replacement[0]):
-                    await self._read_slots.acquire()
-                    self._spawn(self._load(batch, row, replacement[0]))
+                await self._submit(batch, [row])
                 return
             batch.holes.add(row)
-        self._row_done(batch)
+        self._rows_done(batch, 1)
 
     def _record(self, position: int, error: SampleError) -> SampleError | None:
         """Counts the failure of the sample at ``position``; returns the error its batch must
@@ -492,10 +413,11 @@ class EpochRun:
             return TooManyFailures(self.failures, self.s.max_failures)
         return None
 
-    def _row_done(self, batch: Batch) -> None:
-        """Called on the loop or on a decode thread: the decrement takes a lock."""
+    def _rows_done(self, batch: Batch, count: int) -> None:
+        """``count`` rows of ``batch`` are complete. Called on the loop or on a decode thread (once
+        per job): the decrement takes a lock."""
         with self._rows_lock:
-            batch.remaining -= 1
+            batch.remaining -= count
             complete = batch.remaining == 0
         if complete:
             self._finish(batch)
@@ -504,7 +426,11 @@ class EpochRun:
         self.s.stats.level("batches_ready", 1)
         with self._cond:
             self._finished[batch.number] = batch
+            self._completed += 1
+            last = self._batch_count is not None and self._completed >= self._batch_count
             self._cond.notify_all()
+        if last:
+            self._call_in_loop(self._all_complete.set)
 
     # ----- the user's thread -----
 
@@ -602,7 +528,7 @@ class EpochRun:
         self._stopped = True
         self._call_in_loop(self._main.cancel)
         self.thread.join()
-        self.decode_pool.shutdown(wait=True, cancel_futures=True)
+        self.workers.stop(STOP_TIMEOUT_S)
         for batch in self._in_pipeline:
             if batch.buffer is not None and batch.number not in self._pending_copies:
                 batch.buffer.give_back()

@@ -89,10 +89,11 @@ class LoaderStats:
     def decode(self) -> StageStats:
         return self.stages["decode"]
 
-    def add(self, stage: str, seconds: float, nbytes: int = 0, cpu_seconds: float = 0.0) -> None:
+    def add(self, stage: str, seconds: float, nbytes: int = 0, cpu_seconds: float = 0.0, items: int = 1) -> None:
+        """Counts ``items`` that spent ``seconds`` in ``stage`` (decode jobs report a chunk at once)."""
         with self._lock:
             stats = self.stages[stage]
-            stats.items += 1
+            stats.items += items
             stats.seconds += seconds
             stats.bytes += nbytes
             stats.cpu_seconds += cpu_seconds

@@ -1,0 +1,188 @@
+"""Filling batch rows on the decode threads: read (local files), decode, write, report.
+
+Python per sample is what one GIL runs out of first, so the work is handed out by chunks of a
+batch's rows: one job reads each local file with three system calls (no Python file object, the
+size known from ``fstat``), decodes it straight into its row, and at the end of the chunk adds
+its figures to the stats once and reports its rows done once. Only failures go back to the event
+loop, one by one (they may take a replacement from the epoch's cursor, which the loop owns).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .buffers import BatchBuffer, Field
+from .errors import SampleError
+from .stats import LoaderStats
+
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass
+class Batch:
+    """One batch being filled: its number in this run, the epoch positions in its rows, its buffer."""
+
+    number: int
+    positions: list[int]
+    buffer: BatchBuffer | None
+    remaining: int
+    errors: dict[int, SampleError] = field(default_factory=dict)
+    holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
+
+    def first_error(self) -> SampleError | None:
+        return self.errors[min(self.errors)] if self.errors else None
+
+
+@dataclass
+class Row:
+    """What one row needs: its number in the batch, the item's key and label, its source index
+    (with the epoch, the key of the decoder's random choices), and its bytes if already read."""
+
+    row: int
+    key: Any
+    label: int | None
+    index: int
+    data: Any = None
+
+
+def local_path(key: Any) -> str | None:
+    """The file system path of a plain path or ``file://`` URL, else None (without fsspec: this
+    runs for every sample)."""
+    if not isinstance(key, str):
+        return None
+    if "://" not in key and "::" not in key:
+        return key
+    if key.startswith("file://") and "::" not in key:
+        return key[len("file://"):]
+    return None
+
+
+def read_file(path: str) -> bytes:
+    """The whole file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A Python file
+    object or a read of unknown size costs several times more GIL time than these calls."""
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0) if size else b""
+        if len(data) < size or not size:  # shrank meanwhile, or a file that reports no size
+            chunks = [data]
+            while chunk := os.pread(fd, 1 << 20, sum(len(c) for c in chunks)):
+                chunks.append(chunk)
+            data = b"".join(chunks)
+        return data
+    finally:
+        os.close(fd)
+
+
+class RowFiller:
+    """Decodes samples into their rows on a decode thread and reports each chunk of rows once.
+
+    ``read_other`` reads a local URL that is not a plain path (``memory://``); ``rows_done`` is
+    called with a batch and how many of its rows are complete; ``row_failed`` with a batch, a row
+    and its ``SampleError`` (the row is then not done: the failure policy completes it)."""
+
+    def __init__(self, decode: Callable[[Any], Any], epoch: int, stats: LoaderStats,
+                 read_other: Callable[[str], bytes], rows_done: Callable[[Batch, int], None],
+                 row_failed: Callable[[Batch, int, SampleError], None]) -> None:
+        self.decode = decode
+        self.in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+        self.epoch = epoch
+        self.stats = stats
+        self.read_other = read_other
+        self.rows_done = rows_done
+        self.row_failed = row_failed
+
+    def fill(self, batch: Batch, rows: Sequence[Row]) -> None:
+        """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
+        ``batch``'s buffer, then reports."""
+        assert batch.buffer is not None
+        buffer, stats = batch.buffer, self.stats
+        stats.level("decodes_running", 1)
+        read_s = decode_s = 0.0
+        nbytes = reads = done = 0
+        cpu_started = time.thread_time()
+        now = time.perf_counter()
+        for row in rows:
+            data = row.data
+            if data is None:
+                try:
+                    path = local_path(row.key)
+                    data = read_file(path) if path is not None else self.read_other(row.key)
+                except Exception as error:
+                    self.row_failed(batch, row.row, SampleError(row.key, "read", error))
+                    continue
+                finally:
+                    started, now = now, time.perf_counter()
+                    read_s += now - started
+                reads += 1
+                nbytes += len(data)
+            try:
+                self._decode_row(buffer, row, data)
+            except SampleError as error:
+                self.row_failed(batch, row.row, error)
+            else:
+                done += 1
+            finally:
+                started, now = now, time.perf_counter()
+                decode_s += now - started
+        cpu = time.thread_time() - cpu_started
+        stats.level("decodes_running", -1)
+        if reads:
+            stats.add("read", read_s, nbytes, items=reads)
+        stats.add("decode", decode_s, cpu_seconds=cpu, items=len(rows))
+        if done:
+            self.rows_done(batch, done)
+
+    def _decode_row(self, buffer: BatchBuffer, row: Row, data: Any) -> None:
+        arrays = buffer.arrays
+        try:
+            if self.in_place:  # the decoder writes the row itself
+                self.decode.decode_into(data, arrays[0][row.row], (self.epoch, row.index))
+                if row.label is not None:
+                    arrays[1][row.row] = row.label
+                return
+            sample = self.decode(data)
+        except Exception as error:
+            raise SampleError(row.key, "decode", error) from error
+        self.write(buffer, row.row, labelled(sample, row.label), row.key)
+
+    def write(self, buffer: BatchBuffer, row: int, sample: Any, key: Any) -> None:
+        """Copies an already decoded (and labelled) sample into ``row``."""
+        started = time.perf_counter()
+        try:
+            buffer.write(row, sample)
+        except Exception as error:
+            raise SampleError(key, "decode", error) from error
+        self.stats.add("write", time.perf_counter() - started)
+
+    def write_job(self, batch: Batch, row: int, sample: Any, key: Any) -> None:
+        """A decode job for a sample decoded elsewhere (the epoch's first, which taught the layout)."""
+        assert batch.buffer is not None
+        try:
+            self.write(batch.buffer, row, sample, key)
+        except SampleError as error:
+            self.row_failed(batch, row, error)
+            return
+        self.rows_done(batch, 1)
+
+    def timed_decode(self, data: Any) -> Any:
+        """The user's decode of ``data``, counted in the decode stage."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        sample = self.decode(data)
+        self.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
+        return sample
+
+
+def labelled(sample: Any, label: int | None) -> Any:
+    return sample if label is None else (sample, np.int64(label))
+
+
+def chunk_rows(batch_size: int, threads: int) -> int:
+    """Rows a job takes: enough jobs per batch to keep every thread busy twice over (so a slow
+    chunk's tail overlaps the next batch), few enough that a job's fixed cost is spread out."""
+    return max(1, -(-batch_size // (2 * threads)))
