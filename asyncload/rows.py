@@ -103,9 +103,8 @@ class RowFiller:
         assert batch.buffer is not None
         buffer, stats = batch.buffer, self.stats
         stats.level("decodes_running", 1)
-        read_s = decode_s = 0.0
+        read_s = decode_s = cpu = 0.0
         nbytes = reads = done = 0
-        cpu_started = time.thread_time()
         now = time.perf_counter()
         for row in rows:
             data = row.data
@@ -121,6 +120,7 @@ class RowFiller:
                     read_s += now - started
                 reads += 1
                 nbytes += len(data)
+            cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
             try:
                 self._decode_row(buffer, row, data)
             except SampleError as error:
@@ -128,9 +128,9 @@ class RowFiller:
             else:
                 done += 1
             finally:
+                cpu += time.thread_time() - cpu_started
                 started, now = now, time.perf_counter()
                 decode_s += now - started
-        cpu = time.thread_time() - cpu_started
         stats.level("decodes_running", -1)
         if reads:
             stats.add("read", read_s, nbytes, items=reads)

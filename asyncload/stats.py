@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .gil import GilProbe
+
 STAGES = ("read", "decode", "write", "copy")  # copy: host-to-device, with device="cuda"
 
 
@@ -76,6 +78,7 @@ class LoaderStats:
         self._active_system_cpu = 0.0
         self._running_since: tuple[float, float, float] | None = None
         self._lock = threading.Lock()
+        self._gil = GilProbe()
         self._callback: tuple[float, Callable[[dict[str, Any]], None]] | None = None
         self._last_callback = time.perf_counter()
 
@@ -120,8 +123,10 @@ class LoaderStats:
     def run_started(self) -> None:
         with self._lock:
             self._running_since = (time.perf_counter(), time.process_time(), _system_cpu_seconds())
+        self._gil.start()
 
     def run_stopped(self) -> None:
+        self._gil.stop()
         with self._lock:
             if self._running_since is not None:
                 wall, cpu, system_cpu = self._running_since
@@ -159,6 +164,7 @@ class LoaderStats:
             for name, stage in self.stages.items():
                 figures.update({f"{name}/items": stage.items, f"{name}/seconds": stage.seconds, f"{name}/bytes": stage.bytes})
             figures["decode/cpu_seconds"] = self.stages["decode"].cpu_seconds
+            figures["gil/late_ms"] = self._gil.mean_late_ms()
             for name, level in self.levels.items():
                 figures[f"{name}/mean"] = level.area_until(now) / active if active else 0.0
                 figures[f"{name}/peak"] = level.peak
@@ -220,13 +226,30 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+GIL_LATE_MS = 0.5  # the probe's mean lateness past which the GIL is busy (free: ~0.1 ms)
+
+
+def _gil_evidence(f: dict[str, Any], cores_used: float, idle_cores: float, late: float, decode_cores: float,
+                  turns: bool) -> str:
+    """What says the GIL is the limit, who holds it, and the remedy."""
+    who = ("the decode runs Python code that holds it, so the decode threads take turns"
+           if turns or decode_cores >= 0.5 else
+           f"the decode threads got only {decode_cores:.2f} cores in decode, so the Python holding it is the "
+           f"pipeline's own per sample, or the training step")
+    return (f"the process used {cores_used:.2f} of {f['cpu_cores']} cores with {idle_cores:.1f} idle while the loop "
+            f"waited, and a thread waking every 5 ms waited {late:.2f} ms on average for the GIL (about 0.1 when "
+            f"it is free): Python under one GIL is the limit; {who}. More threads cannot help: processes=N runs the "
+            f"pipeline in N processes, each with its own GIL")
+
+
 def diagnose(f: dict[str, Any]) -> tuple[str, str]:
     """Names what limits the pipeline, from ``LoaderStats.as_dict()`` figures, with the evidence.
 
     consumer: the user's step (the loop rarely waits: the loader is ahead);
-    GIL: more than one decode thread is in decode at a time, yet together they get about one core
-    of CPU while other cores idle (Python code in the decode holds the GIL: a thread waiting for
-    it is in decode but not on a CPU);
+    GIL: cores idle while the loop waits, and a probe thread waits for the GIL (``gil.py``) or
+    more than one decode thread is in decode at a time yet together they get about one core: Python
+    under one GIL (the pipeline's per sample, a decode that runs Python, the training step) is the
+    limit, whatever the threads; ``processes=`` runs the pipeline under N GILs;
     decode CPU: decode threads are busy and use the cores (or share them with other processes);
     storage: reads are in flight at the cap (raise io_concurrency), or reads take far longer
     than decoding while decode threads idle;
@@ -248,11 +271,15 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
     decodes = f["decodes_running/mean"]
     decode_cores = f["decode/cpu_seconds"] / active  # the CPU the threads in decode actually got
     on_cpu = decode_cores / decodes if decodes else 1.0  # share of in-decode time on a CPU: < 1 waits on a lock
-    if (min(f["num_threads"], f["cpu_cores"]) >= 2 and decodes >= 1.1 and decode_cores < 1.25
-            and on_cpu < 0.85 and idle_cores > 0.5):
-        return "GIL", (f"{decodes:.1f} of {f['num_threads']} decode threads were in decode at a time but got "
-                       f"{decode_cores:.2f} cores of CPU, with {idle_cores:.1f} cores idle: the decode runs Python "
-                       f"code that holds the GIL, so the threads take turns")
+    late = f.get("gil/late_ms", 0.0)
+    # Threads in decode taking turns: together about one core (the GIL's), each off the CPU most of
+    # the time. Off the CPU with no CPU at all is a decode that waits GIL-free (a sleep, a GPU).
+    turns = decodes >= 1.1 and 0.5 <= decode_cores < 1.25 and on_cpu < 0.85
+    # A late probe alone may be the OS's scheduling on a loaded machine: a busy GIL also means the
+    # process keeps about a core busy with the Python holding it.
+    gil_busy = late >= GIL_LATE_MS and cores_used >= 0.8
+    if f["cpu_cores"] >= 2 and idle_cores > 0.5 and (gil_busy or (f["num_threads"] >= 2 and turns)):
+        return "GIL", _gil_evidence(f, cores_used, idle_cores, late, decode_cores, turns)
     if decode_busy > 0.75 or (decode_busy > 0.4 and idle_cores < 0.5):
         return "decode CPU", (f"decode threads were busy {100 * decode_busy:.0f} % of the time; the process used "
                               f"{cores_used:.2f} and other processes {others:.2f} of {f['cpu_cores']} cores")

@@ -203,6 +203,20 @@ def calibrate(sets: dict[str, ImageSetSpec], threads: int) -> float | None:
     return decode_rate(sorted(spec.root.rglob("*.jpg"))[:256], threads)
 
 
+def gil_ceiling(quick: bool) -> dict | None:
+    """The one-GIL proxy (bench/gil_ceiling.py) in a fresh process: asyncload's samples/s with a
+    decode that costs no GIL, beside minimal thread loops doing the same files."""
+    with tempfile.TemporaryDirectory(prefix="asyncload-bench-") as tmp:
+        out = Path(tmp) / "gil.json"
+        command = [sys.executable, "-m", "bench.gil_ceiling", "--json", str(out)]
+        command += ["--samples", "4096", "--repeat", "1"] if quick else []
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent, timeout=300)
+        if done.returncode != 0 or not out.exists():
+            return {"error": done.stderr.strip().splitlines()[-1:] or f"exit code {done.returncode}"}
+        return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_device(args.device)
@@ -218,13 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     info["decode_per_s"] = calibrate(sets, info["usable_cores"])
     ticks = cpu_ticks()
     results = execute(runs, chosen, args.device, args.quick)
+    ceiling = gil_ceiling(args.quick)
     info["cpu_steal_share"] = steal_share(ticks, cpu_ticks())
     report = {
         "machine": info, "versions": versions(), "started": started.isoformat(timespec="seconds"),
         "duration_s": time.perf_counter() - t0, "unavailable": unavailable,
         "settings": {"quick": args.quick, "device": args.device, "argv": sys.argv[1:],
                      "workloads": [w.to_dict() for w in chosen], "contenders": names},
-        "results": results, "notes": notes(chosen, args.quick),
+        "results": results, "gil_ceiling": ceiling, "notes": notes(chosen, args.quick),
     }
     mark_best(results, report["settings"]["workloads"])
     # A quick check must not overwrite the day's full results.

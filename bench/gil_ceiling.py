@@ -6,12 +6,15 @@ the pipeline runs per sample, under one GIL: on a many-core node that rate is th
 ceiling whatever the cores. Beside it, minimal loops of plain threads doing the same files and
 the same sleep show what bare Python costs for the same work.
 
-    python -m bench.gil_ceiling [--samples 8192] [--threads 64] [--repeat 3]
+    python -m bench.gil_ceiling [--samples 8192] [--threads 64] [--repeat 3] [--json PATH]
+
+``python -m bench`` runs it in a process of its own and puts its figures in every result.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import threading
 import time
@@ -128,8 +131,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=str, default=None, help="also write the figures here")
     args = parser.parse_args()
     best = measure(args.samples, args.threads, args.repeat)
+    if args.json:
+        figures = {"samples": args.samples, "threads": args.threads, "sleep_s": SLEEP_S, "rates": best}
+        with open(args.json, "w") as f:
+            json.dump(figures, f)
     reference = best["threads: sleep only"]
     print(f"# GIL ceiling: {args.samples} files of {FILE_BYTES} B, a 2 ms GIL-free decode, {args.threads} threads")
     info = machine_info()

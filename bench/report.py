@@ -100,9 +100,26 @@ def markdown(report: dict) -> str:
         if failed:
             lines.append("")
             lines += [f"- not run / failed: {r['label']}: {r['error']}" for r in failed]
+    lines += gil_ceiling_lines(report.get("gil_ceiling"))
     if report.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def gil_ceiling_lines(figures: dict | None) -> list[str]:
+    """The one-GIL proxy: what the pipeline's own Python per sample allows, beside bare loops."""
+    if not figures:
+        return []
+    lines = ["", "## gil-ceiling: the pipeline's Python per sample, under one GIL", ""]
+    if "rates" not in figures:
+        return lines + [f"- failed: {figures.get('error')}"]
+    lines += [f"{figures['samples']} files of 2 KB, a decode that sleeps {1000 * figures['sleep_s']:.0f} ms "
+              f"(no GIL, no CPU), {figures['threads']} threads; best of the rounds.", "",
+              "| loop | samples/s | of sleep-only |", "|---|---:|---:|"]
+    reference = figures["rates"].get("threads: sleep only") or 1.0
+    for name, rate in figures["rates"].items():
+        lines.append(f"| {name} | {rate:,.0f} | {rate / reference:.2f} |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:

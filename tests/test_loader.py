@@ -352,3 +352,28 @@ def test_resume_with_shuffling_and_sharding():
         head, state = run(rank, stop_after=3)
         rest, _ = run(rank, state)
         assert head + rest == full
+
+
+def test_native_libraries_run_one_thread_per_decode_thread_and_the_users_settings_come_back(jpeg_folder):
+    """OpenCV's pool is one process-wide setting: one thread while an epoch runs (16 decode threads
+    x OpenCV's own 16 oversubscribe a 16-core node), the user's value again afterwards. torch's
+    intra-op threads are set per thread, in the decode threads only."""
+    import cv2
+
+    cv2.setNumThreads(3)
+    torch_threads = torch.get_num_threads()
+    seen = []
+
+    def decode(data: bytes) -> np.ndarray:
+        seen.append((cv2.getNumThreads(), torch.get_num_threads()))
+        return np.zeros(2, np.uint8)
+
+    try:
+        with AsyncLoader(image_folder(str(jpeg_folder)), batch_size=4, decode=decode, num_threads=2) as loader:
+            for _ in loader:
+                assert cv2.getNumThreads() == 1
+                assert torch.get_num_threads() == torch_threads
+        assert seen and set(seen) == {(1, 1)}
+        assert cv2.getNumThreads() == 3
+    finally:
+        cv2.setNumThreads(-1)

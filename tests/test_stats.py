@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import threading
 import time
 
 import cv2
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader
+from asyncload.gil import GilProbe
 from asyncload.stats import diagnose
 
 
@@ -141,3 +143,45 @@ def test_progress_bar_on_a_terminal(monkeypatch):
         list(loader)
     shown = terminal.getvalue()
     assert "epoch 0" in shown and "20/20" in shown and "bottleneck: " in shown
+
+
+def test_the_gil_probe_is_late_while_python_holds_the_gil():
+    """A thread spinning in Python holds the GIL for whole switch intervals (5 ms): the probe
+    waits for it. Alone, it wakes on time (a generous bound: this machine may be busy)."""
+    probe = GilProbe()
+    probe.start()
+    time.sleep(0.3)
+    probe.stop()
+    idle = probe.mean_late_ms()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    probe.start()
+    time.sleep(0.5)
+    probe.stop()
+    stop.set()
+    spinner.join()
+    assert probe.mean_late_ms() > 1.0 > idle / 2, (probe.mean_late_ms(), idle)
+    assert not any(t.name == "asyncload-gil-probe" for t in threading.enumerate())
+
+
+def test_a_busy_gil_with_an_idle_decoder_blames_the_pipeline_not_the_decoder():
+    """The GIL-ceiling proxy: 64 threads whose decode sleeps (no GIL, no CPU), the process at one
+    core, the probe late: the verdict is the GIL, pointing at processes=, not at the decode."""
+    f = figures(decodes=60, decode_cores=0.02, cores_used=1.0, threads=64, cpu_cores=2)
+    f["gil/late_ms"] = 1.2
+    name, evidence = diagnose(f)
+    assert name == "GIL", evidence
+    assert "pipeline's own" in evidence and "processes=" in evidence
+    assert "decode runs Python" not in evidence
+    # The same figures with the GIL free: the threads merely wait on their sleeping decode.
+    f["gil/late_ms"] = 0.1
+    assert diagnose(f)[0] != "GIL"
+    # A late probe in a process that uses a fraction of a core is the OS's scheduling, not the GIL.
+    f.update({"gil/late_ms": 2.0, "cpu_seconds": 0.3})
+    assert diagnose(f)[0] != "GIL"
