@@ -36,11 +36,23 @@ class DecodeWorkers:
     def __init__(self, count: int, gate: Gate | None, name: str = "asyncload-decode") -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._gate = gate
+        self._count = count
+        self._name = name
         self._stopping = False
         native_threads.acquire()
-        self.threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(count)]
-        for thread in self.threads:
+        self.threads: list[threading.Thread] = []
+        # Each Thread.start() waits for the new thread to run, which under a busy GIL takes a while:
+        # a starter thread starts them, so the epoch's first jobs are queued meanwhile.
+        self._starter = threading.Thread(target=self._start_threads, name=f"{name}-starter", daemon=True)
+        self._starter.start()
+
+    def _start_threads(self) -> None:
+        for number in range(self._count):
+            if self._stopping:
+                return
+            thread = threading.Thread(target=self._work, name=f"{self._name}-{number}", daemon=True)
             thread.start()
+            self.threads.append(thread)
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
@@ -79,12 +91,13 @@ class DecodeWorkers:
         if not self._stopping:
             self._stopping = True
             native_threads.release()
-            for _ in self.threads:
+            for _ in range(self._count):  # one for each thread, started or about to be
                 self._jobs.put(None)
         deadline = time.monotonic() + timeout
-        for thread in self.threads:
+        self._starter.join(max(0.0, deadline - time.monotonic()))
+        for thread in list(self.threads):
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self.threads)
+        return not self._starter.is_alive() and not any(thread.is_alive() for thread in self.threads)
 
 
 class _NativeThreads:
