@@ -1,5 +1,8 @@
 """The default decode gives torchvision's pixels on real photos, in every encoding tested."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -95,3 +98,31 @@ def test_eval_of_an_upscaled_tiny_image_matches_torchvision():
     big = ImageDecoder(700)(data)  # upscale: plain bilinear, as PIL
     assert np.abs(small.astype(int) - reference_eval(data, 16)).max() <= 1
     assert np.abs(big.astype(int) - reference_eval(data, 700)).max() <= 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_resize_starts_no_thread_pool_of_its_own():
+    # torch starts its intra-op (OpenMP) pool on the first op that splits its work; from many
+    # decode threads that would oversubscribe the cores. The uint8 antialiased kernel runs on the
+    # calling thread: the process gains no thread, where an elementwise op on a large tensor does.
+    import subprocess
+    import sys
+
+    script = """
+import os, numpy as np, torch
+from asyncload.resize import resize_aa_into, resize_centre_crop_into
+torch.set_num_threads(4)
+count = lambda: len(os.listdir("/proc/self/task"))
+before = count()
+image = np.random.default_rng(0).integers(0, 256, (2000, 3000, 3), dtype=np.uint8)
+resize_aa_into(image[100:1900, 200:2800], np.empty((224, 224, 3), np.uint8))
+resize_centre_crop_into(image, np.empty((224, 224, 3), np.uint8))
+after_resize = count()
+torch.ones(4000, 4000).add_(1)
+print(before, after_resize, count())
+"""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True, cwd=root)
+    before, after_resize, after_elementwise = map(int, result.stdout.split())
+    assert after_resize == before
+    assert after_elementwise > before  # the count does see a pool when one starts
