@@ -87,14 +87,18 @@ class GpuImageDecoder:
         keys: Sequence[Key],
         out: torch.Tensor,
         stream: torch.cuda.Stream | None = None,
+        rows: Sequence[int] | None = None,
     ) -> BatchResult:
-        """Decodes ``datas[i]`` with the random choices of ``keys[i]`` into ``out[i]``
-        (``[B, size, size, 3]`` uint8 on ``device``), on ``stream`` (default: the current one)."""
+        """Decodes ``datas[i]`` with the random choices of ``keys[i]`` into ``out[rows[i]]``
+        (``out``: ``[B, size, size, 3]`` uint8 on ``device``; ``rows`` default: ``range``, a
+        subset is e.g. the refill of failed rows), on ``stream`` (default: the current one).
+        Failures and ``on_cpu`` are numbered as ``datas``."""
+        targets = [out[row] for row in (range(len(datas)) if rows is None else rows)]
         failures: dict[int, Exception] = {}
         gpu_rows, cpu_rows = self.split(datas)
         with torch.cuda.stream(stream) if self.device.type == "cuda" else nullcontext():
-            self._decode_on_device(datas, keys, out, gpu_rows, cpu_rows)
-            self._decode_on_cpu(datas, keys, out, cpu_rows, failures)
+            self._decode_on_device(datas, keys, targets, gpu_rows, cpu_rows)
+            self._decode_on_cpu(datas, keys, targets, cpu_rows, failures)
             event = None
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
@@ -117,7 +121,7 @@ class GpuImageDecoder:
             (gpu_rows if colourspace in NVJPEG_COLOURSPACES else cpu_rows).append(row)
         return gpu_rows, cpu_rows
 
-    def _decode_on_device(self, datas: Sequence[bytes], keys: Sequence[Key], out: torch.Tensor,
+    def _decode_on_device(self, datas: Sequence[bytes], keys: Sequence[Key], targets: list[torch.Tensor],
                           rows: list[int], cpu_rows: list[int]) -> None:
         """nvJPEG's rows; a row it rejects joins ``cpu_rows``."""
         if not rows:
@@ -138,8 +142,10 @@ class GpuImageDecoder:
             if image is None:
                 cpu_rows.append(row)
                 continue
-            plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), self.cpu.rng(keys[row]), reducible=False)
-            out[row].copy_(self.transform(image, plan))
+            # the CPU path's box, snapped as there for a DCT-scaled decode, so that both paths
+            # crop the same pixels; the decode here is full size (plan.reduce is unused)
+            plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), self.cpu.rng(keys[row]))
+            targets[row].copy_(self.transform(image, plan))
 
     def transform(self, image: torch.Tensor, plan: Plan) -> torch.Tensor:
         """3xHxW uint8 -> size x size x 3: torchvision's Resize + CenterCrop (``plan.box`` None)
@@ -155,23 +161,23 @@ class GpuImageDecoder:
             resized = resized.flip(2)
         return resized.permute(1, 2, 0)
 
-    def _decode_on_cpu(self, datas: Sequence[bytes], keys: Sequence[Key], out: torch.Tensor,
+    def _decode_on_cpu(self, datas: Sequence[bytes], keys: Sequence[Key], targets: list[torch.Tensor],
                        rows: list[int], failures: dict[int, Exception]) -> None:
         """The rows nvJPEG left: ImageDecoder into pinned staging rows, then one copy up each."""
         if not rows:
             return
-        on_host = out.device.type == "cpu"
-        staging = out if on_host else self._staging_rows(len(datas), out.device.type == "cuda")
-        host = staging.numpy()
+        on_host = targets[0].device.type == "cpu"
+        staging = None if on_host else self._staging_rows(len(datas), targets[0].device.type == "cuda")
         for row in sorted(rows):
+            host = targets[row] if staging is None else staging[row]
             try:
-                self.cpu.decode_into(datas[row], host[row], keys[row])
+                self.cpu.decode_into(datas[row], host.numpy(), keys[row])
             except Exception as error:  # noqa: BLE001 - reported per row, as the loader does
                 failures[row] = error
                 continue
-            if not on_host:
-                out[row].copy_(staging[row], non_blocking=True)
-        if out.device.type == "cuda":
+            if staging is not None:
+                targets[row].copy_(host, non_blocking=True)
+        if targets[0].device.type == "cuda":
             self._staging_free = torch.cuda.Event()
             self._staging_free.record()
 

@@ -7,7 +7,7 @@ import torch
 
 from asyncload.decode import ImageDecoder
 from asyncload.gpu_decode import GpuImageDecoder, jpeg_decode_on_cpu, torchvision_decode_jpegs
-from tests.photos import encoded
+from tests.photos import encoded, mean_abs_diff, reference_crop
 
 MIXED = [  # what a folder of user files holds: nvJPEG takes the first four
     ("china", "jpeg_q90_420"), ("flower", "jpeg_progressive"), ("grace_hopper", "jpeg_greyscale"),
@@ -97,3 +97,34 @@ def test_decode_on_a_side_stream_is_ordered_by_its_event():
         torch.cuda.current_stream().wait_event(result.event)  # the consumer waits, not the host
         means = out.float().mean(dim=(1, 2, 3)).cpu().numpy()
         assert abs(means[0] - expected) < 1 and (means > 0).all()
+
+
+def test_rows_send_a_refill_to_chosen_rows_only():
+    datas = [encoded("flower", "jpeg_q90_420"), encoded("china", "png_rgba")]
+    out = torch.zeros((5, 64, 64, 3), dtype=torch.uint8)
+    result = GpuImageDecoder(64, train=True, device="cpu", decode_jpegs=jpeg_decode_on_cpu).decode_batch(
+        datas, [(0, 10), (0, 11)], out, rows=[3, 1])
+    assert result.failures == {} and result.on_cpu == [1]  # numbered as datas
+    cpu = ImageDecoder(64, train=True)
+    np.testing.assert_array_equal(out[3].numpy(), cpu(datas[0], key=(0, 10)))
+    np.testing.assert_array_equal(out[1].numpy(), cpu(datas[1], key=(0, 11)))
+    assert not out[[0, 2, 4]].any()
+
+
+def test_past_an_8x_shrink_the_boxes_are_the_cpu_path_s_and_the_pixels_within_a_level():
+    # the CPU path decodes at 1/2 scale here and snaps its box to even pixels; the batch decode
+    # is full size but crops the same snapped box
+    data = encoded("china", "jpeg_q90_420")
+    keys = [(2, index) for index in range(8)]
+    out = torch.zeros((8, 24, 24, 3), dtype=torch.uint8)
+    decoder = GpuImageDecoder(24, train=True, scale=(0.5, 1.0), device="cpu", decode_jpegs=jpeg_decode_on_cpu)
+    decoder.decode_batch([data] * 8, keys, out)
+    cpu = ImageDecoder(24, train=True, scale=(0.5, 1.0))
+    reductions = set()
+    for row, key in enumerate(keys):
+        plan = cpu.plan(427, 640, cpu.rng(key))
+        reductions.add(plan.reduce)
+        expected = reference_crop(data, plan.box, 24, plan.flip)
+        assert np.abs(out[row].numpy().astype(int) - expected).max() <= 1  # full decode: exact
+        assert mean_abs_diff(cpu(data, key=key), expected) < 1.5  # DCT-scaled decode: close
+    assert 2 in reductions
