@@ -7,9 +7,11 @@ for the rest of the training step. The crop boxes and flips are ``ImageDecoder``
 does not decode (CMYK/YCCK JPEGs, any other format, a JPEG it rejects) goes through the CPU path
 into a pinned staging row and is copied up, so a batch never fails for its format.
 
-Streams: torchvision decodes on the *current* stream, so everything here (decode, resize, copies)
-runs inside ``torch.cuda.stream(stream)``; the returned event marks its end, for the consumer's
-stream to wait on (never the host). The caller must not hand ``out`` to us while another stream
+Streams: torchvision decodes on a stream of its own and makes the *current* stream wait for it, so
+everything here (decode, resize, copies) runs inside ``torch.cuda.stream(stream)``; the returned
+event marks its end, for the consumer's stream to wait on (never the host). Its outputs are
+allocated on the current stream but written on its own, so a batch first waits (on the host, on the
+thread that calls it) for the previous batch's kernels, whose freed memory nvJPEG could reuse. The caller must not hand ``out`` to us while another stream
 may still read it: make ``stream`` wait on the event that released it first.
 """
 
@@ -76,6 +78,7 @@ class GpuImageDecoder:
         self.decode_jpegs = decode_jpegs
         self._staging: torch.Tensor | None = None  # pinned rows for the CPU fallback
         self._staging_free: torch.cuda.Event | None = None
+        self._last_batch: torch.cuda.Event | None = None  # the end of the previous decode_batch
 
     @property
     def field(self) -> Field:
@@ -103,6 +106,7 @@ class GpuImageDecoder:
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
+                self._last_batch = event
         return BatchResult(failures, event, sorted(cpu_rows))
 
     @staticmethod
@@ -126,6 +130,12 @@ class GpuImageDecoder:
         """nvJPEG's rows; a row it rejects joins ``cpu_rows``."""
         if not rows:
             return
+        if self._last_batch is not None:
+            # torchvision allocates its outputs on the current stream but writes them on a
+            # stream of its own, ordered after nothing of ours: memory our last batch's kernels
+            # freed while still queued could be overwritten under them. Waiting for that batch
+            # (a host wait on this decode thread, never on the training loop) closes the gap.
+            self._last_batch.synchronize()
         with warnings.catch_warnings():  # the bytes are only read: a read-only buffer is fine
             warnings.simplefilter("ignore", UserWarning)
             encoded = [torch.frombuffer(datas[row], dtype=torch.uint8) for row in rows]
