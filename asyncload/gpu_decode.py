@@ -17,6 +17,7 @@ may still read it: make ``stream`` wait on the event that released it first.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from contextlib import nullcontext
 from typing import Callable, NamedTuple, Sequence
@@ -79,6 +80,7 @@ class GpuImageDecoder:
         self._staging: torch.Tensor | None = None  # pinned rows for the CPU fallback
         self._staging_free: torch.cuda.Event | None = None
         self._last_batch: torch.cuda.Event | None = None  # the end of the previous decode_batch
+        self._lock = threading.Lock()  # one batch at a time: the staging rows are shared
 
     @property
     def field(self) -> Field:
@@ -99,7 +101,7 @@ class GpuImageDecoder:
         targets = [out[row] for row in (range(len(datas)) if rows is None else rows)]
         failures: dict[int, Exception] = {}
         gpu_rows, cpu_rows = self.split(datas)
-        with torch.cuda.stream(stream) if self.device.type == "cuda" else nullcontext():
+        with self._lock, torch.cuda.stream(stream) if self.device.type == "cuda" else nullcontext():
             self._decode_on_device(datas, keys, targets, gpu_rows, cpu_rows)
             self._decode_on_cpu(datas, keys, targets, cpu_rows, failures)
             event = None
@@ -154,7 +156,8 @@ class GpuImageDecoder:
                 continue
             # the CPU path's box, snapped as there for a DCT-scaled decode, so that both paths
             # crop the same pixels; the decode here is full size (plan.reduce is unused)
-            plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), self.cpu.rng(keys[row]))
+            rng = self.cpu.rng(keys[row]) if self.cpu.train else None  # eval draws nothing
+            plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), rng)
             targets[row].copy_(self.transform(image, plan))
 
     def transform(self, image: torch.Tensor, plan: Plan) -> torch.Tensor:
