@@ -68,6 +68,24 @@ def throughput(images: list[bytes], rounds: int) -> None:
               f"wall {fast_wall * 1e3:.3f} / {default_wall * 1e3:.3f} ms; CPU/wall of default: {share:.2f}")
 
 
+def large_photos(rounds: int) -> None:
+    """Photos 3x the size of the shipped ones (~2.5 MP): between a 2x and an 8x shrink the fast
+    path decodes at a reduced DCT scale and the default, for its pixels, does not."""
+    from PIL import Image
+
+    from tests.photos import photos
+
+    print("eval of ~2.5 MP photos (the shipped ones, upscaled 3x with Lanczos), CPU ms/image:")
+    for name, photo in photos().items():
+        big = Image.fromarray(photo).resize((photo.shape[1] * 3, photo.shape[0] * 3), Image.LANCZOS)
+        data = simplejpeg.encode_jpeg(np.asarray(big), quality=90)
+        decoders = [ImageDecoder(224, **options) for options in PATHS.values()]
+        cpus = list(zip(*(timed_round(decoders, [data] * 4, epoch) for epoch in range(rounds))))
+        fast, default = (statistics.median(cpu for _, cpu in runs) for runs in cpus)
+        print(f"  {name} {big.height}x{big.width}: fast {fast * 1e3:.2f}, default {default * 1e3:.2f} "
+              f"(throughput default/fast = {fast / default:.2f})")
+
+
 def _decode_times(images: list[bytes]) -> list[float]:
     times = []
     for data in images:
@@ -150,6 +168,7 @@ def main() -> None:
     torch.set_num_threads(1)
     images = [simplejpeg.encode_jpeg(synth_image(0, i), quality=90) for i in range(args.images)]
     throughput(images, args.rounds)
+    large_photos(args.rounds)
     if not args.skip_parity:
         parity()
     if args.device.startswith("cuda") or args.device == "cpu-batch":
