@@ -16,12 +16,21 @@ def png(image_rgb: np.ndarray) -> bytes:
     return cv2.imencode(".png", cv2.cvtColor(image_rgb, cv2.COLOR_RGB2BGR))[1].tobytes()
 
 
-def test_eval_transform_is_centre_square_resized():
+def test_eval_transform_is_torchvision_resize_then_centre_crop():
+    from PIL import Image
+
     image = gradient_image(60, 100)
     out = ImageDecoder(size=30)(png(image))
-    expected = cv2.resize(image[:, 20:80], (30, 30), interpolation=cv2.INTER_LINEAR)
+    # Resize(30): 60x100 -> 30x50 (PIL's antialiased bilinear), CenterCrop(30): columns 10..40
+    expected = np.asarray(Image.fromarray(image).resize((50, 30), Image.BILINEAR))[:, 10:40]
     assert out.shape == (30, 30, 3) and out.dtype == np.uint8
-    np.testing.assert_array_equal(out, expected)
+    assert np.abs(out.astype(int) - expected).max() <= 1
+
+
+def test_fast_eval_transform_is_centre_square_resized_by_opencv():
+    image = gradient_image(60, 100)
+    out = ImageDecoder(size=30, antialias=False)(png(image))
+    np.testing.assert_array_equal(out, cv2.resize(image[:, 20:80], (30, 30), interpolation=cv2.INTER_LINEAR))
 
 
 def test_decode_writes_into_the_given_row():
@@ -31,10 +40,11 @@ def test_decode_writes_into_the_given_row():
     assert not batch[0].any() and not batch[2].any()
 
 
-def test_large_jpeg_uses_dct_downscale_and_stays_close_to_full_decode():
+@pytest.mark.parametrize("antialias", [True, False])
+def test_large_jpeg_uses_dct_downscale_and_stays_close_to_full_decode(antialias):
     image = gradient_image(800, 1000)
     data = simplejpeg.encode_jpeg(image, quality=95)
-    out = ImageDecoder(size=100)(data)
+    out = ImageDecoder(size=100, antialias=antialias)(data)
     full = simplejpeg.decode_jpeg(data)
     reference = cv2.resize(full[:, 100:900], (100, 100), interpolation=cv2.INTER_AREA)
     assert np.abs(out.astype(int) - reference).mean() < 2.0
@@ -102,10 +112,12 @@ def test_bytes_that_are_no_image_raise_a_clear_error():
         decode_rgb(b"hello, world")
 
 
-def test_truncated_jpeg_is_an_error_not_a_grey_image():
+@pytest.mark.parametrize("size", [16, 4])  # 4: decoded at a reduced DCT scale
+@pytest.mark.parametrize("antialias", [True, False])
+def test_truncated_jpeg_is_an_error_not_a_grey_image(antialias, size):
     data = simplejpeg.encode_jpeg(gradient_image(64, 64), quality=90)
     with pytest.raises(ValueError):
-        ImageDecoder(size=16)(data[: len(data) // 2])
+        ImageDecoder(size=size, antialias=antialias)(data[: len(data) // 2])
 
 
 def test_empty_file_is_a_clear_error():
@@ -151,9 +163,9 @@ _SEED_PNG = png(gradient_image(24, 32))
 
 
 def _decode_or_raise(data: bytes) -> None:
-    for train in (False, True):
+    for train, antialias in ((False, True), (True, True), (False, False), (True, False)):
         try:
-            out = ImageDecoder(size=16, train=train)(data, key=(0, 0))
+            out = ImageDecoder(size=16, train=train, antialias=antialias)(data, key=(0, 0))
         except Exception:
             continue
         assert out.shape == (16, 16, 3) and out.dtype == np.uint8
