@@ -39,8 +39,9 @@ def test_batches_arrive_on_the_gpu_equal_to_the_cpu_ones(jpeg_folder):
     kwargs = dict(batch_size=5, seed=1, decode=ImageDecoder(32, train=True))
     with AsyncLoader(source, **kwargs) as cpu, AsyncLoader(source, device="cuda", **kwargs) as gpu:
         cpu_batches = [(i.clone(), l.clone()) for i, l in cpu]
-        gpu_batches = [(i.cpu(), l.cpu()) for i, l in gpu]
-        assert all(i.is_cuda for i, _ in gpu)
+        on_gpu = list(gpu)  # one epoch: iterating `gpu` again would run (and count) a second one
+        assert all(i.is_cuda and l.is_cuda for i, l in on_gpu)
+        gpu_batches = [(i.cpu(), l.cpu()) for i, l in on_gpu]
     assert len(cpu_batches) == len(gpu_batches)
     assert gpu.stats.stages["copy"].items == len(gpu_batches)
     for (ci, cl), (gi, gl) in zip(cpu_batches, gpu_batches):
