@@ -142,12 +142,18 @@ def test_async_read_function_is_awaited():
 
 
 def test_in_order_false_still_delivers_each_batch_once():
+    last_decoded = threading.Event()
+
     def decode(i):
-        if i < 5:
-            time.sleep(0.05)  # the first batch is slow; later ones may pass it
+        if 0 < i < 5:  # the first batch waits for the last sample (item 0 tells the layout first)
+            last_decoded.wait(10)
+        if i == 24:
+            last_decoded.set()
         return np.int64(i)
 
-    with AsyncLoader(list(range(25)), batch_size=5, shuffle=False, read=False, decode=decode, in_order=False, prefetch=4) as loader:
+    # 8 threads whatever the cores: 4 wait in the first batch, the others decode the rest
+    with AsyncLoader(list(range(25)), batch_size=5, shuffle=False, read=False, decode=decode, in_order=False, prefetch=4,
+                     num_threads=8) as loader:
         batches = [b.tolist() for b in loader]
     assert sorted(batches) == [list(range(k, k + 5)) for k in range(0, 25, 5)]
     assert batches[0] != [0, 1, 2, 3, 4]
