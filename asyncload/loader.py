@@ -212,6 +212,7 @@ class AsyncLoader:
                 if bar is not None:
                     bar.advance(len(positions))
                 yield batch
+                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
             self._done, self._batches_done = Positions(), 0  # the epoch is complete
         finally:
             run.stop()

@@ -123,6 +123,7 @@ class EpochRun:
         self._handed_out = 0
         self._in_pipeline: list[Batch] = []
         self._pending_copies: dict[int, PendingCopy] = {}
+        self._handed: BatchBuffer | None = None  # the buffer of the batch the user holds
         self._stopped = False
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
         self._read_slots = AsyncGate(self._sample_slots(settings))
@@ -523,7 +524,11 @@ class EpochRun:
             out = self._hand_out(batch)
             number += 1
             self._prefetch_copy(number)
-            yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+            try:
+                yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+            finally:
+                del out
+                self._release_handed()  # the user asked for the next batch, or ended the loop
 
     def _wait_for(self, number: int | None) -> Batch | None:
         """Blocks until batch ``number`` (or, with None, any batch) is complete; None once the
@@ -554,16 +559,22 @@ class EpochRun:
         if stage is not None:
             pending = self._pending_copies.pop(batch.number, None) or self._start_copy(batch.buffer, size)
             out = batch.buffer.layout.unflatten(stage.hand_over(pending))
-        elif self.s.normalize is not None:
-            leaves = [t[:size] for t in batch.buffer.tensors]
-            out = batch.buffer.layout.unflatten(convert_batch(leaves, self.s.normalize))
-            batch.buffer.in_pipeline = False
+        elif self.s.normalize is not None:  # non-image fields go out as they are: tracked views
+            out = batch.buffer.layout.unflatten(convert_batch(batch.buffer.views(size), self.s.normalize))
+            self._handed = batch.buffer
         else:
             out = batch.buffer.batch(size)
+            self._handed = batch.buffer
         self._in_pipeline.remove(batch)
         self._handed_out += 1
         self._call_in_loop(self._room.set)
         return out
+
+    def _release_handed(self) -> None:
+        """The user has moved past the batch last handed out (see ``BatchBuffer.released``)."""
+        handed, self._handed = self._handed, None
+        if handed is not None:
+            handed.released()
 
     def _prefetch_copy(self, number: int) -> None:
         """With a device stage: if batch ``number`` is already complete, start its copy now, so
@@ -608,6 +619,7 @@ class EpochRun:
                 batch.buffer.give_back()
         self._in_pipeline.clear()
         self._pending_copies.clear()
+        self._release_handed()
         self.s.stats.level("batches_ready", -len(self._finished))
         self._finished.clear()
         self.s.stats.run_stopped()

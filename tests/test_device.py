@@ -75,3 +75,37 @@ def test_kept_gpu_batches_stay_intact():
     torch.cuda.synchronize()
     for k, batch in enumerate(batches):
         assert batch[:, 0].tolist() == list(range(4 * k, 4 * k + 4))
+
+
+@cuda
+def test_user_copies_from_pinned_batches_are_not_overwritten():
+    """device=None with CUDA: batches are pinned, and the usual ``x.to("cuda", non_blocking=True)``
+    queues a copy that runs later. With the GPU kept busy, each copy runs after the user dropped
+    the batch and the loader went on: the buffer must not hold the next batch's values by then."""
+    batches, size, width = 24, 4, 1 << 18
+    with AsyncLoader(list(range(batches * size)), batch_size=size, shuffle=False, read=False, prefetch=2,
+                     decode=lambda i: np.full((width,), i, np.int64)) as loader:
+        on_gpu = []
+        for batch in loader:
+            assert batch.is_pinned()
+            torch.cuda._sleep(20_000_000)  # tens of ms of GPU work ahead of the copy
+            on_gpu.append(batch.to("cuda", non_blocking=True))
+            del batch
+        torch.cuda.synchronize()
+    for k, batch in enumerate(on_gpu):
+        expected = torch.arange(k * size, k * size + size, device="cuda").view(-1, 1).expand(-1, width)
+        assert torch.equal(batch, expected), f"batch {k} holds other values"
+
+
+@cuda
+def test_pinned_buffers_are_still_reused_once_the_gpu_is_done():
+    """The event rule must not stop recycling: with the GPU idle, the ring reuses its buffers."""
+    with AsyncLoader(list(range(400)), batch_size=4, shuffle=False, read=False, prefetch=2,
+                     decode=lambda i: np.full((16,), i, np.int64)) as loader:
+        pointers = set()
+        for batch in loader:
+            pointers.add(batch.data_ptr())
+            batch.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            del batch
+    assert len(pointers) <= loader._settings.ring.keep + 2
