@@ -86,6 +86,7 @@ class Batch:
     remaining: int
     errors: dict[int, SampleError] = field(default_factory=dict)
     holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
+    skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
 
     def first_error(self) -> SampleError | None:
         return self.errors[min(self.errors)] if self.errors else None
@@ -97,14 +98,24 @@ class EpochRun:
 
     With a ``quota``, skipped samples that the epoch has no item left for are replaced by samples
     repeated from the start of the order (as ``DistributedSampler`` pads), so the run delivers
-    exactly ``quota.count`` batches."""
+    exactly ``quota.count`` batches.
+
+    ``skipped``: positions an earlier run of this epoch skipped (a resume): they are not read
+    again, not used as padding, and count against the failure budget, which spans the epoch."""
 
     def __init__(self, settings: Settings, epoch: int, order: np.ndarray, done: Positions,
-                 quota: BatchQuota | None = None) -> None:
+                 quota: BatchQuota | None = None, skipped: Positions | None = None) -> None:
         self.s = settings
         self.quota = quota
         self._next_padding = 0  # the next position to repeat, with a quota
         self._failed_positions: set[int] = set()
+        self._earlier_failures = 0
+        if skipped is not None and len(skipped):
+            self._failed_positions = {p for start, stop in skipped.intervals() for p in range(start, stop)}
+            self._earlier_failures = len(self._failed_positions)
+            done = Positions([*done.intervals(), *skipped.intervals()])
+        self.skipped_delivered: list[int] = []  # skipped positions of the batches handed out, for the state
+        self._skipped_early: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self.epoch = epoch
         self.order = order
         self.cursor = Cursor(len(order), done)
@@ -298,6 +309,7 @@ class EpochRun:
                 if failure is not None:
                     self._finish(Batch(number, positions, None, 0, {0: failure}))
                     return None
+                self._skipped_early.append(positions[0])
                 replacement = self.cursor.take(1)
                 if not replacement:
                     return None  # every remaining sample failed and was skipped
@@ -466,6 +478,7 @@ class EpochRun:
         if failure is not None:
             batch.errors[row] = failure
         else:
+            batch.skipped.append(batch.positions[row])
             replacement = self.cursor.take(1)
             if not replacement and self.quota is not None:
                 replacement = self._padding(1)
@@ -489,7 +502,7 @@ class EpochRun:
         self.failures.append(error)
         if not self.s.skip_errors:
             return error
-        if len(self.failures) > self.failure_limit:
+        if self._earlier_failures + len(self.failures) > self.failure_limit:
             return TooManyFailures(self.failures, self.s.max_failures)
         return None
 
@@ -522,6 +535,8 @@ class EpochRun:
             if error is not None:
                 raise error
             out = self._hand_out(batch)
+            self.skipped_delivered += batch.skipped + self._skipped_early
+            self._skipped_early = []
             number += 1
             self._prefetch_copy(number)
             try:

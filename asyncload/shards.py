@@ -19,6 +19,7 @@ A shard set is described by an index (``index.json``, written by ``write_shards`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import posixpath
 from dataclasses import dataclass
@@ -190,6 +191,15 @@ class ShardSampler(EpochSampler):
     def __init__(self, source: ShardSource, batch_size: int, **kwargs: Any) -> None:
         super().__init__(len(source), batch_size, **kwargs)
         self.source = source
+
+    def identity(self) -> dict[str, Any]:
+        """The base order's, plus what shapes a shard order: the shuffle buffer, the members
+        read, and the shards' boundaries and URLs."""
+        source = self.source
+        layout = hashlib.sha256(np.ascontiguousarray(source.shard_first).tobytes())
+        layout.update("\n".join(source.urls).encode())
+        return {**super().identity(), "shuffle_buffer": source.shuffle_buffer, "members": source.members,
+                "shards": layout.hexdigest()[:16]}
 
     def order(self, epoch: int) -> np.ndarray:
         source = self.source

@@ -295,6 +295,27 @@ def test_load_state_dict_rejects_another_configuration():
             b.load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("key, other", [
+    ("shuffle", dict(shuffle=False)),                  # another permutation (here: none)
+    ("source", dict(source=list(range(100, 140)))),   # another source of the same length
+    ("drop_last", dict(drop_last=True)),
+])
+def test_resume_refuses_a_state_of_another_order(key, other):
+    """Resuming on another order would skip some samples and repeat others, silently."""
+    base = dict(source=list(range(40)), batch_size=4, shuffle=True, seed=9, read=False, decode=np.int64)
+    with AsyncLoader(**base) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        iterator.close()
+    with AsyncLoader(**{**base, **other}) as changed:
+        with pytest.raises(ValueError, match=f"{key}=.*another order"):
+            changed.load_state_dict(state)
+    with AsyncLoader(**base) as same:
+        same.load_state_dict(state)
+        assert sum(len(b) for b in same) == 36
+
+
 def test_normalize_gives_float_nchw_on_the_cpu(jpeg_folder):
     source = image_folder(str(jpeg_folder))
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)

@@ -152,6 +152,21 @@ def test_resume_delivers_the_rest_without_reading_the_delivered_samples(shard_di
     assert not set(index for chunk in remaining for index in chunk.indices) & set(order[:12].tolist())
 
 
+@pytest.mark.parametrize("key, options", [("shuffle_buffer", dict(shuffle_buffer=3)), ("members", dict(members="all"))])
+def test_resume_refuses_other_shard_options(shard_dir, key, options):
+    """A shard order also depends on the shuffle buffer; the members read decide what a sample
+    is: a state saved with other ones must not resume."""
+    with AsyncLoader(tar_shards(str(shard_dir), shuffle_buffer=6), batch_size=4, decode=DECODE) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        iterator.close()
+    other = tar_shards(str(shard_dir), **{"shuffle_buffer": 6, **options})
+    with AsyncLoader(other, batch_size=4, decode=lambda sample: np.zeros(1)) as changed:
+        with pytest.raises(ValueError, match=f"{key}=.*another order"):
+            changed.load_state_dict(state)
+
+
 def test_an_epoch_from_s3_equals_the_local_one_in_one_request_per_shard(shard_dir, s3_shards, s3_options):
     local = tar_shards(str(shard_dir), shuffle_buffer=5)
     remote = tar_shards(s3_shards, storage_options=s3_options, shuffle_buffer=5)
