@@ -1,3 +1,5 @@
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +111,26 @@ def test_pinned_buffers_are_still_reused_once_the_gpu_is_done():
             torch.cuda.synchronize()
             del batch
     assert len(pointers) <= loader._settings.ring.keep + 2
+
+
+@cuda
+def test_start_copy_with_normalize_does_not_wait_for_the_gpu():
+    """Issuing a batch's copy returns at once, normalize or not: nothing in it waits for the
+    side stream (here kept busy for about 0.1 s) to finish the copy."""
+    from asyncload.buffers import BatchBuffer, SampleLayout
+    from asyncload.device import DeviceStage
+
+    stage = DeviceStage(torch.device("cuda", torch.cuda.current_device()), ((0.5, 0.4, 0.3), (0.2, 0.2, 0.2)))
+    buffer = BatchBuffer(SampleLayout.of(np.zeros((64, 64, 3), np.uint8)), 8, pin_memory=True)
+    buffer.tensors[0].fill_(51)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stage.stream):
+        torch.cuda._sleep(200_000_000)
+    started = time.perf_counter()
+    pending = stage.start_copy(buffer, 8)
+    issued = time.perf_counter() - started
+    (floats,) = stage.hand_over(pending)
+    torch.cuda.synchronize()
+    assert issued < 0.03, f"start_copy blocked the host for {issued * 1000:.1f} ms"
+    expected = (torch.full((8, 3, 64, 64), 0.2) - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / 0.2
+    torch.testing.assert_close(floats.cpu(), expected)
