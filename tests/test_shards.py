@@ -342,3 +342,64 @@ def test_a_missing_shard_names_it(shard_dir, tmp_path):
 def test_read_is_the_loaders_own_for_shards(shard_dir):
     with pytest.raises(ValueError, match="leave read=None"):
         AsyncLoader(tar_shards(str(shard_dir)), batch_size=4, read=lambda key: key)
+
+
+def run_with_deadline(work, seconds: float = 60.0):
+    """``work()`` on a thread; fails instead of hanging the suite if it does not end in time."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = work()
+        except BaseException as error:  # handed to the test's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return thread.is_alive(), result
+
+
+def test_ranks_with_a_skipped_sample_finish_with_equal_batches(shard_dir, tmp_path):
+    """DDP, tar shards, on_error="skip": the rank with a corrupt sample pads with its first
+    samples again, whose bytes it has already used; it must finish with len(loader) batches
+    (it used to wait forever on a read nothing would resolve)."""
+    corrupt_copy(shard_dir, tmp_path, sample=7)  # on rank 0 (unshuffled: samples 0-11)
+    counts, got = [], {}
+    for rank in range(2):
+        loader = AsyncLoader(tar_shards(str(tmp_path)), batch_size=4, shuffle=False, decode=DECODE,
+                             on_error="skip", max_failures=1, rank=rank, world_size=2)
+        try:
+            hung, result = run_with_deadline(lambda: delivered(loader))
+        finally:
+            loader.close()
+        assert not hung, f"rank {rank} never finished its epoch"
+        if "error" in result:
+            raise result["error"]
+        counts.append((len(result["value"]), len(loader)))
+        got[rank] = flat(result["value"])
+    assert counts == [(3, 3), (3, 3)]
+    assert sorted(got[0]) == sorted(sorted(ALL)[:7] + sorted(ALL)[8:12] + sorted(ALL)[:1])  # sample 0 twice
+    assert sorted(got[1]) == sorted(ALL)[12:]
+
+
+def test_a_resumed_rank_pads_without_spurious_failures(shard_dir, tmp_path):
+    """After a resume the padding repeats samples delivered before the checkpoint, which the new
+    run did not plan to read: they are read again, not failed."""
+    corrupt_copy(shard_dir, tmp_path, sample=7)
+    kwargs = dict(batch_size=4, shuffle=False, decode=DECODE, on_error="skip", max_failures=1, rank=0,
+                  world_size=2, prefetch=1)
+    with AsyncLoader(tar_shards(str(tmp_path)), **kwargs) as loader:
+        iterator = iter(loader)
+        head = [next(iterator) for _ in range(2)]
+        state = loader.state_dict()
+        iterator.close()
+    with AsyncLoader(tar_shards(str(tmp_path)), **kwargs) as resumed:
+        resumed.load_state_dict(state)
+        hung, result = run_with_deadline(lambda: delivered(resumed))
+        assert not hung, "the resumed rank never finished its epoch"
+        if "error" in result:
+            raise result["error"]
+        assert resumed.stats.failures == []
+    assert len(head) + len(result["value"]) == 3
+    assert sorted(flat(result["value"])) == sorted(sorted(ALL)[9:12] + sorted(ALL)[:1])
