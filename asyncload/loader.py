@@ -191,7 +191,12 @@ class AsyncLoader:
             order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
             run = EpochRun(self._settings, self.epoch, order, self._done, self._batch_quota(), self._skipped)
         self._run = run
-        return self._iterate(run)
+        iteration = self._iterate(run)
+        # The threads start now (the first batch is under way before the first next()), but a
+        # generator dropped before its first next() never runs its `finally`: stop them when
+        # it goes, whether it ran or not.
+        weakref.finalize(iteration, run.stop)
+        return iteration
 
     def _batch_quota(self) -> BatchQuota | None:
         """With several ranks, every rank must deliver ``len(self)`` batches even when samples

@@ -255,6 +255,8 @@ class EpochRun:
             if number >= self.quota.count:
                 return []
             size = self.quota.last_size if number == self.quota.count - 1 else size
+        if self.s.drop_last and self.quota is None:  # the rest stays, to replace skipped samples
+            return self.cursor.take(size, whole=True)
         positions = self.cursor.take(size)
         if self.quota is not None and len(positions) < size:
             positions += self._padding(size - len(positions))
@@ -534,6 +536,10 @@ class EpochRun:
             error = batch.first_error()
             if error is not None:
                 raise error
+            if batch.holes and self.s.drop_last and self.quota is None:
+                self._drop(batch)  # skips left it short and the epoch has no sample left for it
+                number += 1
+                continue
             out = self._hand_out(batch)
             self.skipped_delivered += batch.skipped + self._skipped_early
             self._skipped_early = []
@@ -584,6 +590,16 @@ class EpochRun:
         self._handed_out += 1
         self._call_in_loop(self._room.set)
         return out
+
+    def _drop(self, batch: Batch) -> None:
+        """With ``drop_last``: a batch that cannot be filled is not delivered (its good samples
+        are the epoch's dropped rest, as ``drop_last`` drops a short last batch)."""
+        assert batch.buffer is not None
+        batch.buffer.give_back()
+        self.skipped_delivered += batch.skipped
+        self._in_pipeline.remove(batch)
+        self._handed_out += 1
+        self._call_in_loop(self._room.set)
 
     def _release_handed(self) -> None:
         """The user has moved past the batch last handed out (see ``BatchBuffer.released``)."""

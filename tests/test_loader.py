@@ -379,3 +379,33 @@ def test_resume_with_shuffling_and_sharding():
         head, state = run(rank, stop_after=3)
         rest, _ = run(rank, state)
         assert head + rest == full
+
+
+def test_an_iterator_dropped_before_its_first_next_stops_the_threads():
+    with index_loader(n=40, batch_size=4) as loader:
+        iterator = iter(loader)
+        assert asyncload_threads()
+        del iterator
+        assert not asyncload_threads(), "iter(loader) dropped unused left threads running"
+        assert len(list(loader)) == 10
+
+
+@pytest.mark.parametrize("n, bad, full_batches", [
+    (10, {1}, 2),  # the rest (positions 8, 9) replaces the skipped sample: still two full batches
+    (8, {1}, 1),   # no rest: the batch left short is dropped, as drop_last drops a short one
+])
+def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
+    def decode(i):
+        if i in bad:
+            time.sleep(0.2)  # fails after the producer has taken every batch (prefetch=4)
+            raise ValueError("corrupt")
+        return np.full(2, i, np.int64)
+
+    with AsyncLoader(list(range(n)), batch_size=4, shuffle=False, read=False, decode=decode, drop_last=True,
+                     on_error="skip", max_failures=1, prefetch=4) as loader:
+        batches = [b[:, 0].tolist() for b in loader]
+    assert [len(b) for b in batches] == [4] * full_batches
+    got = [v for b in batches for v in b]
+    assert len(set(got)) == len(got) and not set(got) & bad
+    if n == 10:
+        assert sorted(got) == [0, 2, 3, 4, 5, 6, 7, 8]
