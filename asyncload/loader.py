@@ -265,14 +265,15 @@ class AsyncLoader:
         self._batches_done = state.get("batches", len(self._done) // self.sampler.batch_size)
 
     def _stop_run(self) -> None:
-        if self._run is not None:
-            self._run.stop()
-            self._run = None
+        run = self._run
+        if run is not None:
+            run.stop()  # a Ctrl-C here leaves self._run set: the next close() finishes the stop
+            if getattr(run, "_stop_done", True):
+                self._run = None
 
     def close(self) -> None:
-        """Stops every thread (and the isolated child) and frees the batch buffers. Idempotent."""
-        if self._closed:
-            return
+        """Stops every thread (and the isolated child) and frees the batch buffers. Idempotent;
+        a close cut short (Ctrl-C while it waits for the threads) is finished by the next."""
         self._closed = True
         self._stop_run()
         self._settings.ring.clear()

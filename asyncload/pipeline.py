@@ -13,6 +13,7 @@ import functools
 import math
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -28,6 +29,9 @@ from .progress import Cursor, Positions
 from .read import Reader
 from .shards import ShardSource, ShardStream
 from .stats import LoaderStats
+
+
+STOP_TIMEOUT_S = 20.0  # how long stop() waits for the threads: a read's timeout is on its own threads
 
 
 def is_labelled(item: Any) -> bool:
@@ -135,7 +139,8 @@ class EpochRun:
         self._in_pipeline: list[Batch] = []
         self._pending_copies: dict[int, PendingCopy] = {}
         self._handed: BatchBuffer | None = None  # the buffer of the batch the user holds
-        self._stopped = False
+        self._stopped = False  # no batch is handed out any more
+        self._stop_done = False  # every thread has ended and the run's state is released
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
         self._read_slots = AsyncGate(self._sample_slots(settings))
         self._shards: ShardStream | None = None  # a shard source's reads, made on the loop
@@ -636,15 +641,26 @@ class EpochRun:
         except RuntimeError:
             pass  # closed: everything was produced, or the run was stopped
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ends the event loop and the decode threads, and returns unused buffers to the ring.
-        Safe to call more than once and from ``__del__``."""
-        if self._stopped:
+        Safe to call more than once and from ``__del__``; waits at most about ``timeout`` s.
+        A stop cut short (Ctrl-C while it waits, or a thread stuck in a read or a user's
+        decode past the timeout: then a ``RuntimeWarning``) is finished by the next call.
+        Buffers go back to the ring only once no decode thread can write into them."""
+        if self._stop_done:
             return
         self._stopped = True
         self._call_in_loop(self._main.cancel)
-        self.thread.join()
-        self.decode_pool.shutdown(wait=True, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        _wait_ended([self.thread], deadline)
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        threads = [self.thread, *getattr(self.decode_pool, "_threads", ())]  # CPython's; shutdown cannot wait with a bound
+        alive = [thread.name for thread in _wait_ended(threads, deadline)]
+        if alive:
+            warnings.warn(f"asyncload: {len(alive)} threads still running {timeout:g} s after stop() "
+                          f"({', '.join(alive)}); a later stop() or close() finishes the job", RuntimeWarning)
+            return
+        self._stop_done = True
         for batch in self._in_pipeline:
             if batch.buffer is not None and batch.number not in self._pending_copies:
                 batch.buffer.give_back()
@@ -654,6 +670,23 @@ class EpochRun:
         self.s.stats.level("batches_ready", -len(self._finished))
         self._finished.clear()
         self.s.stats.run_stopped()
+
+
+def _wait_ended(threads: list[threading.Thread], deadline: float) -> list[threading.Thread]:
+    """Waits until ``threads`` have ended or ``deadline`` (``time.monotonic()``) has passed;
+    returns those still running. Ended means gone from ``threading.enumerate()``: after a join
+    cut short by Ctrl-C, CPython 3.11 marks a thread that is still running as stopped, and its
+    ``is_alive()`` and ``join()`` no longer wait for it."""
+    while True:
+        running = set(threading.enumerate())
+        pending = [thread for thread in threads if thread in running]
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            return pending
+        started = time.monotonic()
+        pending[0].join(min(left, 0.05))
+        if time.monotonic() - started < 0.005:  # a join that no longer waits: poll instead
+            time.sleep(min(left, 0.01))
 
 
 def _undelivered(order: np.ndarray, done: Positions) -> np.ndarray:

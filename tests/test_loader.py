@@ -409,3 +409,28 @@ def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
     assert len(set(got)) == len(got) and not set(got) & bad
     if n == 10:
         assert sorted(got) == [0, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
+    """Ctrl-C while close() waits for a busy decode thread: a second close() must still end
+    every thread (it used to return at once, leaving them running)."""
+    release = threading.Event()
+
+    def decode(i):
+        if i == 5:
+            release.wait(10)
+            time.sleep(0.3)  # still busy a moment after the release
+        return np.int64(i)
+
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
+    iterator = iter(loader)
+    next(iterator)
+    main = threading.main_thread().ident
+    threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # a real Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    assert asyncload_threads(), "the decode thread is still busy"
+    release.set()
+    loader.close()
+    assert not asyncload_threads()
+    del iterator
