@@ -213,7 +213,8 @@ class EpochRun:
         read_range = reader.read_range
         cache = None
         if source.cache_dir is not None:
-            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking)
+            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
+                               version=reader.version)
             sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
 
             async def read_range(url: str, start: int, end: int) -> bytes:

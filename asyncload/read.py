@@ -158,6 +158,17 @@ class Reader:
             return asyncio.wait_for(fs._cat_file(path, **read_kwargs, **byte_range), self.timeout)
         return self._blocking.call_async(functools.partial(fs.cat_file, path, **byte_range), timeout=self.timeout)
 
+    async def version(self, url: str) -> str:
+        """What identifies the current content of ``url``: its ETag, else its modification
+        time, with its size (one metadata request, retried as reads are; not counted as one)."""
+        fs, _ = self._filesystem(url)
+        path = fs._strip_protocol(url)
+        if fs.async_impl:
+            info = await self._with_retries(lambda: asyncio.wait_for(fs._info(path), self.timeout))
+        else:
+            info = await self._with_retries(lambda: self._blocking.call_async(fs.info, path, timeout=self.timeout))
+        return _version_of(info)
+
     async def run_blocking(self, function: Callable[..., Any], *args: Any) -> Any:
         """Runs ``function(*args)`` on the I/O threads (file work that must not block the loop),
         with no timeout: cache work on local disk, which must not be abandoned half done."""
@@ -245,6 +256,16 @@ def _as_builtin(error: Exception) -> Exception | None:
     kind = type(error)
     builtin = OBSTORE_PERMANENT_ERRORS.get(kind.__name__) if kind.__module__ == "obstore.exceptions" else None
     return None if builtin is None else builtin(str(error))
+
+
+VERSION_KEYS = ("ETag", "etag", "e_tag", "version_id", "generation", "mtime", "LastModified", "last_modified", "created")
+
+
+def _version_of(info: dict[str, Any]) -> str:
+    """The fields of an fsspec ``info()`` that change when an object is rewritten (they differ
+    between filesystems: s3fs's ETag, obstore's e_tag, gcsfs's generation, local mtime)."""
+    found = {key: str(info[key]) for key in VERSION_KEYS if info.get(key) is not None}
+    return f"size={info.get('size')} " + " ".join(f"{key}={value}" for key, value in sorted(found.items()))
 
 
 def _protocol(fs: Any) -> str:
