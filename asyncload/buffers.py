@@ -168,15 +168,21 @@ class BatchBuffer:
         """Returns a buffer the pipeline took but will not hand out (an epoch ended early)."""
         self.in_pipeline = False
 
-    def is_free(self) -> bool:
-        """True when no view handed out is alive, the user has moved past a pinned batch, and
-        no device copy still reads the memory."""
-        if self.in_pipeline or self._with_user:
+    def gpu_done(self) -> bool:
+        """True when no copy the GPU may still run reads the memory (ours or the user's)."""
+        if self._with_user:
             return False
         if self.copy_done is not None:
             if not self.copy_done.query():
                 return False
             self.copy_done = None
+        return True
+
+    def is_free(self) -> bool:
+        """True when no view handed out is alive, the user has moved past a pinned batch, and
+        no device copy still reads the memory."""
+        if self.in_pipeline or not self.gpu_done():
+            return False
         return all(ref() is None for ref in self._handed)
 
 
@@ -199,6 +205,7 @@ class BufferRing:
         self.layout: SampleLayout | None = None
         self.capacity = 0
         self._buffers: list[BatchBuffer] = []
+        self._draining: list[BatchBuffer] = []  # forgotten, but the GPU may still read them
         self._lock = threading.Lock()
 
     def configure(self, layout: SampleLayout, capacity: int) -> None:
@@ -236,8 +243,16 @@ class BufferRing:
         the user drops them."""
         excess = len(self._buffers) - self.keep
         if excess > 0:
+            self._draining += [buffer for buffer in self._buffers[:excess] if not buffer.gpu_done()]
             del self._buffers[:excess]
+        # Their memory must not go back to PyTorch's pinned allocator (which would hand it out
+        # again at once) while a copy may still read it.
+        self._draining = [buffer for buffer in self._draining if not buffer.gpu_done()]
 
     def clear(self) -> None:
+        """Drops every buffer, once the GPU is done with them (see ``_forget_held_buffers``)."""
         with self._lock:
-            self._buffers = []
+            for buffer in self._buffers + self._draining:
+                if buffer.copy_done is not None:
+                    buffer.copy_done.synchronize()
+            self._buffers, self._draining = [], []

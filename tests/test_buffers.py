@@ -123,3 +123,25 @@ def test_a_pinned_batch_is_reused_only_after_the_user_moved_on():
     assert not buffer.is_free(), "moving on does not free a batch the user still holds"
     del kept
     assert buffer.is_free()
+
+
+def test_a_forgotten_buffer_lives_on_while_the_gpu_may_read_it():
+    """Past ``keep`` the ring stops tracking its oldest buffers, whose memory goes when the user
+    drops them. Pinned memory that a queued copy may still read must not go back to PyTorch's
+    pinned allocator (which would hand it out again at once) before the user moved on."""
+    import gc
+    import weakref
+
+    ring = ring_with(keep=1)
+    buffer = ring.take()
+    buffer.pinned = True
+    buffer.batch(3)  # handed out and dropped, the user's copy maybe still queued
+    alive = weakref.ref(buffer)
+    del buffer
+    ring.take(), ring.take()  # the ring forgets it
+    gc.collect()
+    assert alive() is not None, "freed while a copy of the user's may still read it"
+    alive().released()
+    ring.take()
+    gc.collect()
+    assert alive() is None, "kept after the GPU was done with it"
