@@ -651,6 +651,7 @@ class EpochRun:
         if self._stop_done:
             return
         self._stopped = True
+        self._release_handed()
         self._call_in_loop(self._main.cancel)
         deadline = time.monotonic() + timeout
         _wait_ended([self.thread], deadline)
@@ -667,7 +668,6 @@ class EpochRun:
                 batch.buffer.give_back()
         self._in_pipeline.clear()
         self._pending_copies.clear()
-        self._release_handed()
         self.s.stats.level("batches_ready", -len(self._finished))
         self._finished.clear()
         self.s.stats.run_stopped()

@@ -123,6 +123,7 @@ def test_start_copy_with_normalize_does_not_wait_for_the_gpu():
     stage = DeviceStage(torch.device("cuda", torch.cuda.current_device()), ((0.5, 0.4, 0.3), (0.2, 0.2, 0.2)))
     buffer = BatchBuffer(SampleLayout.of(np.zeros((64, 64, 3), np.uint8)), 8, pin_memory=True)
     buffer.tensors[0].fill_(51)
+    stage.hand_over(stage.start_copy(buffer, 8))  # once first: kernels load lazily at their first launch
     torch.cuda.synchronize()
     with torch.cuda.stream(stage.stream):
         torch.cuda._sleep(200_000_000)
