@@ -434,3 +434,15 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
     loader.close()
     assert not asyncload_threads()
     del iterator
+
+
+def test_slices_and_arrays_kept_from_batches_stay_intact():
+    """A CPU user who keeps only a slice, a row or a NumPy array of each batch: the ring must see
+    them (they hold the buffer) and never write the next batches into them."""
+    kept = []
+    with index_loader(n=200, batch_size=4, shuffle=False) as loader:
+        for k, batch in enumerate(loader):
+            kept.append((k, [batch[1:3], batch[0], batch.numpy()[3:]][k % 3]))
+    for k, part in kept:
+        first = {0: 4 * k + 1, 1: 4 * k, 2: 4 * k + 3}[k % 3]
+        assert int(np.asarray(part).reshape(-1)[0]) == first, f"batch {k}'s kept part was overwritten"
