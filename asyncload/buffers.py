@@ -4,12 +4,14 @@ There is no collate step: once the layout of one sample is known, a batch is a s
 (one per field) and each decode thread writes its sample into row ``i``. Buffers are reused
 because a fresh 150 MB allocation costs tens of milliseconds of page faults on first touch,
 and pinning (cudaHostAlloc) costs more. A buffer handed to the user goes back into use only
-when nothing outside the ring references its memory any more.
+when nothing outside the ring references its memory any more and, for pinned memory, once the
+GPU has passed every copy the user queued from it (see ``BatchBuffer.released``).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -83,19 +85,22 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
         raise TypeError(f"a sample field of dtype {dtype} cannot go into a torch tensor") from error
 
 
-def _storage_refs(tensor: torch.Tensor) -> int:
-    """How many tensors share ``tensor``'s memory (views, slices, numpy arrays of them included)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-
-
 class BatchBuffer:
     """The tensors of one batch, ``[capacity, *field.shape]`` each, and NumPy views for writing rows.
 
     ``tensors`` takes memory allocated elsewhere (``isolate=True`` puts every buffer in a shared
-    memory segment that the parent process maps); by default each field is its own tensor."""
+    memory segment that the parent process maps); by default each field is its own tensor.
+    ``pinned``: the memory is page-locked (default: ``pin_memory``), so a copy to the GPU the
+    user queues from it may still run after the user let go of it.
+
+    What the user gets are views that can be tracked with public means only: each hand-out wraps
+    a fresh NumPy view of the rows in a tensor (``torch.from_numpy``), whose storage holds that
+    NumPy view until the last tensor, slice or array derived from it is gone; a weak reference
+    to it tells when. (The storage use count would do as well but is a private torch API.)"""
 
     def __init__(
-        self, layout: SampleLayout, capacity: int, pin_memory: bool = False, tensors: list[torch.Tensor] | None = None
+        self, layout: SampleLayout, capacity: int, pin_memory: bool = False, tensors: list[torch.Tensor] | None = None,
+        pinned: bool | None = None,
     ) -> None:
         self.layout = layout
         self.capacity = capacity
@@ -106,9 +111,11 @@ class BatchBuffer:
             ]
         self.tensors = tensors
         self._arrays = [t.numpy() for t in self.tensors]
-        self._baseline = [_storage_refs(t) for t in self.tensors]
+        self.pinned = pin_memory if pinned is None else pinned
         self.in_pipeline = False  # taken by the pipeline and not yet handed out or given back
-        self.copy_done: Any = None  # a CUDA event: the buffer's device copy must finish before reuse
+        self.copy_done: Any = None  # a CUDA event: the GPU's reads of the buffer end before it
+        self._handed: list[weakref.ref] = []  # the NumPy views under the tensors the user got
+        self._with_user = False  # handed out pinned, and the user has not moved on yet
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -135,24 +142,53 @@ class BatchBuffer:
                 array[hole] = array[row]
         return len(filled)
 
-    def batch(self, size: int) -> Any:
-        """The first ``size`` rows, structured like a sample. These are new tensor views, so the
-        ring can tell when the user has let go of them."""
-        views = [t[:size] for t in self.tensors]
+    def views(self, size: int) -> list[torch.Tensor]:
+        """The first ``size`` rows of every field, as tensors the ring tracks (see the class
+        docstring): the only way rows may leave the pipeline for the user."""
+        arrays = [array[:size] for array in self._arrays]
+        self._handed = [weakref.ref(array) for array in arrays]
+        self._with_user = self.pinned
         self.in_pipeline = False
-        return self.layout.unflatten(views)
+        return [torch.from_numpy(array) for array in arrays]
+
+    def batch(self, size: int) -> Any:
+        """The first ``size`` rows, structured like a sample (tracked views, see ``views``)."""
+        return self.layout.unflatten(self.views(size))
+
+    def released(self) -> None:
+        """The user asked for the next batch (or ended the iteration): what they did with this
+        one has been queued by now. For pinned memory a CUDA event on the current stream marks
+        that point, and the buffer is reused only once the GPU has passed it, so a
+        ``x.to("cuda", non_blocking=True)`` still queued reads the batch, not the next one (the
+        rule PyTorch's caching host allocator keeps). Without CUDA in use, nothing can be queued."""
+        if not self._with_user:
+            return
+        if torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record()  # on the current stream: where the user's copies were queued
+            self.copy_done = event
+        self._with_user = False  # last: the ring (another thread) must not see it free before
 
     def give_back(self) -> None:
         """Returns a buffer the pipeline took but will not hand out (an epoch ended early)."""
         self.in_pipeline = False
 
+    def gpu_done(self) -> bool:
+        """True when no copy the GPU may still run reads the memory (ours or the user's)."""
+        if self._with_user:
+            return False
+        if self.copy_done is not None:
+            if not self.copy_done.query():
+                return False
+            self.copy_done = None
+        return True
+
     def is_free(self) -> bool:
-        """True when no view handed out is alive and no device copy still reads the memory."""
-        if self.in_pipeline:
+        """True when no view handed out is alive, the user has moved past a pinned batch, and
+        no device copy still reads the memory."""
+        if self.in_pipeline or not self.gpu_done():
             return False
-        if self.copy_done is not None and not self.copy_done.query():
-            return False
-        return all(_storage_refs(t) <= base for t, base in zip(self.tensors, self._baseline))
+        return all(ref() is None for ref in self._handed)
 
 
 Allocator = Callable[[SampleLayout, int], BatchBuffer]
@@ -174,6 +210,7 @@ class BufferRing:
         self.layout: SampleLayout | None = None
         self.capacity = 0
         self._buffers: list[BatchBuffer] = []
+        self._draining: list[BatchBuffer] = []  # forgotten, but the GPU may still read them
         self._lock = threading.Lock()
 
     def configure(self, layout: SampleLayout, capacity: int) -> None:
@@ -211,8 +248,16 @@ class BufferRing:
         the user drops them."""
         excess = len(self._buffers) - self.keep
         if excess > 0:
+            self._draining += [buffer for buffer in self._buffers[:excess] if not buffer.gpu_done()]
             del self._buffers[:excess]
+        # Their memory must not go back to PyTorch's pinned allocator (which would hand it out
+        # again at once) while a copy may still read it.
+        self._draining = [buffer for buffer in self._draining if not buffer.gpu_done()]
 
     def clear(self) -> None:
+        """Drops every buffer, once the GPU is done with them (see ``_forget_held_buffers``)."""
         with self._lock:
-            self._buffers = []
+            for buffer in self._buffers + self._draining:
+                if buffer.copy_done is not None:
+                    buffer.copy_done.synchronize()
+            self._buffers, self._draining = [], []

@@ -406,9 +406,7 @@ class IsolatedRun:
             self.s.stats.add("copy", time.perf_counter() - started, sum(t[:size].nbytes for t in buffer.tensors))
             return buffer.layout.unflatten(stage.hand_over(pending))
         if self.s.normalize is not None:
-            out = buffer.layout.unflatten(convert_batch([t[:size] for t in buffer.tensors], self.s.normalize))
-            buffer.in_pipeline = False
-            return out
+            return buffer.layout.unflatten(convert_batch(buffer.views(size), self.s.normalize))
         return buffer.batch(size)
 
     def stop(self) -> None:

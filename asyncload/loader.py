@@ -20,7 +20,7 @@ from .device import DeviceStage, resolve_device
 from .isolate import ChildStats, IsolatedPipeline, IsolatedRun
 from .pipeline import BatchQuota, EpochRun, Settings, is_labelled
 from .progress import Positions
-from .sampler import EpochSampler, distributed_defaults
+from .sampler import EpochSampler, distributed_defaults, source_digest
 from .shards import ShardSampler, ShardSource
 from .stats import LoaderStats
 
@@ -90,8 +90,10 @@ class AsyncLoader:
         else:
             self.sampler = EpochSampler(len(source), batch_size, **order)
         self.epoch = 0
+        self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
         self._done = Positions()  # positions of this epoch's order delivered to the user
+        self._skipped = Positions()  # positions of this epoch that failed and were skipped, in delivered batches
         self._batches_done = 0  # batches of this epoch delivered to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochRun | IsolatedRun | None = None
@@ -173,23 +175,28 @@ class AsyncLoader:
         """Selects the shuffle of ``epoch`` (as ``DistributedSampler.set_epoch``)."""
         if epoch != self.epoch:
             self.epoch = epoch
-            self._done, self._batches_done, self._resume = Positions(), 0, False
+            self._done, self._skipped, self._batches_done, self._resume = Positions(), Positions(), 0, False
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         self._stop_run()  # a new iteration replaces an unfinished one
         if not self._resume:  # as with DataLoader, a new iteration starts the epoch afresh
-            self._done, self._batches_done = Positions(), 0
+            self._done, self._skipped, self._batches_done = Positions(), Positions(), 0
         self._resume = False
         run: EpochRun | IsolatedRun
         if self._isolated is not None:  # the child computes the order from the same sampler
             run = self._isolated.run(self.state_dict())
         else:
             order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
-            run = EpochRun(self._settings, self.epoch, order, self._done, self._batch_quota())
+            run = EpochRun(self._settings, self.epoch, order, self._done, self._batch_quota(), self._skipped)
         self._run = run
-        return self._iterate(run)
+        iteration = self._iterate(run)
+        # The threads start now (the first batch is under way before the first next()), but a
+        # generator dropped before its first next() never runs its `finally`: stop them when
+        # it goes, whether it ran or not.
+        weakref.finalize(iteration, run.stop)
+        return iteration
 
     def _batch_quota(self) -> BatchQuota | None:
         """With several ranks, every rank must deliver ``len(self)`` batches even when samples
@@ -206,13 +213,18 @@ class AsyncLoader:
         try:
             for positions, batch in run:
                 self._done.add(positions)
+                skipped = getattr(run, "skipped_delivered", None)  # the isolated child keeps its own
+                if skipped:
+                    self._skipped.add(skipped)
+                    skipped.clear()
                 self._batches_done += 1
                 if self.tuner is not None:
                     self.tuner.observe()
                 if bar is not None:
                     bar.advance(len(positions))
                 yield batch
-            self._done, self._batches_done = Positions(), 0  # the epoch is complete
+                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
+            self._done, self._skipped, self._batches_done = Positions(), Positions(), 0  # the epoch is complete
         finally:
             run.stop()
             if self._run is run:
@@ -232,6 +244,8 @@ class AsyncLoader:
             "world_size": self.sampler.world_size,
             "delivered": self._done.intervals(),
             "batches": self._batches_done,
+            "skipped": self._skipped.intervals(),  # failed, skipped: not retried, and on the failure budget
+            "order": dict(self._order_identity),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -241,19 +255,25 @@ class AsyncLoader:
         for key in ("seed", "samples_per_rank", "batch_size", "rank", "world_size"):
             if state[key] != mine[key]:
                 raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has {mine[key]}")
+        for key, value in state.get("order", mine["order"]).items():  # states saved before it had none
+            if mine["order"].get(key) != value:
+                raise ValueError(f"state_dict was saved with {key}={value!r}, this loader has "
+                                 f"{mine['order'].get(key)!r}: resuming would follow another order")
         self.epoch = state["epoch"]
         self._done, self._resume = Positions(state["delivered"]), True
+        self._skipped = Positions(state.get("skipped", []))
         self._batches_done = state.get("batches", len(self._done) // self.sampler.batch_size)
 
     def _stop_run(self) -> None:
-        if self._run is not None:
-            self._run.stop()
-            self._run = None
+        run = self._run
+        if run is not None:
+            run.stop()  # a Ctrl-C here leaves self._run set: the next close() finishes the stop
+            if getattr(run, "_stop_done", True):
+                self._run = None
 
     def close(self) -> None:
-        """Stops every thread (and the isolated child) and frees the batch buffers. Idempotent."""
-        if self._closed:
-            return
+        """Stops every thread (and the isolated child) and frees the batch buffers. Idempotent;
+        a close cut short (Ctrl-C while it waits for the threads) is finished by the next."""
         self._closed = True
         self._stop_run()
         self._settings.ring.clear()

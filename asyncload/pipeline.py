@@ -12,6 +12,7 @@ import asyncio
 import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -29,7 +30,7 @@ from .shards import ShardSource, ShardStream
 from .stats import LoaderStats
 from .workers import DecodeWorkers
 
-STOP_TIMEOUT_S = 5.0  # stop(): how long threads stuck in a user's read or decode may hold it up
+STOP_TIMEOUT_S = 20.0  # how long stop() waits for the threads: a read's timeout is on its own threads
 
 
 def is_labelled(item: Any) -> bool:
@@ -84,14 +85,24 @@ class EpochRun:
 
     With a ``quota``, skipped samples that the epoch has no item left for are replaced by samples
     repeated from the start of the order (as ``DistributedSampler`` pads), so the run delivers
-    exactly ``quota.count`` batches."""
+    exactly ``quota.count`` batches.
+
+    ``skipped``: positions an earlier run of this epoch skipped (a resume): they are not read
+    again, not used as padding, and count against the failure budget, which spans the epoch."""
 
     def __init__(self, settings: Settings, epoch: int, order: np.ndarray, done: Positions,
-                 quota: BatchQuota | None = None) -> None:
+                 quota: BatchQuota | None = None, skipped: Positions | None = None) -> None:
         self.s = settings
         self.quota = quota
         self._next_padding = 0  # the next position to repeat, with a quota
         self._failed_positions: set[int] = set()
+        self._earlier_failures = 0
+        if skipped is not None and len(skipped):
+            self._failed_positions = {p for start, stop in skipped.intervals() for p in range(start, stop)}
+            self._earlier_failures = len(self._failed_positions)
+            done = Positions([*done.intervals(), *skipped.intervals()])
+        self.skipped_delivered: list[int] = []  # skipped positions of the batches handed out, for the state
+        self._skipped_early: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self.epoch = epoch
         self.order = order
         self.cursor = Cursor(len(order), done)
@@ -111,7 +122,9 @@ class EpochRun:
         self._handed_out = 0
         self._in_pipeline: list[Batch] = []
         self._pending_copies: dict[int, PendingCopy] = {}
-        self._stopped = False
+        self._handed: BatchBuffer | None = None  # the buffer of the batch the user holds
+        self._stopped = False  # no batch is handed out any more
+        self._stop_done = False  # every thread has ended and the run's state is released
         self._room = asyncio.Event()  # set by the consumer when a batch leaves the pipeline
         self._completed = 0  # batches complete (every row done or failed)
         self._all_complete = asyncio.Event()  # the loop stays up until then: failures need it
@@ -185,7 +198,8 @@ class EpochRun:
         read_range = reader.read_range
         cache = None
         if source.cache_dir is not None:
-            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking)
+            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
+                               version=reader.version)
             sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
 
             async def read_range(url: str, start: int, end: int) -> bytes:
@@ -233,6 +247,8 @@ class EpochRun:
             if number >= self.quota.count:
                 return []
             size = self.quota.last_size if number == self.quota.count - 1 else size
+        if self.s.drop_last and self.quota is None:  # the rest stays, to replace skipped samples
+            return self.cursor.take(size, whole=True)
         positions = self.cursor.take(size)
         if self.quota is not None and len(positions) < size:
             positions += self._padding(size - len(positions))
@@ -287,6 +303,7 @@ class EpochRun:
                 if failure is not None:
                     self._finish(Batch(number, positions, None, 0, {0: failure}))
                     return None
+                self._skipped_early.append(positions[0])
                 replacement = self.cursor.take(1)
                 if not replacement:
                     return None  # every remaining sample failed and was skipped
@@ -352,8 +369,10 @@ class EpochRun:
         return local_path(key) is not None or self._reader.is_local(key)
 
     def _read_other(self, key: str) -> bytes:
-        """On a decode thread: a local URL that is not a plain path (e.g. ``memory://``)."""
+        """On a decode thread: a local URL that is not a plain path to a regular file (e.g.
+        ``memory://``, a FIFO), read with the reader's timeout."""
         assert self._reader is not None
+        self._reader.is_local(key)  # finds (and caches) the URL's filesystem, which read_local uses
         return self._reader.read_local(key)
 
     async def _load(self, batch: Batch, row: Row) -> None:
@@ -388,6 +407,7 @@ class EpochRun:
         if failure is not None:
             batch.errors[row] = failure
         else:
+            batch.skipped.append(batch.positions[row])
             replacement = self.cursor.take(1)
             if not replacement and self.quota is not None:
                 replacement = self._padding(1)
@@ -409,7 +429,7 @@ class EpochRun:
         self.failures.append(error)
         if not self.s.skip_errors:
             return error
-        if len(self.failures) > self.failure_limit:
+        if self._earlier_failures + len(self.failures) > self.failure_limit:
             return TooManyFailures(self.failures, self.s.max_failures)
         return None
 
@@ -446,10 +466,20 @@ class EpochRun:
             error = batch.first_error()
             if error is not None:
                 raise error
+            if batch.holes and self.s.drop_last and self.quota is None:
+                self._drop(batch)  # skips left it short and the epoch has no sample left for it
+                number += 1
+                continue
             out = self._hand_out(batch)
+            self.skipped_delivered += batch.skipped + self._skipped_early
+            self._skipped_early = []
             number += 1
             self._prefetch_copy(number)
-            yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+            try:
+                yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+            finally:
+                del out
+                self._release_handed()  # the user asked for the next batch, or ended the loop
 
     def _wait_for(self, number: int | None) -> Batch | None:
         """Blocks until batch ``number`` (or, with None, any batch) is complete; None once the
@@ -480,16 +510,32 @@ class EpochRun:
         if stage is not None:
             pending = self._pending_copies.pop(batch.number, None) or self._start_copy(batch.buffer, size)
             out = batch.buffer.layout.unflatten(stage.hand_over(pending))
-        elif self.s.normalize is not None:
-            leaves = [t[:size] for t in batch.buffer.tensors]
-            out = batch.buffer.layout.unflatten(convert_batch(leaves, self.s.normalize))
-            batch.buffer.in_pipeline = False
+        elif self.s.normalize is not None:  # non-image fields go out as they are: tracked views
+            out = batch.buffer.layout.unflatten(convert_batch(batch.buffer.views(size), self.s.normalize))
+            self._handed = batch.buffer
         else:
             out = batch.buffer.batch(size)
+            self._handed = batch.buffer
         self._in_pipeline.remove(batch)
         self._handed_out += 1
         self._call_in_loop(self._room.set)
         return out
+
+    def _drop(self, batch: Batch) -> None:
+        """With ``drop_last``: a batch that cannot be filled is not delivered (its good samples
+        are the epoch's dropped rest, as ``drop_last`` drops a short last batch)."""
+        assert batch.buffer is not None
+        batch.buffer.give_back()
+        self.skipped_delivered += batch.skipped
+        self._in_pipeline.remove(batch)
+        self._handed_out += 1
+        self._call_in_loop(self._room.set)
+
+    def _release_handed(self) -> None:
+        """The user has moved past the batch last handed out (see ``BatchBuffer.released``)."""
+        handed, self._handed = self._handed, None
+        if handed is not None:
+            handed.released()
 
     def _prefetch_copy(self, number: int) -> None:
         """With a device stage: if batch ``number`` is already complete, start its copy now, so
@@ -520,15 +566,28 @@ class EpochRun:
         except RuntimeError:
             pass  # closed: everything was produced, or the run was stopped
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Ends the event loop and the decode threads, and returns unused buffers to the ring.
-        Safe to call more than once and from ``__del__``."""
-        if self._stopped:
+        Safe to call more than once and from ``__del__``; waits at most about ``timeout`` s.
+        A stop cut short (Ctrl-C while it waits, or a thread stuck in a read or a user's
+        decode past the timeout: then a ``RuntimeWarning``) is finished by the next call.
+        Buffers go back to the ring only once no decode thread can write into them."""
+        if self._stop_done:
             return
         self._stopped = True
+        self._release_handed()
         self._call_in_loop(self._main.cancel)
-        self.thread.join()
-        self.workers.stop(STOP_TIMEOUT_S)
+        deadline = time.monotonic() + timeout
+        _wait_ended([self.thread], deadline)
+        self.workers.stop(timeout=0)  # no queued job starts; the threads end after the one they run
+        _wait_ended(self.workers.all_threads()[:1], deadline)  # the starter: then the list is whole
+        threads = [self.thread, *self.workers.all_threads()]
+        alive = [thread.name for thread in _wait_ended(threads, deadline)]
+        if alive:
+            warnings.warn(f"asyncload: {len(alive)} threads still running {timeout:g} s after stop() "
+                          f"({', '.join(alive)}); a later stop() or close() finishes the job", RuntimeWarning)
+            return
+        self._stop_done = True
         for batch in self._in_pipeline:
             if batch.buffer is not None and batch.number not in self._pending_copies:
                 batch.buffer.give_back()
@@ -537,6 +596,23 @@ class EpochRun:
         self.s.stats.level("batches_ready", -len(self._finished))
         self._finished.clear()
         self.s.stats.run_stopped()
+
+
+def _wait_ended(threads: list[threading.Thread], deadline: float) -> list[threading.Thread]:
+    """Waits until ``threads`` have ended or ``deadline`` (``time.monotonic()``) has passed;
+    returns those still running. Ended means gone from ``threading.enumerate()``: after a join
+    cut short by Ctrl-C, CPython 3.11 marks a thread that is still running as stopped, and its
+    ``is_alive()`` and ``join()`` no longer wait for it."""
+    while True:
+        running = set(threading.enumerate())
+        pending = [thread for thread in threads if thread in running]
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            return pending
+        started = time.monotonic()
+        pending[0].join(min(left, 0.05))
+        if time.monotonic() - started < 0.005:  # a join that no longer waits: poll instead
+            time.sleep(min(left, 0.01))
 
 
 def _undelivered(order: np.ndarray, done: Positions) -> np.ndarray:

@@ -68,8 +68,17 @@ class Cursor:
         self._next = 0
         self._interval = 0
 
-    def take(self, count: int) -> list[int]:
-        """Up to ``count`` next positions (fewer at the end, none once exhausted)."""
+    def take(self, count: int, whole: bool = False) -> list[int]:
+        """Up to ``count`` next positions (fewer at the end, none once exhausted). ``whole``:
+        ``count`` or none, leaving a shorter rest in place (``drop_last`` keeps it to replace
+        skipped samples)."""
+        if whole:
+            saved = self._next, self._interval
+            taken = self.take(count)
+            if len(taken) < count:
+                self._next, self._interval = saved
+                return []
+            return taken
         taken: list[int] = []
         while len(taken) < count and self._next < self.total:
             while self._interval < len(self._skip) and self._skip[self._interval][1] <= self._next:

@@ -13,16 +13,17 @@ import inspect
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
 import fsspec
 from fsspec.core import split_protocol
 
+from .blocking import BlockingCalls
 from .stats import LoaderStats
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
+SHUTDOWN_WAIT_S = 10.0  # how long closing waits for reads still running (stuck ones are left)
 
 # Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
 PERMANENT_ERRORS = (
@@ -76,9 +77,10 @@ class Reader:
         self.user_read = user_read
         self.io_concurrency = io_concurrency
         self._user_read_is_async = user_read is not None and _is_async_callable(user_read)
-        # Sync reads (user functions, sync remote filesystems) wait here; 32 threads are plenty to
-        # wait on and few enough not to crowd the decode threads out of the GIL.
-        self._executor = ThreadPoolExecutor(min(io_concurrency, 32), thread_name_prefix="asyncload-read")
+        # Sync reads (user functions, sync remote filesystems, local files) wait here; 32 threads
+        # are plenty to wait on and few enough not to crowd the decode threads out of the GIL.
+        # Each read's timeout counts from its start on a thread, and stuck reads cannot fill it.
+        self._blocking = BlockingCalls(min(io_concurrency, 32), "asyncload-read")
         self._filesystems: dict[str, Any] = {}
 
     async def read(self, key: Any) -> Any:
@@ -104,7 +106,7 @@ class Reader:
     async def _with_retries(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
         for attempt in range(self.retries + 1):
             try:
-                return await asyncio.wait_for(fetch(), self.timeout)
+                return await fetch()  # _fetch and _fetch_file apply self.timeout
             except PERMANENT_ERRORS:
                 raise
             except Exception as error:
@@ -127,12 +129,15 @@ class Reader:
         return not fs.async_impl and _protocol(fs) in LOCAL_PROTOCOLS
 
     def read_local(self, key: str) -> bytes:
-        """Reads a local URL on the calling thread (see ``is_local``)."""
+        """Reads a local URL for the calling (decode) thread (see ``is_local``), on a read
+        thread so that a read that hangs (a stuck network mount, a FIFO) fails after the read
+        timeout, as remote reads do, instead of holding the decode thread and its row for ever.
+        Not retried: a local file that did not answer within the timeout will not soon."""
         started = time.perf_counter()
         fs, _ = self._filesystems[split_protocol(key)[0] or "file"]
         self.stats.level("reads_in_flight", 1)
         try:
-            data = fs.cat_file(fs._strip_protocol(key))
+            data = self._blocking.call(fs.cat_file, fs._strip_protocol(key), timeout=self.timeout)
         finally:
             self.stats.level("reads_in_flight", -1)
         self.stats.add("read", time.perf_counter() - started, len(data))
@@ -141,8 +146,8 @@ class Reader:
     def _fetch(self, key: Any) -> Awaitable[Any]:
         if self.user_read is not None:
             if self._user_read_is_async:
-                return self.user_read(key)
-            return self.loop.run_in_executor(self._executor, self.user_read, key)
+                return asyncio.wait_for(self.user_read(key), self.timeout)
+            return self._blocking.call_async(self.user_read, key, timeout=self.timeout)
         return self._fetch_file(key)
 
     def _fetch_file(self, url: str, **byte_range: int) -> Awaitable[bytes]:
@@ -150,12 +155,24 @@ class Reader:
         fs, read_kwargs = self._filesystem(url)
         path = fs._strip_protocol(url)
         if fs.async_impl:
-            return fs._cat_file(path, **read_kwargs, **byte_range)
-        return self.loop.run_in_executor(self._executor, functools.partial(fs.cat_file, path, **byte_range))
+            return asyncio.wait_for(fs._cat_file(path, **read_kwargs, **byte_range), self.timeout)
+        return self._blocking.call_async(functools.partial(fs.cat_file, path, **byte_range), timeout=self.timeout)
+
+    async def version(self, url: str) -> str:
+        """What identifies the current content of ``url``: its ETag, else its modification
+        time, with its size (one metadata request, retried as reads are; not counted as one)."""
+        fs, _ = self._filesystem(url)
+        path = fs._strip_protocol(url)
+        if fs.async_impl:
+            info = await self._with_retries(lambda: asyncio.wait_for(fs._info(path), self.timeout))
+        else:
+            info = await self._with_retries(lambda: self._blocking.call_async(fs.info, path, timeout=self.timeout))
+        return _version_of(info)
 
     async def run_blocking(self, function: Callable[..., Any], *args: Any) -> Any:
-        """Runs ``function(*args)`` on the I/O executor (file work that must not block the loop)."""
-        return await self.loop.run_in_executor(self._executor, function, *args)
+        """Runs ``function(*args)`` on the I/O threads (file work that must not block the loop),
+        with no timeout: cache work on local disk, which must not be abandoned half done."""
+        return await asyncio.wrap_future(self._blocking.submit(function, *args).future)
 
     def _filesystem(self, url: str) -> tuple[Any, dict[str, Any]]:
         """The filesystem for ``url``'s protocol (one instance per protocol, bound to our loop)
@@ -206,7 +223,7 @@ class Reader:
                     await _close_sessions(fs)
         finally:
             self._filesystems.clear()
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._blocking.shutdown(SHUTDOWN_WAIT_S)
 
 
 async def _close_sessions(fs: Any) -> None:
@@ -239,6 +256,16 @@ def _as_builtin(error: Exception) -> Exception | None:
     kind = type(error)
     builtin = OBSTORE_PERMANENT_ERRORS.get(kind.__name__) if kind.__module__ == "obstore.exceptions" else None
     return None if builtin is None else builtin(str(error))
+
+
+VERSION_KEYS = ("ETag", "etag", "e_tag", "version_id", "generation", "mtime", "LastModified", "last_modified", "created")
+
+
+def _version_of(info: dict[str, Any]) -> str:
+    """The fields of an fsspec ``info()`` that change when an object is rewritten (they differ
+    between filesystems: s3fs's ETag, obstore's e_tag, gcsfs's generation, local mtime)."""
+    found = {key: str(info[key]) for key in VERSION_KEYS if info.get(key) is not None}
+    return f"size={info.get('size')} " + " ".join(f"{key}={value}" for key, value in sorted(found.items()))
 
 
 def _protocol(fs: Any) -> str:

@@ -10,6 +10,7 @@ loop, one by one (they may take a replacement from the epoch's cursor, which the
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -33,6 +34,7 @@ class Batch:
     remaining: int
     errors: dict[int, SampleError] = field(default_factory=dict)
     holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
+    skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
 
     def first_error(self) -> SampleError | None:
         return self.errors[min(self.errors)] if self.errors else None
@@ -62,12 +64,17 @@ def local_path(key: Any) -> str | None:
     return None
 
 
-def read_file(path: str) -> bytes:
-    """The whole file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A Python file
-    object or a read of unknown size costs several times more GIL time than these calls."""
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+def read_file(path: str) -> bytes | None:
+    """The whole regular file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A
+    Python file object or a read of unknown size costs several times more GIL time than these
+    calls. None for anything but a regular file (a FIFO, a device): those may never answer, so
+    they take the reader's path, which has a timeout (opening without blocking lets us tell)."""
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        size = info.st_size
         data = os.pread(fd, size, 0) if size else b""
         if len(data) < size or not size:  # shrank meanwhile, or a file that reports no size
             chunks = [data]
@@ -82,7 +89,8 @@ def read_file(path: str) -> bytes:
 class RowFiller:
     """Decodes samples into their rows on a decode thread and reports each chunk of rows once.
 
-    ``read_other`` reads a local URL that is not a plain path (``memory://``); ``rows_done`` is
+    ``read_other`` reads a local URL that is not a plain path or regular file (``memory://``, a
+    FIFO) with the reader's timeout; ``rows_done`` is
     called with a batch and how many of its rows are complete; ``row_failed`` with a batch, a row
     and its ``SampleError`` (the row is then not done: the failure policy completes it)."""
 
@@ -111,7 +119,9 @@ class RowFiller:
             if data is None:
                 try:
                     path = local_path(row.key)
-                    data = read_file(path) if path is not None else self.read_other(row.key)
+                    data = read_file(path) if path is not None else None
+                    if data is None:
+                        data = self.read_other(row.key)
                 except Exception as error:
                     self.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue

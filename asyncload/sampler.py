@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+from typing import Any, Sequence
 
 import numpy as np
+
+SOURCE_PROBES = 64  # items of the source a fingerprint looks at: evenly spaced, first and last included
+
+
+def source_digest(source: Sequence[Any]) -> str:
+    """A short digest of which source this is: its type, length and ``SOURCE_PROBES`` evenly
+    spaced items. Hashing every item would cost seconds for millions of them, at each
+    ``state_dict()``; another source almost always differs in one of these."""
+    count = len(source)
+    probes = sorted({round(i * (count - 1) / (SOURCE_PROBES - 1)) for i in range(SOURCE_PROBES)}) if count else []
+    digest = hashlib.sha256(f"{type(source).__name__}:{count}".encode())
+    for index in probes:
+        digest.update(repr(source[index]).encode())
+    return digest.hexdigest()[:16]
 
 
 def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -67,6 +83,13 @@ class EpochSampler:
         if self.drop_last:
             return self.samples_per_rank // self.batch_size
         return math.ceil(self.samples_per_rank / self.batch_size)
+
+    def identity(self) -> dict[str, Any]:
+        """What, beside the seed, sizes, rank and world size, decides the order: resuming with
+        another value of any of these would deliver another permutation (skipping some samples,
+        repeating others), so ``load_state_dict`` refuses it."""
+        return {"sampler": type(self).__name__, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "num_items": self.num_items}
 
     def order(self, epoch: int) -> np.ndarray:
         """This rank's source indices for ``epoch``, in delivery order (int64)."""

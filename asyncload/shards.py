@@ -19,6 +19,7 @@ A shard set is described by an index (``index.json``, written by ``write_shards`
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import posixpath
 from dataclasses import dataclass
@@ -191,6 +192,15 @@ class ShardSampler(EpochSampler):
         super().__init__(len(source), batch_size, **kwargs)
         self.source = source
 
+    def identity(self) -> dict[str, Any]:
+        """The base order's, plus what shapes a shard order: the shuffle buffer, the members
+        read, and the shards' boundaries and URLs."""
+        source = self.source
+        layout = hashlib.sha256(np.ascontiguousarray(source.shard_first).tobytes())
+        layout.update("\n".join(source.urls).encode())
+        return {**super().identity(), "shuffle_buffer": source.shuffle_buffer, "members": source.members,
+                "shards": layout.hexdigest()[:16]}
+
     def order(self, epoch: int) -> np.ndarray:
         source = self.source
         shards = np.arange(len(source.urls))
@@ -266,6 +276,11 @@ class ShardStream:
     ``io_concurrency``). Each sample's bytes are copied out of its chunk, so a sample that waits long
     in the shuffle does not keep a whole chunk alive. Per-sample bookkeeping is in arrays: a few
     bytes a sample, for millions of samples.
+
+    A sample asked for beyond the plan is read again on its own, with one ranged read of its
+    bytes: padding (a DDP rank that skipped samples repeats its first ones to deliver as many
+    batches as the other ranks) may ask for a sample whose bytes were dropped at their last
+    planned use, or, after a resume, for one delivered before and so left out of the plan.
     """
 
     def __init__(self, source: ShardSource, wanted: np.ndarray, read_range: Any, concurrent_reads: int = 4,
@@ -286,8 +301,8 @@ class ShardStream:
 
     async def get(self, sample: ShardSample) -> Any:
         index = sample.index
-        if self.chunk_of[index] < 0:
-            raise KeyError(f"{sample!r} is not part of this epoch's reads")
+        if self._beyond_plan(index):
+            return await self._read_again(index)
         self._start_through(int(self.chunk_of[index]) + self.slots.limit - 1)
         if index not in self.ready and index not in self.failed:
             future = self.waiting.get(index)
@@ -297,6 +312,27 @@ class ShardStream:
         if index in self.failed:
             raise self.failed[index]
         return self._take(index)
+
+    def _beyond_plan(self, index: int) -> bool:
+        """Not in the plan, or in a chunk read already whose copy of the sample was taken."""
+        number = int(self.chunk_of[index])
+        if number < 0:
+            return True
+        task = self.chunks[number].task
+        return task is not None and task.done() and index not in self.ready and index not in self.failed
+
+    async def _read_again(self, index: int) -> Any:
+        """One ranged read of sample ``index``'s own bytes (padding's repeat; see the class)."""
+        url = self.source.urls[int(self.source.shard_of[index])]
+        start, end = int(self.source.sample_begin[index]), int(self.source.sample_end[index])
+        await self.slots.acquire()
+        try:
+            data = await self.read_range(url, start, end)
+        finally:
+            self.slots.release()
+        if len(data) < end - start:
+            raise ShardTruncated(f"{url} ends at byte {start + len(data)}, its index has a sample up to byte {end}")
+        return self._members(memoryview(data), start, index)
 
     def _take(self, index: int) -> Any:
         self.uses[index] -= 1

@@ -85,6 +85,10 @@ class DecodeWorkers:
                 with self._gate:
                     job()
 
+    def all_threads(self) -> list[threading.Thread]:
+        """Every thread this pool started (the starter included), for a bounded wait on them."""
+        return [self._starter, *self.threads]
+
     def stop(self, timeout: float) -> bool:
         """Lets no queued job start, ends the threads, waits up to ``timeout`` seconds for them;
         True if none is left running. Safe to call again after an interrupted call."""

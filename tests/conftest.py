@@ -37,10 +37,12 @@ def asyncload_threads() -> list[threading.Thread]:
 
 @pytest.fixture(autouse=True)
 def no_thread_left():
-    """Every test must end with no asyncload thread alive (checked right away, no grace period,
-    except a short one for the garbage collector's work in a test that relies on it)."""
+    """Every test must end with no asyncload thread alive that it started (checked right away,
+    no grace period). Threads an earlier, failed test left behind are that test's failure, not
+    this one's: without the baseline one failure would make every later test error too."""
+    before = set(asyncload_threads())
     yield
-    leftover = asyncload_threads()
+    leftover = [t for t in asyncload_threads() if t not in before]
     assert not leftover, f"threads left running: {[t.name for t in leftover]}"
 
 

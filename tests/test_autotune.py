@@ -125,9 +125,18 @@ def test_auto_io_grows_for_slow_storage_and_delivers_everything():
 
 
 def test_auto_threads_shrink_under_a_slow_consumer():
+    """The tuner lowers one thread every 3 calm looks: from however many threads this machine
+    starts with (its core count), down to 1, one step at a time."""
     loader = AsyncLoader(list(range(400)), batch_size=4, read=False, decode=np.int64, num_threads="auto")
     loader.tuner.interval = 0.1
+    start = loader.stats.limits["num_threads"]
+    deadline = time.monotonic() + 10 + 3 * loader.tuner.interval * 3 * start  # ample for start - 1 steps
     with loader:
-        for _ in loader:
-            time.sleep(0.01)
+        while loader.stats.limits["num_threads"] > 1 and time.monotonic() < deadline:
+            for _ in loader:
+                time.sleep(0.01)
+                if loader.stats.limits["num_threads"] == 1:
+                    break
     assert loader.stats.limits["num_threads"] == 1
+    steps = [(old, new) for _, name, old, new, _ in loader.tuner.changes if name == "num_threads"]
+    assert steps == [(n, n - 1) for n in range(start, 1, -1)]

@@ -72,3 +72,76 @@ def test_the_ring_tracks_at_most_keep_buffers():
     held = [ring.take().batch(3) for _ in range(5)]
     assert len(ring._buffers) == 2
     assert len({h[0].data_ptr() for h in held}) == 5, "each held batch has its own memory"
+
+
+def test_recycling_needs_no_private_torch_api(monkeypatch):
+    """Whether a buffer is free is told with public means (a weak reference to what the handed
+    tensors hold), not torch's private storage use count."""
+
+    def private(*_):
+        raise AssertionError("private torch API used")
+
+    monkeypatch.setattr(torch._C, "_storage_Use_Count", private, raising=False)
+    ring = ring_with()
+    buffer = ring.take()
+    kept = buffer.batch(2)
+    assert not buffer.is_free()
+    del kept
+    assert buffer.is_free() and ring.take() is buffer
+
+
+@pytest.mark.parametrize("keep", [
+    lambda batch: batch[0][1:],                  # a slice
+    lambda batch: batch[1].numpy(),              # a NumPy array of a field
+    lambda batch: batch[0][0].view(torch.int32),  # a view of a row in another dtype
+])
+def test_any_view_of_a_handed_batch_keeps_its_buffer(keep):
+    ring = ring_with()
+    buffer = ring.take()
+    view = keep(buffer.batch(3))
+    assert not buffer.is_free()
+    del view
+    assert buffer.is_free()
+
+
+def test_a_pinned_batch_is_reused_only_after_the_user_moved_on():
+    """Pinned memory: a copy to the GPU the user queued may still read the batch after the user
+    dropped it. The buffer waits for ``released()`` (the user asking for the next batch), which
+    with CUDA in use records the event the GPU must pass first. A CPU buffer declared pinned
+    runs the same rule without CUDA."""
+    ring = ring_with()
+    buffer = ring.take()
+    buffer.pinned = True
+    buffer.batch(3)  # handed out and dropped at once
+    assert not buffer.is_free(), "reused before the user asked for the next batch"
+    assert ring.take() is not buffer
+    buffer.released()
+    assert buffer.is_free() and ring.take() is buffer
+    buffer.in_pipeline = False
+    kept = buffer.batch(1)
+    buffer.released()
+    assert not buffer.is_free(), "moving on does not free a batch the user still holds"
+    del kept
+    assert buffer.is_free()
+
+
+def test_a_forgotten_buffer_lives_on_while_the_gpu_may_read_it():
+    """Past ``keep`` the ring stops tracking its oldest buffers, whose memory goes when the user
+    drops them. Pinned memory that a queued copy may still read must not go back to PyTorch's
+    pinned allocator (which would hand it out again at once) before the user moved on."""
+    import gc
+    import weakref
+
+    ring = ring_with(keep=1)
+    buffer = ring.take()
+    buffer.pinned = True
+    buffer.batch(3)  # handed out and dropped, the user's copy maybe still queued
+    alive = weakref.ref(buffer)
+    del buffer
+    ring.take(), ring.take()  # the ring forgets it
+    gc.collect()
+    assert alive() is not None, "freed while a copy of the user's may still read it"
+    alive().released()
+    ring.take()
+    gc.collect()
+    assert alive() is None, "kept after the GPU was done with it"

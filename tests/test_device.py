@@ -1,3 +1,5 @@
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -39,8 +41,9 @@ def test_batches_arrive_on_the_gpu_equal_to_the_cpu_ones(jpeg_folder):
     kwargs = dict(batch_size=5, seed=1, decode=ImageDecoder(32, train=True))
     with AsyncLoader(source, **kwargs) as cpu, AsyncLoader(source, device="cuda", **kwargs) as gpu:
         cpu_batches = [(i.clone(), l.clone()) for i, l in cpu]
-        gpu_batches = [(i.cpu(), l.cpu()) for i, l in gpu]
-        assert all(i.is_cuda for i, _ in gpu)
+        on_gpu = list(gpu)  # one epoch: iterating `gpu` again would run (and count) a second one
+        assert all(i.is_cuda and l.is_cuda for i, l in on_gpu)
+        gpu_batches = [(i.cpu(), l.cpu()) for i, l in on_gpu]
     assert len(cpu_batches) == len(gpu_batches)
     assert gpu.stats.stages["copy"].items == len(gpu_batches)
     for (ci, cl), (gi, gl) in zip(cpu_batches, gpu_batches):
@@ -74,3 +77,61 @@ def test_kept_gpu_batches_stay_intact():
     torch.cuda.synchronize()
     for k, batch in enumerate(batches):
         assert batch[:, 0].tolist() == list(range(4 * k, 4 * k + 4))
+
+
+@cuda
+def test_user_copies_from_pinned_batches_are_not_overwritten():
+    """device=None with CUDA: batches are pinned, and the usual ``x.to("cuda", non_blocking=True)``
+    queues a copy that runs later. With the GPU kept busy, each copy runs after the user dropped
+    the batch and the loader went on: the buffer must not hold the next batch's values by then."""
+    batches, size, width = 24, 4, 1 << 18
+    with AsyncLoader(list(range(batches * size)), batch_size=size, shuffle=False, read=False, prefetch=2,
+                     decode=lambda i: np.full((width,), i, np.int64)) as loader:
+        on_gpu = []
+        for batch in loader:
+            assert batch.is_pinned()
+            torch.cuda._sleep(20_000_000)  # tens of ms of GPU work ahead of the copy
+            on_gpu.append(batch.to("cuda", non_blocking=True))
+            del batch
+        torch.cuda.synchronize()
+    for k, batch in enumerate(on_gpu):
+        expected = torch.arange(k * size, k * size + size, device="cuda").view(-1, 1).expand(-1, width)
+        assert torch.equal(batch, expected), f"batch {k} holds other values"
+
+
+@cuda
+def test_pinned_buffers_are_still_reused_once_the_gpu_is_done():
+    """The event rule must not stop recycling: with the GPU idle, the ring reuses its buffers."""
+    with AsyncLoader(list(range(400)), batch_size=4, shuffle=False, read=False, prefetch=2,
+                     decode=lambda i: np.full((16,), i, np.int64)) as loader:
+        pointers = set()
+        for batch in loader:
+            pointers.add(batch.data_ptr())
+            batch.to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            del batch
+    assert len(pointers) <= loader._settings.ring.keep + 2
+
+
+@cuda
+def test_start_copy_with_normalize_does_not_wait_for_the_gpu():
+    """Issuing a batch's copy returns at once, normalize or not: nothing in it waits for the
+    side stream (here kept busy for about 0.1 s) to finish the copy."""
+    from asyncload.buffers import BatchBuffer, SampleLayout
+    from asyncload.device import DeviceStage
+
+    stage = DeviceStage(torch.device("cuda", torch.cuda.current_device()), ((0.5, 0.4, 0.3), (0.2, 0.2, 0.2)))
+    buffer = BatchBuffer(SampleLayout.of(np.zeros((64, 64, 3), np.uint8)), 8, pin_memory=True)
+    buffer.tensors[0].fill_(51)
+    stage.hand_over(stage.start_copy(buffer, 8))  # once first: kernels load lazily at their first launch
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stage.stream):
+        torch.cuda._sleep(200_000_000)
+    started = time.perf_counter()
+    pending = stage.start_copy(buffer, 8)
+    issued = time.perf_counter() - started
+    (floats,) = stage.hand_over(pending)
+    torch.cuda.synchronize()
+    assert issued < 0.03, f"start_copy blocked the host for {issued * 1000:.1f} ms"
+    expected = (torch.full((8, 3, 64, 64), 0.2) - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / 0.2
+    torch.testing.assert_close(floats.cpu(), expected)

@@ -163,3 +163,30 @@ def test_resume_with_several_ranks_still_delivers_len_batches():
         loader.load_state_dict(state)
         rest = list(loader)
     assert len(rest) == 2 and len(rows([first, *rest])) == 12
+
+
+def test_the_failure_budget_spans_a_resumed_epoch():
+    """Two failures before the checkpoint and one after exceed max_failures=2 as in one run;
+    the skipped samples are not read again after the resume."""
+    bad = {1, 2, 25}
+    decoded = []
+
+    def decode(i):
+        decoded.append(i)
+        if i in bad:
+            raise ValueError(f"item {i} is corrupt")
+        return np.full(2, i, np.int64)
+
+    kwargs = dict(batch_size=4, shuffle=False, read=False, on_error="skip", max_failures=2, prefetch=1)
+    with AsyncLoader(list(range(30)), decode=decode, **kwargs) as loader:
+        iterator = iter(loader)
+        head = [next(iterator) for _ in range(2)]
+        state = loader.state_dict()
+        iterator.close()
+    assert sorted(rows(head)) == [0, 3, 4, 5, 6, 7, 8, 9] and state["skipped"] == [[1, 3]]
+    decoded.clear()
+    with AsyncLoader(list(range(30)), decode=decode, **kwargs) as resumed:
+        resumed.load_state_dict(state)
+        with pytest.raises(TooManyFailures):
+            list(resumed)
+    assert not {1, 2} & set(decoded), "skipped samples are not read again"

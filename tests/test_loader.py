@@ -142,12 +142,18 @@ def test_async_read_function_is_awaited():
 
 
 def test_in_order_false_still_delivers_each_batch_once():
+    last_decoded = threading.Event()
+
     def decode(i):
-        if i < 5:
-            time.sleep(0.05)  # the first batch is slow; later ones may pass it
+        if 0 < i < 5:  # the first batch waits for the last sample (item 0 tells the layout first)
+            last_decoded.wait(10)
+        if i == 24:
+            last_decoded.set()
         return np.int64(i)
 
-    with AsyncLoader(list(range(25)), batch_size=5, shuffle=False, read=False, decode=decode, in_order=False, prefetch=4) as loader:
+    # 8 threads whatever the cores: 4 wait in the first batch, the others decode the rest
+    with AsyncLoader(list(range(25)), batch_size=5, shuffle=False, read=False, decode=decode, in_order=False, prefetch=4,
+                     num_threads=8) as loader:
         batches = [b.tolist() for b in loader]
     assert sorted(batches) == [list(range(k, k + 5)) for k in range(0, 25, 5)]
     assert batches[0] != [0, 1, 2, 3, 4]
@@ -289,6 +295,27 @@ def test_load_state_dict_rejects_another_configuration():
             b.load_state_dict(a.state_dict())
 
 
+@pytest.mark.parametrize("key, other", [
+    ("shuffle", dict(shuffle=False)),                  # another permutation (here: none)
+    ("source", dict(source=list(range(100, 140)))),   # another source of the same length
+    ("drop_last", dict(drop_last=True)),
+])
+def test_resume_refuses_a_state_of_another_order(key, other):
+    """Resuming on another order would skip some samples and repeat others, silently."""
+    base = dict(source=list(range(40)), batch_size=4, shuffle=True, seed=9, read=False, decode=np.int64)
+    with AsyncLoader(**base) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        iterator.close()
+    with AsyncLoader(**{**base, **other}) as changed:
+        with pytest.raises(ValueError, match=f"{key}=.*another order"):
+            changed.load_state_dict(state)
+    with AsyncLoader(**base) as same:
+        same.load_state_dict(state)
+        assert sum(len(b) for b in same) == 36
+
+
 def test_normalize_gives_float_nchw_on_the_cpu(jpeg_folder):
     source = image_folder(str(jpeg_folder))
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
@@ -377,3 +404,70 @@ def test_native_libraries_run_one_thread_per_decode_thread_and_the_users_setting
         assert cv2.getNumThreads() == 3
     finally:
         cv2.setNumThreads(-1)
+
+
+def test_an_iterator_dropped_before_its_first_next_stops_the_threads():
+    with index_loader(n=40, batch_size=4) as loader:
+        iterator = iter(loader)
+        assert asyncload_threads()
+        del iterator
+        assert not asyncload_threads(), "iter(loader) dropped unused left threads running"
+        assert len(list(loader)) == 10
+
+
+@pytest.mark.parametrize("n, bad, full_batches", [
+    (10, {1}, 2),  # the rest (positions 8, 9) replaces the skipped sample: still two full batches
+    (8, {1}, 1),   # no rest: the batch left short is dropped, as drop_last drops a short one
+])
+def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
+    def decode(i):
+        if i in bad:
+            time.sleep(0.2)  # fails after the producer has taken every batch (prefetch=4)
+            raise ValueError("corrupt")
+        return np.full(2, i, np.int64)
+
+    with AsyncLoader(list(range(n)), batch_size=4, shuffle=False, read=False, decode=decode, drop_last=True,
+                     on_error="skip", max_failures=1, prefetch=4) as loader:
+        batches = [b[:, 0].tolist() for b in loader]
+    assert [len(b) for b in batches] == [4] * full_batches
+    got = [v for b in batches for v in b]
+    assert len(set(got)) == len(got) and not set(got) & bad
+    if n == 10:
+        assert sorted(got) == [0, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
+    """Ctrl-C while close() waits for a busy decode thread: a second close() must still end
+    every thread (it used to return at once, leaving them running)."""
+    release = threading.Event()
+
+    def decode(i):
+        if i == 5:
+            release.wait(10)
+            time.sleep(0.3)  # still busy a moment after the release
+        return np.int64(i)
+
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
+    iterator = iter(loader)
+    next(iterator)
+    main = threading.main_thread().ident
+    threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # a real Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    assert asyncload_threads(), "the decode thread is still busy"
+    release.set()
+    loader.close()
+    assert not asyncload_threads()
+    del iterator
+
+
+def test_slices_and_arrays_kept_from_batches_stay_intact():
+    """A CPU user who keeps only a slice, a row or a NumPy array of each batch: the ring must see
+    them (they hold the buffer) and never write the next batches into them."""
+    kept = []
+    with index_loader(n=200, batch_size=4, shuffle=False) as loader:
+        for k, batch in enumerate(loader):
+            kept.append((k, [batch[1:3], batch[0], batch.numpy()[3:]][k % 3]))
+    for k, part in kept:
+        first = {0: 4 * k + 1, 1: 4 * k, 2: 4 * k + 3}[k % 3]
+        assert int(np.asarray(part).reshape(-1)[0]) == first, f"batch {k}'s kept part was overwritten"

@@ -1,4 +1,5 @@
 import asyncio
+import os
 import random
 import threading
 import time
@@ -8,6 +9,7 @@ import pytest
 
 from asyncload import AsyncLoader, SampleError
 from asyncload.read import backoff
+from tests.conftest import asyncload_threads, wait_until
 
 
 class FlakyStore:
@@ -107,3 +109,57 @@ def test_the_default_retries_wait_long_enough_to_outlast_a_short_restart():
         waits = [backoff(attempt) for attempt in range(6)]
         assert 3.15 <= sum(waits) <= 6.3
         assert all(0.1 * 2**a / 2 <= w <= 0.1 * 2**a for a, w in enumerate(waits))
+
+
+def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them():
+    """Four sync reads hang (past the timeout) on a pool of four threads: they fail, and the
+    reads queued behind them are neither charged for the wait nor kept from a thread."""
+    stuck = {0, 1, 2, 3}
+    release = threading.Event()
+
+    def read(key):
+        if key in stuck:
+            release.wait(5)
+        return key
+
+    started = time.monotonic()
+    try:
+        with loader_for(read, n=24, read_timeout=0.5, read_retries=0, io_concurrency=4, on_error="skip",
+                        max_failures=4) as loader:
+            got = sorted(v for batch in loader for v in batch.tolist())
+            failed = sorted(failure.item for failure in loader.stats.failures)
+        assert time.monotonic() - started < 4, "the end of the epoch does not wait for stuck reads"
+    finally:
+        release.set()  # the stuck threads end, as they would when storage answers
+    assert wait_until(lambda: not asyncload_threads())
+    assert failed == sorted(stuck), "only the stuck reads fail"
+    assert got == sorted(set(range(24)) - stuck)
+
+
+def test_a_local_read_that_hangs_times_out(tmp_path, jpeg_folder):
+    """A local path that never answers (a FIFO with no writer, as a hung network mount) fails
+    its sample after read_timeout instead of holding a decode thread for ever."""
+    from asyncload import ImageDecoder
+
+    good = sorted(str(p) for p in jpeg_folder.rglob("*.jpg"))[:5]
+    fifo = tmp_path / "hangs.jpg"
+    os.mkfifo(fifo)
+    loader = AsyncLoader([*good[:2], str(fifo), *good[2:]], batch_size=3, shuffle=False, decode=ImageDecoder(16),
+                         read_timeout=0.5, read_retries=0, on_error="skip", max_failures=1)
+    result = {}
+    consumer = threading.Thread(target=lambda: result.update(batches=[len(b) for b in loader]), daemon=True)
+    try:
+        consumer.start()
+        consumer.join(5)
+        assert not consumer.is_alive(), "the epoch never ended"
+        assert sum(result["batches"]) == 5  # every good sample
+        (failure,) = loader.stats.failures
+        assert (failure.item, failure.stage) == (str(fifo), "read") and failure.error.startswith("TimeoutError")
+    finally:
+        try:  # a writer comes and goes: the stuck open() returns and its thread ends
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader waits on it (ENXIO)
+            pass
+        loader.close()
+        consumer.join(5)
+    assert wait_until(lambda: not asyncload_threads())

@@ -4,6 +4,8 @@ ranks, cached on disk; from local disk and from a real S3-compatible server."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tarfile
 import threading
 
@@ -150,6 +152,21 @@ def test_resume_delivers_the_rest_without_reading_the_delivered_samples(shard_di
     remaining = plan_chunks(source, order[12:], source.chunk_bytes)
     assert read_bytes == sum(chunk.end - chunk.start for chunk in remaining)
     assert not set(index for chunk in remaining for index in chunk.indices) & set(order[:12].tolist())
+
+
+@pytest.mark.parametrize("key, options", [("shuffle_buffer", dict(shuffle_buffer=3)), ("members", dict(members="all"))])
+def test_resume_refuses_other_shard_options(shard_dir, key, options):
+    """A shard order also depends on the shuffle buffer; the members read decide what a sample
+    is: a state saved with other ones must not resume."""
+    with AsyncLoader(tar_shards(str(shard_dir), shuffle_buffer=6), batch_size=4, decode=DECODE) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        iterator.close()
+    other = tar_shards(str(shard_dir), **{"shuffle_buffer": 6, **options})
+    with AsyncLoader(other, batch_size=4, decode=lambda sample: np.zeros(1)) as changed:
+        with pytest.raises(ValueError, match=f"{key}=.*another order"):
+            changed.load_state_dict(state)
 
 
 def test_an_epoch_from_s3_equals_the_local_one_in_one_request_per_shard(shard_dir, s3_shards, s3_options):
@@ -327,3 +344,164 @@ def test_a_missing_shard_names_it(shard_dir, tmp_path):
 def test_read_is_the_loaders_own_for_shards(shard_dir):
     with pytest.raises(ValueError, match="leave read=None"):
         AsyncLoader(tar_shards(str(shard_dir)), batch_size=4, read=lambda key: key)
+
+
+def run_with_deadline(work, seconds: float = 60.0):
+    """``work()`` on a thread; fails instead of hanging the suite if it does not end in time."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = work()
+        except BaseException as error:  # handed to the test's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return thread.is_alive(), result
+
+
+def test_ranks_with_a_skipped_sample_finish_with_equal_batches(shard_dir, tmp_path):
+    """DDP, tar shards, on_error="skip": the rank with a corrupt sample pads with its first
+    samples again, whose bytes it has already used; it must finish with len(loader) batches
+    (it used to wait forever on a read nothing would resolve)."""
+    corrupt_copy(shard_dir, tmp_path, sample=7)  # on rank 0 (unshuffled: samples 0-11)
+    counts, got = [], {}
+    for rank in range(2):
+        loader = AsyncLoader(tar_shards(str(tmp_path)), batch_size=4, shuffle=False, decode=DECODE,
+                             on_error="skip", max_failures=1, rank=rank, world_size=2)
+        try:
+            hung, result = run_with_deadline(lambda: delivered(loader))
+        finally:
+            loader.close()
+        assert not hung, f"rank {rank} never finished its epoch"
+        if "error" in result:
+            raise result["error"]
+        counts.append((len(result["value"]), len(loader)))
+        got[rank] = flat(result["value"])
+    assert counts == [(3, 3), (3, 3)]
+    assert sorted(got[0]) == sorted(sorted(ALL)[:7] + sorted(ALL)[8:12] + sorted(ALL)[:1])  # sample 0 twice
+    assert sorted(got[1]) == sorted(ALL)[12:]
+
+
+def test_a_resumed_rank_pads_without_spurious_failures(shard_dir, tmp_path):
+    """After a resume the padding repeats samples delivered before the checkpoint, which the new
+    run did not plan to read: they are read again, not failed."""
+    corrupt_copy(shard_dir, tmp_path, sample=7)
+    kwargs = dict(batch_size=4, shuffle=False, decode=DECODE, on_error="skip", max_failures=1, rank=0,
+                  world_size=2, prefetch=1)
+    with AsyncLoader(tar_shards(str(tmp_path)), **kwargs) as loader:
+        iterator = iter(loader)
+        head = [next(iterator) for _ in range(2)]
+        state = loader.state_dict()
+        iterator.close()
+    with AsyncLoader(tar_shards(str(tmp_path)), **kwargs) as resumed:
+        resumed.load_state_dict(state)
+        hung, result = run_with_deadline(lambda: delivered(resumed))
+        assert not hung, "the resumed rank never finished its epoch"
+        if "error" in result:
+            raise result["error"]
+        assert resumed.stats.failures == []
+    assert len(head) + len(result["value"]) == 3
+    assert sorted(flat(result["value"])) == sorted(sorted(ALL)[9:12] + sorted(ALL)[:1])
+
+
+@pytest.fixture()
+def s3_shard_copy(s3_options, shard_dir, request):
+    """The shard set uploaded to a prefix of this test's own (it may rewrite a shard there)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    make_bucket(fs)
+    prefix = f"asyncload-test/copies/{request.node.name}"
+    for path in sorted(shard_dir.iterdir()):
+        fs.pipe_file(f"{prefix}/{path.name}", path.read_bytes())
+    return fs, prefix
+
+
+def test_the_disk_cache_notices_a_rewritten_shard(s3_shard_copy, s3_options, shard_dir, tmp_path):
+    """A kept shard whose object was rewritten since (same size: the index still fits) must not
+    be served: the new content is downloaded."""
+    fs, prefix = s3_shard_copy
+    cache = tmp_path / "cache"
+
+    def epoch(**kwargs):
+        source = tar_shards(f"s3://{prefix}", storage_options=s3_options, cache_dir=str(cache))
+        with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, **kwargs) as loader:
+            return sorted(flat(delivered(loader)))
+
+    assert epoch() == sorted(ALL)
+    rewritten = corrupt_copy(shard_dir, tmp_path, sample=7)  # sample 7's bytes zeroed, same size
+    fs.pipe_file(f"{prefix}/shard-000001.tar", (tmp_path / "shard-000001.tar").read_bytes())
+    with pytest.raises(SampleError) as caught:
+        epoch()
+    assert caught.value.stage == "decode" and caught.value.item.key == rewritten.split("#")[1]
+
+
+def test_partial_downloads_of_a_killed_process_are_removed(s3_shard_copy, s3_options, tmp_path):
+    """A ``.part`` whose shard no process is downloading (its lock is free) was left by a killed
+    process: the next eviction deletes it. One being written (lock held) stays."""
+    import fcntl
+
+    fs, prefix = s3_shard_copy
+    source = tar_shards(f"s3://{prefix}", storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1 << 20)
+    from asyncload.cache import ShardCache
+
+    first = ShardCache(tmp_path, 0, None, 0, None).path(source.urls[0]).name
+    abandoned = tmp_path / f".{first}.0123abcd.part"
+    abandoned.write_bytes(bytes(50_000))
+    (tmp_path / f"{first}.lock").touch()  # what a killed download leaves: its lock, free, and its part
+    writing = tmp_path / ".0123456789abcdef-other.tar.4567cdef.part"  # another job's shard, being written
+    writing.write_bytes(bytes(10_000))
+    held = os.open(tmp_path / "0123456789abcdef-other.tar.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the process downloading it holds it
+        with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options) as loader:
+            assert sorted(flat(delivered(loader))) == sorted(ALL)
+        assert not abandoned.exists(), "a killed process's partial download stays for ever"
+        assert writing.exists(), "a download under way was deleted"
+    finally:
+        os.close(held)
+
+
+def test_a_shard_evicted_by_another_process_while_touched_is_downloaded_again(tmp_path):
+    """Another process evicts the kept shard at any moment (here: a thread deleting it every
+    2 ms): the cache must download it again, never fail a read on the race."""
+    import asyncio
+
+    from asyncload.cache import ShardCache
+
+    remote = tmp_path / "remote.tar"
+    remote.write_bytes(bytes(range(256)) * 64)
+
+    async def download(url, start, end):
+        with open(remote, "rb") as file:
+            return os.pread(file.fileno(), end - start, start)
+
+    async def run_blocking(function, *args):
+        return function(*args)  # the race needs no thread between exists and utime to widen it
+
+    cache = ShardCache(tmp_path / "cache", 1 << 30, download, 1 << 20, run_blocking)
+    path = cache.path("s3://bucket/remote.tar")
+    stop = threading.Event()
+
+    def evict():
+        while not stop.wait(0.002):
+            path.unlink(missing_ok=True)
+
+    async def reads():
+        for i in range(3000):
+            start = (i * 37) % 16000
+            assert await cache.read_range("s3://bucket/remote.tar", start, start + 100, 16384) == remote.read_bytes()[start:start + 100]
+
+    evictor = threading.Thread(target=evict)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the GIL changes hands often: the evictor can run between any two steps
+    evictor.start()
+    try:
+        asyncio.run(reads())
+    finally:
+        stop.set()
+        evictor.join()
+        sys.setswitchinterval(switch)

@@ -1,0 +1,164 @@
+"""Blocking calls (sync filesystem reads, a user's sync ``read``, local files) on a bounded set of
+threads, each with a timeout counted from when the call starts on a thread.
+
+A thread running a call cannot be stopped: a read stuck in the kernel (a hung network mount, a
+FIFO with no writer) keeps its thread until the call returns. Two rules keep that from turning
+into false failures or a stalled epoch (a ``ThreadPoolExecutor`` keeps neither):
+
+- the timeout runs from the start of the call, not from its submission, so a read that waited
+  in the queue behind slow ones is not charged for the wait;
+- a call past its timeout fails (its caller retries or records the failure) and its thread
+  counts as lost: a new thread takes its place at once, and the lost one ends when its call
+  returns. So ``threads`` threads always serve the queue, and stuck reads never fill it. At most
+  ``MAX_LOST_FACTOR * threads`` lost threads are replaced; past that, storage that hangs that
+  much makes reads wait in the queue (and the epoch fails on its timeouts meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MAX_LOST_FACTOR = 4
+
+
+@dataclass
+class Call:
+    future: Future
+    function: Callable[..., Any]
+    args: tuple
+    on_start: Callable[[], Any] | None = None
+    started: float | None = None  # time.monotonic() when a thread took it
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class BlockingCalls:
+    """``threads`` threads named ``name``-N (started as calls come), see the module."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = max(1, threads)
+        self.name = name
+        self._queue: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._workers: set[threading.Thread] = set()
+        self._lost: set[threading.Thread] = set()  # running a call past its timeout; replaced
+        self._replaced = 0
+        self._names = itertools.count()
+        self._closed = False
+
+    def submit(self, function: Callable[..., Any], *args: Any, on_start: Callable[[], Any] | None = None) -> Call:
+        """Queues ``function(*args)``; ``on_start`` is called on the thread when it starts."""
+        call = Call(Future(), function, args, on_start)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("these blocking calls are shut down")
+            if len(self._workers) - len(self._lost) < self.threads:
+                self._spawn()
+        self._queue.put(call)
+        return call
+
+    def _spawn(self) -> None:
+        thread = threading.Thread(target=self._work, name=f"{self.name}_{next(self._names)}", daemon=True)
+        self._workers.add(thread)
+        thread.start()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            call = self._queue.get()
+            if call is None:
+                break
+            if not call.future.set_running_or_notify_cancel():
+                continue
+            call.thread, call.started = me, time.monotonic()
+            try:
+                if call.on_start is not None:
+                    call.on_start()
+                result = call.function(*call.args)
+            except BaseException as error:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(result)
+            del call
+            with self._lock:
+                if me in self._lost:  # its place was taken while it was stuck
+                    break
+        with self._lock:
+            self._lost.discard(me)
+            self._workers.discard(me)
+
+    def call(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
+        """``function(*args)`` on a pool thread, for a thread that may block (a decode thread):
+        raises ``TimeoutError`` once the call has run ``timeout`` seconds. One wait on the
+        future in the usual case; the start time is looked at only when that wait times out."""
+        call = self.submit(function, *args)
+        wait = timeout
+        while True:
+            try:
+                return call.future.result(wait)
+            except TimeoutError:
+                started = call.started
+                if started is not None and time.monotonic() - started >= timeout:
+                    self._timed_out(call)
+                    raise TimeoutError(f"no answer within {timeout:g} s") from None
+                wait = timeout if started is None else started + timeout - time.monotonic()  # queued, or started late
+
+    async def call_async(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
+        """As ``call``, awaited on an event loop (whose thread must not block)."""
+        loop = asyncio.get_running_loop()
+        began = loop.create_future()
+
+        def on_start() -> None:
+            loop.call_soon_threadsafe(lambda: began.done() or began.set_result(None))
+
+        call = self.submit(function, *args, on_start=on_start)
+        result = asyncio.wrap_future(call.future)
+        try:
+            await asyncio.wait([began, result], return_when=asyncio.FIRST_COMPLETED)  # queued: not timed
+            return await asyncio.wait_for(asyncio.shield(result), timeout)
+        except asyncio.TimeoutError:
+            self._timed_out(call)
+            raise TimeoutError(f"no answer within {timeout:g} s") from None
+        except asyncio.CancelledError:
+            call.future.cancel()  # if still queued; a running call ends by itself
+            raise
+        finally:
+            began.cancel()
+
+    def _timed_out(self, call: Call) -> None:
+        """``call`` ran past its timeout: a new thread takes its thread's place."""
+        with self._lock:
+            if call.future.done() or call.thread is None or call.thread in self._lost or self._closed:
+                return
+            if self._replaced >= MAX_LOST_FACTOR * self.threads:
+                return
+            self._lost.add(call.thread)
+            self._replaced += 1
+            self._spawn()
+
+    def shutdown(self, timeout: float) -> bool:
+        """Cancels queued calls and waits up to ``timeout`` s for the running ones, but not for
+        those already past their timeout (their callers have moved on; their threads end when
+        the calls return). True when every thread waited for has ended."""
+        with self._lock:
+            self._closed = True
+            workers = [worker for worker in self._workers if worker not in self._lost]
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call.future.cancel()
+        for _ in workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in workers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in workers)
