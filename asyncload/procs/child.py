@@ -23,7 +23,7 @@ from . import shm
 from .fill import Filler
 from .protocol import Broken, Close, Fill, Limits, Map, Probe, Stop, Unmap, portable, unpickle
 
-CHILD_NICENESS = 10  # the child yields the CPU to the training process (see _lower_priority)
+CHILD_NICENESS = 10  # at least: the child yields the CPU to the training process (see _lower_priority)
 
 
 def child_main(conn: Any, payload: dict[str, bytes]) -> None:
@@ -59,9 +59,11 @@ def _lower_priority() -> None:
     get the cores the training process leaves idle, and the step runs about as fast as alone
     (the README's measurement). The cost: a training process that keeps every core busy
     starves the loader. Linux keeps a niceness per thread: threads that exist already (thread
-    pools started by imports) are lowered one by one; later ones inherit it."""
+    pools started by imports) are lowered one by one; later ones inherit it. A parent that runs
+    at niceness 10 or more already has children at its own level (they start with its niceness):
+    they never go below the parent's priority relative to the rest of the machine."""
     try:
-        niceness = os.nice(CHILD_NICENESS)
+        niceness = os.nice(max(0, CHILD_NICENESS - os.nice(0)))
         for thread in os.listdir("/proc/self/task"):
             os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
     except OSError:
