@@ -2,7 +2,7 @@
 
 Read top-down: ``processes.py`` (what the loader uses), ``run.py`` (one iteration: batches
 assigned to children, handed out in order), ``plan.py`` (the epoch's positions, skips, budget),
-``pool.py`` (the processes and their pipes), ``segments.py`` + ``shm.py`` (shared batch
+``parent.py`` (the processes and their pipes), ``segments.py`` + ``shm.py`` (shared batch
 buffers), ``merged.py`` (stats), ``protocol.py`` (the messages); the child's side is
-``child.py`` (control loop) and ``fill.py`` (reads and decodes into rows).
+``child.py`` (control loop), ``fill.py`` (reads, fills) and ``rows.py`` (one sample into one row).
 """

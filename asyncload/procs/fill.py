@@ -9,14 +9,13 @@ A row is always finished by exactly one party: the loop task that reads it (if i
 cancelled before its decode is queued) or the decode job (once queued). So when a run is
 stopped, the ``Stopped`` answer is sent only once no thread can still write into its segments,
 and the parent may reuse them. (What a later shared "fill these rows" engine could take from
-here: ``_split``, ``_decode_row``, the row counting; the in-process pipeline has the same steps.)
+here: ``rows.py`` and the row counting; the in-process pipeline has the same steps.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,14 +23,17 @@ from typing import Any, Callable
 import numpy as np
 
 from ..autotune import AsyncGate, Gate
-from ..buffers import BatchBuffer, Field, SampleLayout
+from ..buffers import BatchBuffer, SampleLayout
 from ..cache import ShardCache
 from ..errors import SampleError
-from ..pipeline import is_labelled
 from ..read import Reader
 from ..shards import ShardSource, ShardStream
 from ..stats import LoaderStats
 from .protocol import Done, Fill, Probe, Probed, Stopped, portable
+from .rows import RowWriter, labelled, read_local, split
+
+
+UNREAD = object()  # a row's data, before a decode thread reads it (a local file, or with read=False)
 
 
 @dataclass
@@ -54,7 +56,7 @@ class Filler:
         self.decode = settings["decode"]
         self.send = send
         self.stats = stats
-        self.in_place = isinstance(getattr(self.decode, "field", None), Field) and hasattr(self.decode, "decode_into")
+        self.writer = RowWriter(self.decode, stats)
         self.segments: dict[int, BatchBuffer] = {}
         self.gate = Gate(settings["thread_limit"]) if settings["thread_limit"] else None
         self.lock = threading.Lock()
@@ -151,12 +153,12 @@ class Filler:
                 self._row_done(job)
                 continue
             try:
-                key, label = self._split(index)
+                key, label = split(self.source, self.s["labelled"], index)
             except SampleError as error:
                 self._row_failed(job, row, error)
                 continue
             if stream is None and (self.s["read"] is False or self.reader.is_local(key)):
-                self.pool.submit(self._decode_row, job, row, key, None, label, index)
+                self.pool.submit(self._decode_row, job, row, key, UNREAD, label, index)
             else:
                 reads.append(self._spawn(run, job, self._load(job, row, key, label, index, stream)))
         if stream is not None:
@@ -224,7 +226,7 @@ class Filler:
         index = message.index
         key: Any = f"source[{index}]"
         try:
-            key, label = self._split(index)
+            key, label = split(self.source, self.s["labelled"], index)
             if isinstance(self.source, ShardSource):
                 stream = ShardStream(self.source, np.array([index]), self._read_range(), 1, cache=self.cache)
                 try:
@@ -243,7 +245,7 @@ class Filler:
             return
         try:
             sample = await self.loop.run_in_executor(self.pool, self.decode, data)
-            layout = SampleLayout.of(_labelled(sample, label))
+            layout = SampleLayout.of(labelled(sample, label))
         except Exception as error:
             self.send(Probed(message.run, None, portable(SampleError(key, "decode", error))))  # type: ignore[arg-type]
             return
@@ -251,27 +253,17 @@ class Filler:
 
     # ----- any thread -----
 
-    def _split(self, index: int) -> tuple[Any, int | None]:
-        """The source item at ``index`` -> (what to read, label or None)."""
-        try:
-            item = self.source[index]
-        except Exception as error:
-            raise SampleError(f"source[{index}]", "source", error) from error
-        if not self.s["labelled"]:
-            return item, None
-        if not is_labelled(item):
-            raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
-        return item[0], int(item[1])
-
     def _decode_row(self, job: Job, row: int, key: Any, data: Any, label: int | None, index: int) -> None:
         """On a decode thread: (read a local file,) decode, write the row; always ends the row."""
         try:
             if job.fill.run not in self.stopped:
+                if data is UNREAD:  # a local file (or, with read=False, the item itself)
+                    data = key if self.s["read"] is False else read_local(self.reader, key)
                 if self.gate is None:
-                    self._decode_into(job, row, key, data, label, index)
+                    self.writer.write(job.buffer, row, key, data, label, (job.fill.epoch, index))
                 else:
                     with self.gate:
-                        self._decode_into(job, row, key, data, label, index)
+                        self.writer.write(job.buffer, row, key, data, label, (job.fill.epoch, index))
         except SampleError as error:
             self._row_failed(job, row, error)
             return
@@ -279,39 +271,6 @@ class Filler:
             self._row_failed(job, row, SampleError(key, "load", error))
             return
         self._row_done(job)
-
-    def _decode_into(self, job: Job, row: int, key: Any, data: Any, label: int | None, index: int) -> None:
-        if data is None:
-            if self.s["read"] is False:
-                data = key
-            else:
-                try:
-                    data = self.reader.read_local(key)
-                except Exception as error:
-                    raise SampleError(key, "read", error) from error
-        stats = self.stats
-        stats.level("decodes_running", 1)
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        try:
-            if self.in_place:
-                rows = job.buffer.rows(row)
-                self.decode.decode_into(data, rows[0], (job.fill.epoch, index))
-                if label is not None:
-                    rows[1][...] = label
-            else:
-                sample = self.decode(data)
-        except Exception as error:
-            raise SampleError(key, "decode", error) from error
-        finally:
-            stats.level("decodes_running", -1)
-        stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
-        if not self.in_place:
-            started = time.perf_counter()
-            try:
-                job.buffer.write(row, _labelled(sample, label))
-            except Exception as error:
-                raise SampleError(key, "decode", error) from error
-            stats.add("write", time.perf_counter() - started)
 
     def _row_failed(self, job: Job, row: int, error: SampleError) -> None:
         portable_error = portable(error)  # rare: worth its traceback note
@@ -338,6 +297,3 @@ class Filler:
             self.active.pop(run, None)
         self.send(Stopped(run))
 
-
-def _labelled(sample: Any, label: int | None) -> Any:
-    return sample if label is None else (sample, np.int64(label))

@@ -24,7 +24,7 @@ from ..autotune import MAX_IO, AutoTuner, Knob
 from ..pipeline import BatchQuota, Settings
 from ..progress import Positions
 from .merged import ProcessStats
-from .pool import ProcessPool
+from .parent import ProcessPool
 from .protocol import Limits
 from .run import ProcessRun
 

@@ -23,7 +23,7 @@ from ..errors import SampleError
 from ..pipeline import BatchQuota, Settings
 from ..progress import Positions
 from .plan import EpochPlan
-from .pool import ProcessPool
+from .parent import ProcessPool
 from .protocol import Done, Fill, Probe, Probed
 
 
