@@ -127,6 +127,8 @@ class ProcessRun:
         return self.pool.receive(self.run)
 
     def _done(self, message: Done) -> None:
+        if self._stopped:  # stop() from another thread (close()) while this one waited
+            raise RuntimeError("this iteration has ended: the loader was closed or iterated anew")
         batch = self.fills.pop(message.fill)
         batch.pending -= 1
         self.load[batch.child] -= 1
