@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-import os
 import signal
 import sys
 import threading

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
-
 import numpy as np
 import torch
 
