@@ -89,10 +89,20 @@ def reaped(pid: int) -> bool:
     return not psutil.pid_exists(pid)
 
 
-def mappings() -> list[str]:
-    """This process's mappings of its shared segments (named asyncload-<our pid>-<number>)."""
+def segment_name(loader: AsyncLoader) -> str:
+    return loader._processes.pool.ring.name
+
+
+def mappings(name: str) -> list[str]:
+    """This process's mappings of one ring's shared segments (named <name>-<number>)."""
     with open("/proc/self/maps") as maps:
-        return [line for line in maps if f"memfd:asyncload-{os.getpid()}-" in line]
+        return [line for line in maps if f"memfd:{name}-" in line]
+
+
+def shm_files() -> set[str]:
+    """What Python's or torch's shared memory would leave in /dev/shm (other users' files,
+    which come and go on a shared machine, are not ours to count)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("psm_", "torch_", "asyncload"))}
 
 
 def rows(batches) -> list[int]:
@@ -156,7 +166,7 @@ def test_kept_batches_stay_intact_and_released_buffers_are_reused():
         kept = list(loader)  # 40 batches held at once: the ring must allocate beyond its size
         assert rows(kept) == loader.sampler.order(0).tolist()
         assert all(bool((batch[:, 0:1] == batch).all()) for batch in kept)
-        assert len(mappings()) >= 40
+        assert len(mappings(segment_name(loader))) >= 40
         del kept
         loader.set_epoch(1)
         before = set(ring.segments)
@@ -165,7 +175,7 @@ def test_kept_batches_stay_intact_and_released_buffers_are_reused():
         del batch
         assert not set(ring.segments) - before, "a released buffer is reused, not allocated anew"
         assert len(ring.segments) <= ring.keep + 1, "segments nobody uses are dropped"
-        assert len(mappings()) <= ring.keep + 1
+        assert len(mappings(segment_name(loader))) <= ring.keep + 1
 
 
 def test_a_corrupt_file_raises_sample_error_naming_it(tmp_path, jpeg_folder):
@@ -244,10 +254,10 @@ def test_out_of_order_delivers_every_sample_once():
 
 
 def test_break_stops_the_run_and_close_ends_the_children():
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_files()
     loader = AsyncLoader(list(range(100_000)), batch_size=8, shuffle=False, read=stalls_after_the_first_batch,
                          decode=np.asarray, processes=2)
-    pids = child_pids(loader)
+    pids, name = child_pids(loader), segment_name(loader)
     first = iter(loader)
     assert next(first).tolist() == list(range(8))
     lower = max(os.getpriority(os.PRIO_PROCESS, 0), CHILD_NICENESS)
@@ -265,11 +275,11 @@ def test_break_stops_the_run_and_close_ends_the_children():
     loader.close()
     assert all(reaped(pid) for pid in pids), "close() ends the children"
     assert kept.tolist() == list(range(8)), "a batch kept after close() stays valid"
-    assert len(mappings()) == 1
+    assert len(mappings(name)) == 1
     del kept
-    assert not mappings(), "no segment stays mapped"
+    assert not mappings(name), "no segment stays mapped"
     assert not ring.segments
-    assert set(os.listdir("/dev/shm")) == shm_before, "nothing in /dev/shm"
+    assert shm_files() == shm_before, "nothing in /dev/shm"
     with pytest.raises(RuntimeError, match="closed"):
         iter(loader)
 
@@ -291,18 +301,19 @@ def test_stopped_runs_give_their_segments_back_once_the_children_confirm():
 
 def test_garbage_collection_ends_the_children():
     loader = AsyncLoader(list(range(100_000)), batch_size=8, read=False, decode=index_sample, processes=2)
-    pids = child_pids(loader)
+    pids, name = child_pids(loader), segment_name(loader)
     batches = iter(loader)
     next(batches)
+    assert mappings(name)
     del batches, loader
     gc.collect()
     assert all(reaped(pid) for pid in pids)
-    assert not mappings()
+    assert not mappings(name)
 
 
 def test_a_child_that_dies_mid_epoch_raises_runtime_error():
     loader = AsyncLoader(list(range(1000)), batch_size=4, read=False, decode=index_sample, processes=2, prefetch=1)
-    pids = child_pids(loader)
+    pids, name = child_pids(loader), segment_name(loader)
     batches = iter(loader)
     kept = next(batches)
     os.kill(pids[1], signal.SIGKILL)
@@ -316,7 +327,7 @@ def test_a_child_that_dies_mid_epoch_raises_runtime_error():
     loader.close()
     assert all(reaped(pid) for pid in pids)
     del kept
-    assert not mappings()
+    assert not mappings(name)
 
 
 def test_the_children_exit_when_the_parent_dies():

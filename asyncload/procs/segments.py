@@ -21,6 +21,7 @@ from . import shm
 from .protocol import Map
 
 Announce = Callable[[Map, int], None]  # sends a Map and its descriptor to every child
+_rings = itertools.count()  # segment names tell rings apart: asyncload-<pid>-<ring>-<segment>
 
 
 class SegmentRing:
@@ -36,6 +37,7 @@ class SegmentRing:
         self.capacity = 0
         self.segments: dict[int, BatchBuffer] = {}
         self._ids = itertools.count()
+        self.name = f"asyncload-{os.getpid()}-{next(_rings)}"
 
     def configure(self, layout: SampleLayout, capacity: int) -> None:
         """Sets the layout; segments of another layout are dropped once free."""
@@ -68,7 +70,7 @@ class SegmentRing:
     def _allocate(self, layout: SampleLayout, capacity: int) -> tuple[int, BatchBuffer]:
         number = next(self._ids)
         _, size = shm.field_offsets(layout, capacity)
-        fd = shm.create(f"asyncload-{os.getpid()}-{number}", size)
+        fd = shm.create(f"{self.name}-{number}", size)
         try:
             buffer = shm.buffer_on(fd, layout, capacity)
             if self.device is not None:
