@@ -65,6 +65,11 @@ def slow_read(i):
     return i
 
 
+def slow_after_the_first_batch(i):
+    time.sleep(0.1 if i < 8 else 3)
+    return i
+
+
 def pid_sample(i):
     return np.array([i, os.getpid()], np.int64)
 
@@ -285,17 +290,18 @@ def test_break_stops_the_run_and_close_ends_the_children():
 
 
 def test_stopped_runs_give_their_segments_back_once_the_children_confirm():
-    loader = AsyncLoader(list(range(100_000)), batch_size=8, shuffle=False, read=slow_read, decode=np.asarray,
-                         io_concurrency=64, processes=2, prefetch=2)
+    loader = AsyncLoader(list(range(100_000)), batch_size=8, shuffle=False, read=slow_after_the_first_batch,
+                         decode=np.asarray, io_concurrency=64, processes=2, prefetch=2)
     pool = loader._processes.pool
-    next(iter(loader))  # the run is replaced: its batches in progress wait for the children's answer
-    assert pool._stopping, "the unfinished batches stay out of the ring"
-    held = [b for run in pool._stopping.values() for b in run[1]]
-    assert held and all(b.in_pipeline for b in held)
+    next(iter(loader))  # the run ends with batches 1-4 still being read
+    (answers, held), = pool._stopping.values()
+    assert len(held) == loader._processes.window and all(b.in_pipeline for b in held), \
+        "unfinished batches (a window of them: batch 0 was handed out) stay out of the ring"
     batches = iter(loader)
-    next(batches)  # reading the pipes takes in the answers
-    assert wait_until(lambda: (next(batches), not pool._stopping)[1], timeout=10)
-    assert not any(b.in_pipeline for b in held if b not in [x.buffer for x in loader._run.batches.values()])
+    assert next(batches).tolist() == list(range(8))  # waiting for it takes in the children's answers
+    assert wait_until(lambda: not pool._stopping or next(batches) is None, timeout=10)
+    current = [batch.buffer for batch in loader._run.batches.values()]
+    assert all(not b.in_pipeline or any(b is c for c in current) for b in held), "given back to the ring"
     loader.close()
 
 
