@@ -26,7 +26,7 @@ import torch
 from asyncload import AsyncLoader, ImageDecoder, SampleError, TooManyFailures, image_folder, tar_shards, write_shards
 from asyncload.procs.child import CHILD_NICENESS
 from asyncload.procs.processes import CORES_PER_PROCESS, process_count
-from tests.conftest import make_jpeg, wait_until
+from tests.conftest import epoch, make_jpeg, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -250,6 +250,14 @@ def test_tar_shards_give_the_in_process_batches(jpeg_folder, tmp_path):
             assert len(got) == len(expected) == 6
             for (images, labels), (want_images, want_labels) in zip(got, expected):
                 assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
+
+
+def test_an_epoch_from_s3_equals_the_local_one(jpeg_folder, s3_jpeg_bucket, s3_options):
+    local = epoch(image_folder(str(jpeg_folder)))
+    remote = epoch(image_folder(s3_jpeg_bucket, storage_options=s3_options), storage_options=s3_options, processes=2)
+    assert len(remote) == len(local) == 5
+    for (images, labels), (want_images, want_labels) in zip(remote, local):
+        assert torch.equal(images, want_images) and torch.equal(labels, want_labels)
 
 
 def test_out_of_order_delivers_every_sample_once():
