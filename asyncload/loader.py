@@ -17,8 +17,9 @@ from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .buffers import BufferRing, Field, SampleLayout
 from .decode import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .isolate import ChildStats, IsolatedPipeline, IsolatedRun
 from .pipeline import BatchQuota, EpochRun, Settings, is_labelled
+from .procs.processes import Processes, process_count
+from .procs.run import ProcessRun
 from .progress import Positions
 from .sampler import EpochSampler, distributed_defaults, source_digest
 from .shards import ShardSampler, ShardSource
@@ -45,7 +46,8 @@ class AsyncLoader:
     the epoch, of samples that may fail before ``TooManyFailures`` is raised); ``progress``
     shows a tqdm bar; ``normalize=(mean, std)`` turns uint8 NHWC image fields into normalised
     float32 NCHW (on the GPU with a CUDA ``device``); ``read_timeout`` and ``read_retries``
-    bound each read; ``isolate=True`` runs the pipeline in a child process (see ``isolate.py``).
+    bound each read; ``processes=N`` runs the pipeline in N child processes (``procs/``), and
+    ``isolate=True`` is ``processes=1``.
     ``io_concurrency`` counts requests in flight: for tar shards each is a ranged read of up to
     ``chunk_bytes`` (16 MiB), so its default there is 4 rather than 64.
     """
@@ -75,6 +77,7 @@ class AsyncLoader:
         read_timeout: float = 60.0,
         read_retries: int = 6,
         isolate: bool = False,
+        processes: int | str | None = None,
     ) -> None:
         _check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
         cores = _default_threads()
@@ -96,7 +99,7 @@ class AsyncLoader:
         self._skipped = Positions()  # positions of this epoch that failed and were skipped, in delivered batches
         self._batches_done = 0  # batches of this epoch delivered to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
-        self._run: EpochRun | IsolatedRun | None = None
+        self._run: EpochRun | ProcessRun | None = None
         self._closed = False
         self.progress = progress
         self._settings = Settings(
@@ -123,20 +126,11 @@ class AsyncLoader:
         )
         self._configure_known_layout()
         self.tuner = self._make_tuner(auto_threads, auto_io, threads, io, cores)
-        self._isolated: IsolatedPipeline | None = None
-        if isolate:  # everything but the device stage and normalize runs in the child
-            self._isolate(dict(source=source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                               read=read, decode=decode, num_threads=num_threads, io_concurrency=io_concurrency,
-                               prefetch=prefetch, in_order=in_order, on_error=on_error,
-                               storage_options=storage_options, rank=rank, world_size=world_size,
-                               max_failures=max_failures, read_timeout=read_timeout, read_retries=read_retries))
-
-    def _isolate(self, arguments: dict[str, Any]) -> None:
-        """Starts the child that runs the pipeline; its stats stand in for this loader's, and
-        it tunes its own "auto" settings."""
-        self.stats = self._settings.stats = ChildStats(**self.stats.limits)
-        self.tuner = None
-        self._isolated = IsolatedPipeline(arguments, self._settings, self.stats)
+        self._processes: Processes | None = None
+        count = process_count(processes, isolate)
+        if count:  # reads and decodes run in the children; the device stage and normalize here
+            self._processes = Processes(count, self._settings, self.device, auto_threads, auto_io, threads)
+            self.stats, self.tuner = self._processes.stats, self._processes.tuner
 
     def _make_tuner(self, auto_threads: bool, auto_io: bool, threads: int, io: int, cores: int) -> AutoTuner | None:
         """With ``"auto"`` settings, a tuner whose knobs act on the running epoch."""
@@ -184,11 +178,11 @@ class AsyncLoader:
         if not self._resume:  # as with DataLoader, a new iteration starts the epoch afresh
             self._done, self._skipped, self._batches_done = Positions(), Positions(), 0
         self._resume = False
-        run: EpochRun | IsolatedRun
-        if self._isolated is not None:  # the child computes the order from the same sampler
-            run = self._isolated.run(self.state_dict())
+        run: EpochRun | ProcessRun
+        order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
+        if self._processes is not None:  # child processes fill the batches
+            run = self._processes.run(self.epoch, order, self._done, self._batch_quota())
         else:
-            order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
             run = EpochRun(self._settings, self.epoch, order, self._done, self._batch_quota(), self._skipped)
         self._run = run
         iteration = self._iterate(run)
@@ -208,7 +202,7 @@ class AsyncLoader:
         last = size if self.sampler.drop_last else self.sampler.samples_per_rank - (batches - 1) * size
         return BatchQuota(batches - self._batches_done, last)
 
-    def _iterate(self, run: EpochRun | IsolatedRun) -> Iterator[Any]:
+    def _iterate(self, run: EpochRun | ProcessRun) -> Iterator[Any]:
         bar = _ProgressBar(self) if self.progress else None
         try:
             for positions, batch in run:
@@ -272,13 +266,13 @@ class AsyncLoader:
                 self._run = None
 
     def close(self) -> None:
-        """Stops every thread (and the isolated child) and frees the batch buffers. Idempotent;
+        """Stops every thread (and the child processes) and frees the batch buffers. Idempotent;
         a close cut short (Ctrl-C while it waits for the threads) is finished by the next."""
         self._closed = True
         self._stop_run()
         self._settings.ring.clear()
-        if self._isolated is not None:
-            self._isolated.close()
+        if self._processes is not None:
+            self._processes.close()
 
     def __enter__(self) -> "AsyncLoader":
         return self

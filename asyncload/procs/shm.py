@@ -1,10 +1,10 @@
-"""Shared-memory batch buffers for ``isolate=True``: one anonymous segment per buffer.
+"""Shared-memory batch buffers for ``processes=N``: one anonymous segment per buffer.
 
 A segment is a ``memfd`` (an anonymous file in RAM, Linux >= 3.17): it never has a name in
 ``/dev/shm``, so there is nothing to unlink and nothing for Python's ``resource_tracker`` to
 track or warn about, and the kernel frees it once the last mapping is gone, whoever dies first
-and however. The child creates it, maps it, and passes its descriptor to the parent over the
-pipe (``SCM_RIGHTS``); each side maps it once through PyTorch's own file mapping and closes its
+and however. The parent creates it, maps it, and passes its descriptor to every child over its
+pipe (``SCM_RIGHTS``); each process maps it once through PyTorch's own file mapping and closes its
 descriptor at once, so a thousand batches kept by the user cost no file descriptors. Every field
 of the batch is a tensor view into the segment's one storage, so the storage's use count tells
 whether anything still holds a batch (``BatchBuffer.is_free``).
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import torch
 
-from .buffers import BatchBuffer, SampleLayout, _torch_dtype
+from ..buffers import BatchBuffer, SampleLayout, _torch_dtype
 
 ALIGN = 64  # field offsets: cache lines, and any dtype's alignment
 
@@ -26,9 +26,9 @@ ALIGN = 64  # field offsets: cache lines, and any dtype's alignment
 def supported() -> str | None:
     """None where segments work here, else why not."""
     if not hasattr(os, "memfd_create"):
-        return f"isolate=True needs Linux (os.memfd_create); this is {sys.platform}"
+        return f"processes= needs Linux (os.memfd_create); this is {sys.platform}"
     if not os.path.isdir("/proc/self/fd"):
-        return "isolate=True needs /proc to map shared memory"
+        return "processes= needs /proc to map shared memory"
     return None
 
 
@@ -82,17 +82,21 @@ def nbytes(buffer: BatchBuffer) -> int:
     return buffer.tensors[0].untyped_storage().nbytes()
 
 
-def pin(buffer: BatchBuffer) -> None:
-    """Page-locks the segment for fast, asynchronous copies to the GPU (cudaHostRegister: the
-    memory is already there, so it cannot be allocated pinned as the in-process ring does)."""
-    error = torch.cuda.cudart().cudaHostRegister(address(buffer), nbytes(buffer), 0)
+def pin(buffer: BatchBuffer, device: torch.device) -> None:
+    """Page-locks the segment for fast, asynchronous copies to ``device`` (cudaHostRegister: the
+    memory is already there, so it cannot be allocated pinned as the in-process ring does).
+    Under a guard of ``device``: registering on whatever device is current would create a
+    context on cuda:0 for a loader that copies to cuda:1."""
+    with torch.cuda.device(device):
+        error = torch.cuda.cudart().cudaHostRegister(address(buffer), nbytes(buffer), 0)
     if int(error) != 0:
         raise RuntimeError(f"cudaHostRegister of a {nbytes(buffer)}-byte batch buffer failed: {error}")
 
 
-def unpin(buffer: BatchBuffer) -> None:
+def unpin(buffer: BatchBuffer, device: torch.device) -> None:
     """Undoes ``pin``; must come before the segment is unmapped. Waits for a device copy that
     still reads the buffer."""
     if buffer.copy_done is not None:
         buffer.copy_done.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(address(buffer))
+    with torch.cuda.device(device):
+        torch.cuda.cudart().cudaHostUnregister(address(buffer))

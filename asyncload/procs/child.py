@@ -1,0 +1,143 @@
+"""A child process of ``processes=N``: maps the parent's shared segments and fills their rows.
+
+The child builds no ``AsyncLoader``: the parent owns the epoch (order, cursor, failure budget,
+resume state) and sends plain instructions (``protocol.py``); this side is a ``Filler`` and a
+control loop. Three kinds of thread: the main thread reads the parent's messages; the filler's
+event loop and decode threads do the work and send the answers; and a lifeline thread that does
+nothing but exit the process when the parent is gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+from multiprocessing import reduction
+from typing import Any
+
+from ..stats import LoaderStats
+from . import shm
+from .fill import Filler
+from .protocol import Broken, Close, Fill, Limits, Map, Probe, Stop, Unmap, portable, unpickle
+
+CHILD_NICENESS = 10  # at least: the child yields the CPU to the training process (see _lower_priority)
+
+
+def child_main(conn: Any, payload: dict[str, bytes]) -> None:
+    """The child process: builds its filler, then serves the parent until it closes or dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # no CUDA context here: the parent pins and copies
+    _lower_priority()
+    threading.Thread(target=_exit_with_parent, name="asyncload-lifeline", daemon=True).start()
+    child = _Child(conn)
+    try:
+        settings = {name: unpickle(name, data) for name, data in payload.items()}
+        child.stats.limits.update(io_concurrency=settings["io_concurrency"], num_threads=settings["num_threads"])
+        child.filler = Filler(settings, child.send, child.stats)
+    except BaseException as error:
+        child.send(Broken(portable(error)))
+        _wait_for_close(conn)  # exiting now could break the pipe before the parent reads why
+        _exit(1)
+    child.serve()
+
+
+def _wait_for_close(conn: Any) -> None:
+    while True:
+        try:
+            if isinstance(conn.recv(), Close):
+                return
+        except (EOFError, OSError):
+            return
+
+
+def _lower_priority() -> None:
+    """A process of its own takes the GIL out of the training process's way, not the CPU: its
+    decode threads still compete for cores with the training step. At a lower priority they
+    get the cores the training process leaves idle, and the step runs about as fast as alone
+    (the README's measurement). The cost: a training process that keeps every core busy
+    starves the loader. Linux keeps a niceness per thread: threads that exist already (thread
+    pools started by imports) are lowered one by one; later ones inherit it. A parent that runs
+    at niceness 10 or more already has children at its own level (they start with its niceness):
+    they never go below the parent's priority relative to the rest of the machine."""
+    try:
+        niceness = os.nice(max(0, CHILD_NICENESS - os.nice(0)))
+        for thread in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
+    except OSError:
+        pass
+
+
+def _exit_with_parent() -> None:
+    """Exits as soon as the parent process is gone, whatever the other threads are doing: the
+    control thread may be waiting for a stuck decode."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    multiprocessing.connection.wait([parent.sentinel])  # ready once the parent has exited
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leaves without the interpreter's teardown (a second or more with torch loaded)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+class _Child:
+    """The control thread's state: the pipe, the stats, the filler."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.stats = LoaderStats()
+        self.filler: Filler | None = None
+        self.send_lock = threading.Lock()
+
+    def serve(self) -> None:
+        """Handles the parent's messages until it closes the loader or dies."""
+        filler = self.filler
+        assert filler is not None
+        while True:
+            try:
+                message = self.conn.recv()
+                if isinstance(message, Map):
+                    fd = reduction.recv_handle(self.conn)
+                    try:
+                        filler.segments[message.segment] = shm.buffer_on(fd, message.layout, message.capacity)
+                    finally:
+                        os.close(fd)
+            except (EOFError, OSError):
+                _exit(0)  # the parent died: nobody is left to clean up for
+            if isinstance(message, Fill):
+                filler.fill(message)
+            elif isinstance(message, Unmap):
+                for segment in message.segments:
+                    filler.segments.pop(segment, None)  # a write still running keeps its views
+            elif isinstance(message, Probe):
+                filler.probe(message)
+            elif isinstance(message, Stop):
+                filler.stop(message.run)
+            elif isinstance(message, Limits):
+                filler.set_limits(message.num_threads, message.io_concurrency)
+            elif isinstance(message, Close):
+                try:
+                    filler.close()
+                finally:
+                    self.conn.close()
+                    _exit(0)
+
+    def send(self, message: Any) -> None:
+        """Sends ``message`` with the current stats (any thread). A broken pipe means the
+        parent is gone: the lifeline thread ends the process."""
+        message.figures = self.stats.as_dict()
+        try:
+            with self.send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError):
+            pass

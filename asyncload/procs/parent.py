@@ -1,0 +1,249 @@
+"""The parent's side of the child processes: starting them, the pipes, their death, shutdown.
+
+Children are started with ``spawn`` (never fork: the parent has threads and maybe CUDA). Each
+has one duplex pipe (a socket pair, so it can carry descriptors). All reading of the pipes is
+done by the user's thread while it waits for a batch; nothing runs in the background here.
+
+Shutdown: ``close()``/garbage collection tell the children to stop, wait briefly, then kill
+them; a child exits by itself when its parent dies (its lifeline thread); if a child dies, the
+parent raises a ``RuntimeError`` that says how, rather than wait. Segments need no cleanup in
+any of these cases (they are memfds: the kernel frees them with their last mapping).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import signal
+import sys
+import threading
+import time
+import weakref
+from multiprocessing import reduction
+from typing import Any, NoReturn
+
+import torch
+
+from .child import child_main
+from .merged import ProcessStats
+from .protocol import MAIN_GUARD_EXIT, Broken, Close, Map, Stop, Stopped, Unmap, pickled_arguments
+from .segments import SegmentRing
+from . import shm
+
+CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
+
+
+def refuse_while_bootstrapping() -> None:
+    """In a child that spawn is preparing, the user's script is being imported again: a script
+    whose top level creates the loader (no ``if __name__ == "__main__":`` guard) would start
+    processes from there, and multiprocessing would fail with a message about bootstrapping.
+    Say what to do instead, and exit with a code the parent recognises."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(_guard_advice() + "\n")
+        sys.stderr.flush()
+        raise SystemExit(MAIN_GUARD_EXIT)
+
+
+def _guard_advice() -> str:
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
+    return (f"asyncload: processes= (and isolate=True) start processes with 'spawn', which imports {script} again "
+            f"in each of them; its top level creates an AsyncLoader, so every process would start more. Put the "
+            f"script's top-level code under `if __name__ == \"__main__\":`")
+
+
+class ProcessPool:
+    """The children, their pipes and the segment ring they share with this process."""
+
+    def __init__(self, count: int, arguments: dict[str, Any], stats: ProcessStats, keep: int,
+                 device: torch.device | None) -> None:
+        refuse_while_bootstrapping()
+        reason = shm.supported()
+        if reason:
+            raise RuntimeError(reason)
+        payload = pickled_arguments(arguments)
+        context = multiprocessing.get_context("spawn")
+        self.stats = stats
+        self.conns: list[Any] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.send_locks = [threading.Lock() for _ in range(count)]
+        self.ring = SegmentRing(keep, device, self._announce, self._forget)
+        # The finalizer must not reach this object (the ring's callbacks do): only plain parts.
+        self._finalizer = weakref.finalize(self, _shut_down, self.processes, self.conns, self.send_locks,
+                                           self.ring.segments, device)
+        for index in range(count):
+            conn, child_end = context.Pipe(duplex=True)
+            process = context.Process(target=child_main, args=(child_end, payload), name=f"asyncload-{index}",
+                                      daemon=True)
+            self.conns.append(conn)
+            try:
+                process.start()
+            finally:
+                child_end.close()  # the child's death must read as end-of-file here
+            self.processes.append(process)
+        self._stopping: dict[int, tuple[set[int], list[Any]]] = {}  # run -> (children yet to answer, buffers)
+        # Why the children cannot go on. A fresh error is raised each time: one kept and raised
+        # again would keep the frames of every raise alive, and the batches in them.
+        self._broken: tuple[str, BaseException | None] | None = None
+        self._closed = False
+        self._runs = 0
+
+    def new_run(self) -> int:
+        self.check()
+        self._runs += 1
+        return self._runs
+
+    # ----- sending -----
+
+    def send(self, index: int, message: Any, fd: int | None = None) -> None:
+        self.check()
+        with self.send_locks[index]:
+            self._io(index, self.conns[index].send, message)
+            if fd is not None:
+                self._io(index, reduction.send_handle, self.conns[index], fd, self.processes[index].pid)
+
+    def broadcast(self, message: Any) -> None:
+        for index in range(len(self.conns)):
+            self.send(index, message)
+
+    def _announce(self, message: Map, fd: int) -> None:
+        for index in range(len(self.conns)):
+            self.send(index, message, fd)
+
+    def _forget(self, segments: list[int]) -> None:
+        if not self._closed and self._broken is None:
+            self.broadcast(Unmap(segments))
+
+    def stop_run(self, run: int, buffers: list[Any]) -> None:
+        """Tells every child that ``run`` is over; ``buffers`` (segments it may still write)
+        go back to the ring once every child has answered ``Stopped``."""
+        if self._closed or self._broken is not None:
+            return
+        self._stopping[run] = (set(range(len(self.conns))), buffers)
+        try:
+            self.broadcast(Stop(run))
+        except RuntimeError:
+            pass  # a child is gone: the next wait says so
+
+    # ----- receiving -----
+
+    def receive(self, run: int, block: bool = True) -> Any:
+        """The next message about ``run``; older runs' messages are dealt with on the way.
+        ``block=False``: None when no message has arrived yet."""
+        while True:
+            got = self._next(None if block else 0.0)
+            if got is None:
+                return None
+            index, message = got
+            if message.figures is not None:
+                self.stats.update(index, message.figures)
+            if isinstance(message, Broken):
+                self._broken = ("a loader process could not build its pipeline", message.error)
+                self.check()
+            if isinstance(message, Stopped):
+                self._stopped(index, message.run)
+            elif message.run == run:
+                return message
+
+    def _stopped(self, index: int, run: int) -> None:
+        waiting = self._stopping.get(run)
+        if waiting is None:
+            return
+        waiting[0].discard(index)
+        if not waiting[0]:
+            for buffer in waiting[1]:
+                buffer.give_back()
+            del self._stopping[run]
+
+    def _next(self, timeout: float | None) -> tuple[int, Any] | None:
+        self.check()
+        if self._closed:
+            raise RuntimeError("this iteration has ended: the loader was closed")
+        sentinels = {process.sentinel: index for index, process in enumerate(self.processes)}
+        try:
+            ready = multiprocessing.connection.wait([*self.conns, *sentinels], timeout)
+        except (OSError, ValueError):  # closed from another thread meanwhile
+            ready = []
+        for index, conn in enumerate(self.conns):
+            if conn in ready:
+                return index, self._io(index, conn.recv)
+        if not ready and timeout is not None and not self._closed:
+            return None
+        if self._closed:
+            raise RuntimeError("this iteration has ended: the loader was closed")
+        for sentinel in ready:
+            if sentinel in sentinels:
+                self._died(sentinels[sentinel])
+        raise RuntimeError("this iteration has ended: the loader was closed")
+
+    # ----- failures -----
+
+    def check(self) -> None:
+        if self._broken is not None:
+            text, cause = self._broken
+            raise RuntimeError(text) from cause
+
+    def _io(self, index: int, operation: Any, *args: Any) -> Any:
+        """One read or write on a pipe. A pipe that breaks means the child died; one left
+        half-read or half-written (Ctrl-C at the wrong moment) cannot be used again."""
+        try:
+            return operation(*args)
+        except (EOFError, OSError):
+            if self._closed:
+                raise RuntimeError("this iteration has ended: the loader was closed") from None
+            self._died(index)
+        except BaseException:
+            self._broken = ("a message to or from a loader process was interrupted half-way; "
+                            "create a new AsyncLoader", None)
+            raise
+
+    def _died(self, index: int) -> NoReturn:
+        process = self.processes[index]
+        process.join(timeout=1.0)
+        code = process.exitcode
+        if code == MAIN_GUARD_EXIT:
+            self._broken = (_guard_advice(), None)
+            self.check()
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            name = signal.Signals(-code).name
+            how = f"was killed by {name}" + (" (the kernel's out-of-memory killer sends it)" if name == "SIGKILL" else "")
+        else:
+            how = f"exited with code {code} (its error output, if any, is above)"
+        self._broken = (f"a loader process (pid {process.pid}) {how}; create a new AsyncLoader to go on", None)
+        self.check()
+
+    def close(self) -> None:
+        """Stops the children (killing those that do not stop within ``CLOSE_TIMEOUT_S``) and
+        unpins every segment. Idempotent; safe from another thread during a wait."""
+        self._closed = True
+        self._finalizer()
+        self._stopping.clear()
+
+
+def _shut_down(processes: list[Any], conns: list[Any], send_locks: list[threading.Lock],
+               segments: dict[int, Any], device: torch.device | None) -> None:
+    """Runs from ``close()`` (perhaps on another thread than the iteration's), garbage
+    collection or interpreter exit, so it takes no reference to the pool."""
+    for conn, lock in zip(conns, send_locks):
+        if lock.acquire(timeout=CLOSE_TIMEOUT_S):
+            try:
+                conn.send(Close())
+            except (OSError, ValueError):
+                pass  # the child is gone already
+            finally:
+                lock.release()
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+    for process in processes:
+        process.close()
+    if device is not None:  # a batch the user still holds stays valid: its views keep the mapping
+        for buffer in segments.values():
+            shm.unpin(buffer, device)
+    segments.clear()

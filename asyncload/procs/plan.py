@@ -1,0 +1,91 @@
+"""The parent's plan of one epoch with child processes: which positions go into which batch,
+the replacements for skipped samples, DDP's batch quota, and the failure budget.
+
+The same rules as the in-process run (``pipeline.EpochRun``), kept apart from the code that
+moves samples so that the children need none of it: a batch takes the cursor's next positions;
+a failed sample either fails its batch or is replaced by the cursor's next position (padding
+from the start of the order once it runs out, with a quota); a run whose every sample fails
+still ends. (This is the part the in-process pipeline could share.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import SampleError, TooManyFailures
+from ..pipeline import BatchQuota
+from ..progress import Cursor, Positions
+from ..stats import LoaderStats
+
+
+class EpochPlan:
+    """Positions of ``order`` not in ``done``, handed out batch by batch."""
+
+    def __init__(self, order: np.ndarray, done: Positions, quota: BatchQuota | None, batch_size: int,
+                 drop_last: bool, skip_errors: bool, max_failures: int | float, stats: LoaderStats) -> None:
+        self.order = order
+        self.cursor = Cursor(len(order), done)
+        self.quota = quota
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.skip_errors = skip_errors
+        self.max_failures = max_failures
+        self.stats = stats
+        self.failure_limit = failure_limit(max_failures, len(order))
+        self.failures: list[SampleError] = []
+        self._failed: set[int] = set()
+        self._next_padding = 0
+
+    def take_batch(self, number: int) -> list[int]:
+        """The positions of batch ``number``; none when the epoch has no batch left."""
+        size = self.batch_size
+        if self.quota is not None:
+            if number >= self.quota.count:
+                return []
+            size = self.quota.last_size if number == self.quota.count - 1 else size
+        positions = self.cursor.take(size)
+        if self.quota is not None and len(positions) < size:
+            positions += self._padding(size - len(positions))
+        if self.drop_last and len(positions) < self.batch_size:
+            return []
+        return positions
+
+    def replacement(self) -> int | None:
+        """The position that takes a skipped sample's row, or None if the epoch has none left."""
+        taken = self.cursor.take(1)
+        if not taken and self.quota is not None:
+            taken = self._padding(1)
+        return taken[0] if taken else None
+
+    def _padding(self, count: int) -> list[int]:
+        """Up to ``count`` positions repeated from the start of the order, passing over the
+        ones that failed; one pass, so a run whose samples all fail still ends."""
+        taken: list[int] = []
+        while len(taken) < count and self._next_padding < len(self.order):
+            if self._next_padding not in self._failed:
+                taken.append(self._next_padding)
+            self._next_padding += 1
+        return taken
+
+    def record(self, position: int, error: SampleError) -> SampleError | None:
+        """Counts a failure; returns the error its batch must raise, or None to skip the sample.
+        A sample that fails again (padding repeated it) is skipped without counting twice."""
+        if position in self._failed and self.skip_errors:
+            return None
+        self._failed.add(position)
+        self.stats.add_failure(error.item, error.stage, error.cause)
+        self.failures.append(error)
+        if not self.skip_errors:
+            return error
+        if len(self.failures) > self.failure_limit:
+            return TooManyFailures(self.failures, self.max_failures)
+        return None
+
+
+def failure_limit(max_failures: int | float, epoch_size: int) -> int:
+    """How many failures an epoch may have: a count, or a fraction of the epoch's samples."""
+    if isinstance(max_failures, float):
+        return math.floor(max_failures * epoch_size)
+    return max_failures

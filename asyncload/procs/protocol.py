@@ -1,0 +1,186 @@
+"""The messages between the parent and its child processes, and how values cross the pipe.
+
+Only control data crosses: which segment, which rows, which source indices, which rows failed,
+a stats snapshot. Samples never do: a child writes them into the shared segment's rows, and the
+parent hands views of that segment to the user. A batch costs one ``Fill`` message out and one
+``Done`` back, whatever its size (its indices travel as one NumPy array).
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..buffers import SampleLayout
+from ..errors import SampleError, TooManyFailures
+
+# A child that finds itself created while spawn imports the user's script again (a script with
+# no ``if __name__ == "__main__":`` guard) exits with this code; the parent then says why.
+MAIN_GUARD_EXIT = 86
+
+
+# ----- parent -> child -----
+
+
+@dataclass
+class Map:
+    """A new shared segment of ``capacity`` rows of ``layout``; its descriptor follows."""
+
+    segment: int
+    layout: SampleLayout
+    capacity: int
+
+
+@dataclass
+class Unmap:
+    """Segments the parent dropped: no fill will name them again."""
+
+    segments: list[int]
+
+
+@dataclass
+class Fill:
+    """Write the samples ``indices`` (source indices) of epoch ``epoch`` into ``rows`` of
+    ``segment``; answer with one ``Done`` for ``fill`` once every row succeeded or failed."""
+
+    run: int
+    fill: int
+    segment: int
+    rows: list[int]
+    indices: np.ndarray
+    epoch: int
+
+
+@dataclass
+class Probe:
+    """Load the sample at source index ``index`` and answer with its layout (``Probed``): the
+    batch buffers cannot be allocated before the first sample's shape is known."""
+
+    run: int
+    index: int
+    epoch: int
+
+
+@dataclass
+class Stop:
+    """Run ``run`` is over: drop its queued work and answer ``Stopped`` once none is running,
+    so the parent knows the segments it used are written no more."""
+
+    run: int
+
+
+@dataclass
+class Limits:
+    """The tuner's new per-process settings (None: unchanged)."""
+
+    num_threads: int | None
+    io_concurrency: int | None
+
+
+@dataclass
+class Close:
+    pass
+
+
+# ----- child -> parent -----
+
+
+@dataclass
+class Done:
+    """Fill ``fill`` of run ``run`` is complete; ``failures`` are its rows that failed."""
+
+    run: int
+    fill: int
+    failures: list[tuple[int, SampleError]]
+    figures: dict[str, Any] | None = None
+
+
+@dataclass
+class Probed:
+    """The answer to ``Probe``: the layout of the labelled sample, or the ``SampleError``."""
+
+    run: int
+    layout: SampleLayout | None
+    error: SampleError | None
+    figures: dict[str, Any] | None = None
+
+
+@dataclass
+class Stopped:
+    run: int
+    figures: dict[str, Any] | None = None
+
+
+@dataclass
+class Broken:
+    """The child could not build its pipeline (``error`` says why); it waits for ``Close``."""
+
+    error: BaseException
+    figures: dict[str, Any] | None = field(default=None)
+
+
+# ----- values across the pipe -----
+
+
+def pickled_arguments(arguments: dict[str, Any]) -> dict[str, bytes]:
+    """Each argument pickled on its own, so that the one that cannot be is named."""
+    payload = {}
+    for name, value in arguments.items():
+        try:
+            payload[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise TypeError(
+                f"processes= (and isolate=True) run the pipeline in processes started with 'spawn', so "
+                f"{name}= must pickle, and {shown} does not ({type(error).__name__}: {error}). Use a function "
+                f"or class defined at the top level of a module, not a lambda, a nested function or a local class"
+            ) from error
+    return payload
+
+
+def unpickle(name: str, data: bytes) -> Any:
+    """In the child: one argument, or an error that says why a spawned process cannot find it."""
+    try:
+        return pickle.loads(data)
+    except Exception as error:
+        raise RuntimeError(
+            f"the loader's process could not unpickle {name}= ({type(error).__name__}: {error}); "
+            f"a spawned process finds functions and classes by module and name, so those defined in an "
+            f"interactive session's __main__ are not found: define them in a module"
+        ) from error
+
+
+def portable(error: BaseException) -> BaseException:
+    """``error`` as it can cross the pipe: itself if it pickles, else stand-ins with its text.
+    The child's traceback goes along as a note on the underlying error."""
+    cause = error.cause if isinstance(error, SampleError) and not isinstance(error, TooManyFailures) else error
+    if hasattr(cause, "add_note") and cause.__traceback__ is not None:
+        text = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+        cause.add_note("in the loader's process:\n" + text.rstrip())
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:
+        pass
+    if isinstance(error, SampleError):
+        return SampleError(_portable_item(error.item), error.stage, _stand_in(error.cause))
+    return _stand_in(error)
+
+
+def _portable_item(item: Any) -> Any:
+    try:
+        pickle.dumps(item)
+        return item
+    except Exception:
+        return repr(item)
+
+
+def _stand_in(error: BaseException) -> RuntimeError:
+    stand_in = RuntimeError(f"{type(error).__name__}: {error}")
+    for note in getattr(error, "__notes__", []):
+        stand_in.add_note(note)
+    return stand_in
