@@ -43,8 +43,12 @@ def read_local(reader: Reader, key: str) -> bytes:
     with a few system calls, anything else (``memory://``, a FIFO) through the reader's timeout."""
     try:
         path = local_path(key)
+        started = time.perf_counter()
         data = read_file(path) if path is not None else None
-        return data if data is not None else reader.read_local(key)
+        if data is None:
+            return reader.read_local(key)  # counts itself in the stats
+        reader.stats.add("read", time.perf_counter() - started, len(data))
+        return data
     except Exception as error:
         raise SampleError(key, "read", error) from error
 
