@@ -237,7 +237,7 @@ def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: A
     if client == "obstore":  # obstore runs its own runtime: FsspecStore takes no loop
         if read_timeout is not None:
             _obstore_for_reads(options, read_timeout)
-        return _store_class(protocol)(**options, **asynchronous)
+        return _store_class(protocol)(skip_instance_cache=True, **options, **asynchronous)
     cls = fsspec.get_filesystem_class(protocol)
     if cls.async_impl and loop is not None:
         asynchronous["loop"] = loop
@@ -274,6 +274,14 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, st
         return fsspec.core.url_to_fs(url, **{k: v for k, v in (storage_options or {}).items() if k != "client"})
     fs = filesystem(protocol, storage_options)
     return fs, fs._strip_protocol(url)
+
+
+def release(fs: Any) -> None:
+    """Closes the connections an obstore filesystem keeps: it holds a store, with its pool, per
+    bucket in an lru_cache on the instance (a reference cycle, so dropping the instance would
+    free them only at a GC). Other filesystems are left as they are."""
+    if is_obstore(fs):
+        fs._construct_store.cache_clear()
 
 
 def is_obstore(fs: Any) -> bool:

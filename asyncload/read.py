@@ -122,6 +122,8 @@ class Reader:
         sample from an I/O thread through the event loop to a decode thread."""
         if self.user_read is not None or not isinstance(key, str):
             return False
+        if (split_protocol(key)[0] or "file") not in LOCAL_PROTOCOLS:
+            return False  # a remote client is made (its options checked) at its first read, retried
         fs, _ = self._filesystem(key)
         return not fs.async_impl and _protocol(fs) in LOCAL_PROTOCOLS
 
@@ -187,12 +189,11 @@ class Reader:
 async def _close_sessions(fs: Any) -> None:
     """Closes an async filesystem's HTTP client on this loop: ``session = await fs.set_session();
     await session.close()`` is how s3fs and fsspec's http say to (gcsfs names it
-    ``_set_session``). obstore keeps a store, with its pool of connections, per bucket in an
-    lru_cache on the instance (a reference cycle: dropping the instance would free them only at a
-    GC), so that cache is cleared. Errors while closing are of no use to anyone and are ignored."""
+    ``_set_session``); obstore's pools go with ``object_store.release``. Errors while closing
+    are of no use to anyone and are ignored."""
     try:
         if object_store.is_obstore(fs):
-            fs._construct_store.cache_clear()
+            object_store.release(fs)
             return
         set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
         if set_session is not None:

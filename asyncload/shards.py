@@ -152,7 +152,10 @@ def tar_shards(url: str, storage_options: dict | None = None, **options: Any) ->
     ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
     fs, path = object_store.url_to_fs(index_url, storage_options)
-    index = json.loads(fs.cat_file(path))
+    try:
+        index = json.loads(fs.cat_file(path))
+    finally:
+        object_store.release(fs)
     return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)
 
 

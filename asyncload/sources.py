@@ -62,7 +62,10 @@ def _find(url: str, storage_options: dict | None, extensions: Sequence[str]) -> 
     and the sorted file paths (without protocol)."""
     fs, root = object_store.url_to_fs(url, storage_options)
     wanted = tuple(e.lower() for e in extensions)
-    paths = sorted(p for p in fs.find(root) if p.lower().endswith(wanted))
+    try:
+        paths = sorted(p for p in fs.find(root) if p.lower().endswith(wanted))
+    finally:
+        object_store.release(fs)
     return fs, root.rstrip("/"), paths
 
 
@@ -92,7 +95,10 @@ def manifest(url: str, storage_options: dict | None = None) -> Source:
     """A text file of one item per line: ``url`` or ``url<TAB>label`` (or ``url,label``).
     Either every line has a label or none does."""
     fs, path = object_store.url_to_fs(url, storage_options)
-    rows = [line.strip() for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+    try:
+        rows = [line.strip() for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+    finally:
+        object_store.release(fs)
     split = [row.split("\t") if "\t" in row else row.rsplit(",", 1) if "," in row else [row] for row in rows]
     if all(len(parts) == 1 for parts in split):
         return Source(parts[0] for parts in split)

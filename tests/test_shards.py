@@ -14,9 +14,8 @@ import torch
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
 from asyncload.shards import ShardSampler, buffer_shuffle, plan_chunks
 from asyncload.stats import diagnose
-from bench.s3server import storage_options
+from bench.s3server import LatencyProxy, storage_options
 from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket
-from tests.faults import FaultProxy
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
@@ -173,9 +172,9 @@ def test_small_chunks_split_a_shard_into_several_ranged_reads(shard_dir):
 
 @pytest.fixture
 def slow_shards(s3_server, s3_shards):
-    """The S3 shard set behind 0.1 s of first-byte latency, one ranged read per sample."""
-    with FaultProxy(s3_server.port) as proxy:
-        proxy.delay_seconds = 0.1
+    """The S3 shard set behind 0.2 s of first-byte latency, one ranged read per sample (long
+    enough for the tuner to act within the epoch, with SeaweedFS as quick as it is)."""
+    with LatencyProxy(s3_server.port, (0.2, 0.2)) as proxy:
         options = storage_options(proxy.endpoint_url)
         yield tar_shards(s3_shards, storage_options=options, chunk_bytes=1), options
 

@@ -1,0 +1,73 @@
+"""Which client serves a URL, and fsspec-style options as obstore's (no server needed: obstore
+builds a store without sending a request)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from asyncload import object_store
+from asyncload.object_store import client_for
+
+pytest.importorskip("obstore")
+
+
+def test_object_stores_default_to_obstore_and_the_rest_to_fsspec():
+    assert [client_for(p, {})[0] for p in ("s3", "s3a", "gs", "gcs")] == ["obstore"] * 4
+    assert [client_for(p, {"account_name": "a"})[0] for p in ("az", "abfs")] == ["obstore"] * 2
+    assert [client_for(p, {"client": "obstore"})[0] for p in ("file", "memory", "http")] == ["fsspec"] * 3
+    assert client_for("s3", {"client": "fsspec", "key": "k"}) == ("fsspec", {"key": "k"})
+
+
+def test_s3fs_names_are_translated():
+    client, settings = client_for("s3", {
+        "endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s", "token": "t", "requester_pays": True,
+        "client_kwargs": {"region_name": "eu-west-1", "verify": False}, "skip_instance_cache": True,
+        "config_kwargs": {"max_pool_connections": 64, "connect_timeout": 3, "s3": {"addressing_style": "virtual"}},
+    })
+    assert client == "obstore"
+    assert settings["config"] == {"endpoint": "http://127.0.0.1:9000", "access_key_id": "k", "secret_access_key": "s",
+                                  "token": "t", "request_payer": True, "region": "eu-west-1",
+                                  "virtual_hosted_style_request": True}
+    assert settings["client_options"] == {"allow_http": True, "allow_invalid_certificates": True,
+                                          "connect_timeout": timedelta(seconds=3)}
+    assert client_for("s3", {"anon": True, "region": "us-west-2"})[1]["config"] == {"skip_signature": True, "region": "us-west-2"}
+
+
+def test_what_obstore_cannot_serve_goes_to_fsspec_unless_obstore_is_chosen():
+    for options in ({"use_ssl": False}, {"s3_additional_kwargs": {"ACL": "private"}},
+                    {"client_kwargs": {"proxies": {}}}, {"config_kwargs": {"signature_version": "s3v4"}}):
+        assert client_for("s3", options) == ("fsspec", options)
+        with pytest.raises(ValueError, match="obstore cannot serve"):
+            client_for("s3", {**options, "client": "obstore"})
+    assert client_for("gs", {"token": "cache"})[0] == "fsspec"
+
+
+def test_unknown_options_and_clients_are_named():
+    with pytest.raises(ValueError, match=r"storage option 'secrett' is not valid for s3://"):
+        client_for("s3", {"secrett": "x"})
+    with pytest.raises(ValueError, match=r"storage option config\['bogus'\] is not valid"):
+        client_for("s3", {"config": {"bogus": 1}})
+    with pytest.raises(ValueError, match=r"storage option client_options\['bogus'\] is not valid"):
+        client_for("s3", {"client_options": {"bogus": 1}})
+    with pytest.raises(ValueError, match="storage_options\\['client'\\] must be one of 'auto', 'obstore', 'fsspec', got 'boto3'"):
+        client_for("s3", {"client": "boto3"})
+
+
+def test_gcs_and_azure_names_are_translated(tmp_path):
+    assert client_for("gs", {"token": "anon", "project": "p"})[1]["config"] == {"skip_signature": True}
+    assert client_for("gs", {"token": "google_default", "project": "p"})[1]["config"] == {}
+    credentials = tmp_path / "sa.json"
+    credentials.write_text('{"type": "authorized_user", "client_id": "c", "client_secret": "s", "refresh_token": "r"}')
+    assert client_for("gs", {"token": str(credentials)})[1]["config"] == {"application_credentials": str(credentials)}
+    assert client_for("az", {"account_name": "acct", "anon": True})[1]["config"] == {"account_name": "acct", "skip_signature": True}
+
+
+def test_no_aws_files_no_boto3_provider(tmp_path, monkeypatch):
+    """Without ``~/.aws`` or a profile, object_store's own chain (environment, web identity,
+    instance metadata) finds credentials: boto3 is not asked."""
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert "credential_provider" not in client_for("s3", {})[1]
+    assert object_store.has_obstore()
