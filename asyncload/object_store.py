@@ -220,10 +220,54 @@ def _fsspec_parameters(scheme: str) -> set[str]:
 @functools.cache
 def _store_class(protocol: str) -> type:
     """obstore's fsspec filesystem with ``protocol`` as its class's own (as ``obstore.fsspec.register``
-    makes them, without touching fsspec's registry), so paths strip and unstrip as fsspec's do."""
+    makes them, without touching fsspec's registry), so paths strip and unstrip as fsspec's do;
+    for S3 it finds a bucket's region when nothing says it (see ``_bucket_region``)."""
     from obstore.fsspec import FsspecStore
+    from obstore.store import from_url
 
-    return type(f"FsspecStore_{protocol}", (FsspecStore,), {"protocol": protocol})
+    def construct_store(self: Any, bucket: str) -> Any:
+        config = self._config or {}
+        if OBSTORE_SCHEMES[protocol] == "s3" and not _region_known(config, self._credential_provider):
+            region = _bucket_region(bucket)
+            if region is not None:
+                config = {**config, "region": region}
+        return from_url(f"{protocol}://{bucket}", config=config, client_options=self._client_options,
+                        retry_config=self._retry_config, credential_provider=self._credential_provider,
+                        **self._config_kwargs)
+
+    return type(f"FsspecStore_{protocol}", (FsspecStore,), {"protocol": protocol, "_construct_store": construct_store})
+
+
+# Where S3 says which region a bucket is in (the x-amz-bucket-region header of any answer,
+# even a redirect or a denial), for buckets whose region nothing configures: s3fs finds it
+# by itself, object_store assumes us-east-1.
+AWS_BUCKET_REGION_URL = "https://s3.amazonaws.com/{bucket}"
+REGION_KEYS = {"region", "aws_region", "default_region", "aws_default_region", "endpoint", "aws_endpoint",
+               "aws_endpoint_url", "endpoint_url"}
+
+
+def _region_known(config: dict[str, Any], provider: Any) -> bool:
+    """Whether a region (or an endpoint other than AWS's) is set in the options, the environment
+    or the credential provider."""
+    keys = {k.lower() for k in config} | {k.lower() for k in getattr(provider, "config", None) or {}}
+    env = {"AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL"} & set(os.environ)
+    return bool(keys & REGION_KEYS or env)
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_region(bucket: str, timeout: float = 5.0) -> str | None:
+    """The region S3 names for ``bucket`` in one unsigned HEAD; None if it names none."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(AWS_BUCKET_REGION_URL.format(bucket=bucket), method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.headers.get("x-amz-bucket-region")
+    except urllib.error.HTTPError as answer:  # 301, 403: still an answer with the header
+        return answer.headers.get("x-amz-bucket-region")
+    except OSError:
+        return None
 
 
 def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: Any = None,

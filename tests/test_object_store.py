@@ -71,3 +71,57 @@ def test_no_aws_files_no_boto3_provider(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     assert "credential_provider" not in client_for("s3", {})[1]
     assert object_store.has_obstore()
+
+
+class RegionServer:
+    """Answers every HEAD as S3 does for a bucket in another region: 301 with its region."""
+
+    def __init__(self, region: str) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+                self.server.paths.append(self.path)
+                self.send_response(301)
+                self.send_header("x-amz-bucket-region", region)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.paths = []
+        self.thread = threading.Thread(target=self.server.serve_forever, name="region-server")
+
+    def __enter__(self) -> "RegionServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
+    """object_store assumes us-east-1 where s3fs finds the bucket's region: asked once per bucket,
+    only when no option, variable or profile names a region or an endpoint."""
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    object_store._bucket_region.cache_clear()
+    with RegionServer("eu-west-3") as server:
+        monkeypatch.setattr(object_store, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
+        fs = object_store.filesystem("s3", {"anon": True})
+        assert fs._construct_store("far-bucket").config["region"] == "eu-west-3"
+        fs._construct_store.cache_clear()
+        assert fs._construct_store("far-bucket").config["region"] == "eu-west-3"
+        assert server.server.paths == ["/far-bucket"], "asked once"
+        fs = object_store.filesystem("s3", {"anon": True, "region": "us-west-2"})
+        assert fs._construct_store("other-bucket").config["region"] == "us-west-2"
+        monkeypatch.setenv("AWS_REGION", "ap-south-1")  # object_store reads it itself
+        assert "region" not in object_store.filesystem("s3", {"anon": True})._construct_store("third").config
+        assert server.server.paths == ["/far-bucket"]
+    object_store._bucket_region.cache_clear()
