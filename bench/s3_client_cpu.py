@@ -75,7 +75,15 @@ def measure(endpoint_url: str | None = None, objects: int = 1000, in_flight: int
         if not fs.exists(BUCKET):
             fs.mkdir(BUCKET)
         paths = [f"{BUCKET}/object-{i:05d}" for i in range(objects)]
-        fs.pipe({path: os.urandom(SIZE) for path in paths}, batch_size=32)
+        objects = {path: os.urandom(SIZE) for path in paths}
+        for attempt in range(3):  # a new bucket's first writes can meet a 500 while its volumes grow
+            try:
+                fs.pipe(objects, batch_size=32)
+                break
+            except OSError:
+                if attempt == 2:
+                    raise
+                time.sleep(1)
         result = asyncio.run(compare(endpoint_url, paths, in_flight, runs))
     return {"object_bytes": SIZE, "objects": objects, "in_flight": in_flight, "runs": runs, **result,
             "s3fs_over_obstore": result["s3fs"]["cpu_ms_per_get"] / result["obstore"]["cpu_ms_per_get"]}

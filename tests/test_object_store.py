@@ -37,7 +37,8 @@ def test_s3fs_names_are_translated():
 
 def test_what_obstore_cannot_serve_goes_to_fsspec_unless_obstore_is_chosen():
     for options in ({"use_ssl": False}, {"s3_additional_kwargs": {"ACL": "private"}},
-                    {"client_kwargs": {"proxies": {}}}, {"config_kwargs": {"signature_version": "s3v4"}}):
+                    {"client_kwargs": {"proxies": {}}}, {"client_kwargs": {"verify": "/etc/ssl/ca.pem"}},
+                    {"config_kwargs": {"signature_version": "s3v4"}}):
         assert client_for("s3", options) == ("fsspec", options)
         with pytest.raises(ValueError, match="obstore cannot serve"):
             client_for("s3", {**options, "client": "obstore"})
