@@ -75,10 +75,10 @@ def measure(endpoint_url: str | None = None, objects: int = 1000, in_flight: int
         if not fs.exists(BUCKET):
             fs.mkdir(BUCKET)
         paths = [f"{BUCKET}/object-{i:05d}" for i in range(objects)]
-        objects = {path: os.urandom(SIZE) for path in paths}
+        data = {path: os.urandom(SIZE) for path in paths}
         for attempt in range(3):  # a new bucket's first writes can meet a 500 while its volumes grow
             try:
-                fs.pipe(objects, batch_size=32)
+                fs.pipe(data, batch_size=32)
                 break
             except OSError:
                 if attempt == 2:
