@@ -4,6 +4,7 @@ outlives a test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -109,12 +110,25 @@ def moto_jpeg_bucket(moto_server, jpeg_folder) -> str:
 
 
 def upload_jpegs(options: dict, jpeg_folder: Path) -> None:
+    with setup_s3fs(options) as fs:
+        make_bucket(fs)
+        for path in sorted(jpeg_folder.rglob("*.jpg")):
+            fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
+
+
+@contextlib.contextmanager
+def setup_s3fs(options: dict):
+    """An s3fs filesystem to put test data with, its connections closed after (SeaweedFS keeps
+    them alive, and a test that counts sockets must not see them close under it)."""
+    import fsspec.asyn
     import s3fs
 
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    make_bucket(fs)
-    for path in sorted(jpeg_folder.rglob("*.jpg")):
-        fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
+    try:
+        yield fs
+    finally:
+        session = fsspec.asyn.sync(fs.loop, fs.set_session)
+        fsspec.asyn.sync(fs.loop, session.close)
 
 
 def epoch(source, **kwargs) -> list[tuple]:
