@@ -31,7 +31,7 @@ from bench.dataset import ImageSetSpec, ensure_image_set
 from bench.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
 from bench.report import mark_best, markdown, write_all
 from bench.s3data import s3_servers
-from bench.workloads import S3_NOTE, Workload, image_set, s3_image_set, workloads
+from bench.workloads import S3_BUCKET, S3_NOTE, Workload, image_set, s3_image_set, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -187,7 +187,7 @@ def client_cpu(endpoint_url: str, quick: bool) -> dict:
     """``python -m bench.s3_client_cpu`` against the run's server, in a process of its own (its
     CPU time is the figure)."""
     command = [sys.executable, "-m", "bench.s3_client_cpu", "--json", "--endpoint", endpoint_url,
-               "--objects", "300" if quick else "1000"]
+               "--bucket", S3_BUCKET, "--objects", "300" if quick else "1000"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent)
     if done.returncode != 0:
