@@ -1,8 +1,9 @@
 """Reads on one asyncio event loop: fsspec filesystems, retries with backoff, a timeout per read.
 
-Async filesystems (s3fs, gcsfs, http, obstore's FsspecStore) are awaited natively, so hundreds of
-requests can wait on the network at once from one thread; sync ones (local disk, memory) run on a
-small executor.
+Object stores go through obstore where it can serve them (``object_store``), the rest through
+fsspec. Async filesystems (obstore's FsspecStore, s3fs, gcsfs, http) are awaited natively, so
+hundreds of requests can wait on the network at once from one thread; sync ones (local disk,
+memory) run on a small executor.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import asyncio
 import functools
 import inspect
 import random
-import sys
 import time
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
-import fsspec
 from fsspec.core import split_protocol
 
+from . import object_store
 from .blocking import BlockingCalls
 from .stats import LoaderStats
 
@@ -125,6 +125,8 @@ class Reader:
         sample from an I/O thread through the event loop to a decode thread."""
         if self.user_read is not None or not isinstance(key, str):
             return False
+        if (split_protocol(key)[0] or "file") not in LOCAL_PROTOCOLS:
+            return False  # a remote client is made (its options checked) at its first read, retried
         fs, _ = self._filesystem(key)
         return not fs.async_impl and _protocol(fs) in LOCAL_PROTOCOLS
 
@@ -175,43 +177,19 @@ class Reader:
         return await asyncio.wrap_future(self._blocking.submit(function, *args).future)
 
     def _filesystem(self, url: str) -> tuple[Any, dict[str, Any]]:
-        """The filesystem for ``url``'s protocol (one instance per protocol, bound to our loop)
-        and the keyword arguments that make its read a single request."""
+        """The filesystem for ``url``'s protocol (one instance per protocol, bound to our loop;
+        obstore for object stores where it can serve them, see ``object_store``) and the keyword
+        arguments that make its read a single request."""
         protocol = split_protocol(url)[0] or "file"
         if protocol not in self._filesystems:
-            cls = fsspec.get_filesystem_class(protocol)
-            options = dict(self.storage_options)
-            if cls.async_impl:
-                options.update(asynchronous=True, loop=self.loop)
-            is_s3fs = "config_kwargs" in inspect.signature(cls.__init__).parameters
-            if is_s3fs:
-                self._s3fs_options(options)
-            elif _is_obstore(cls):
-                self._obstore_options(options)
-            fs = cls(skip_instance_cache=True, **options)
-            if is_s3fs and "retries" not in self.storage_options:
-                fs.retries = 1  # s3fs's own retry loop: one attempt, then ours
+            fs = object_store.filesystem(protocol, self.storage_options, loop=self.loop, read_timeout=self.timeout,
+                                         connections=self.io_concurrency)
             read_kwargs = {}
             if fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
                 # s3fs sends a HEAD before the GET to split large objects; one request is enough.
                 read_kwargs["max_concurrency"] = 1
             self._filesystems[protocol] = (fs, read_kwargs)
         return self._filesystems[protocol]
-
-    def _s3fs_options(self, options: dict[str, Any]) -> None:
-        """botocore allows 10 connections by default, which would cap reads in flight, and retries
-        by itself, unseen and unbounded by ours: leave retrying to this class."""
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("max_pool_connections", self.io_concurrency)
-        config.setdefault("retries", {"total_max_attempts": 1})
-        options["config_kwargs"] = config
-
-    def _obstore_options(self, options: dict[str, Any]) -> None:
-        """obstore (``obstore.fsspec.register``) retries 10 times by itself and ends every request
-        at 30 s: leave retrying to this class and let our read timeout be the one that fires.
-        Its HTTP client has no cap on connections."""
-        options["retry_config"] = options.get("retry_config") or {"max_retries": 0}
-        options["client_options"] = {"timeout": timedelta(seconds=self.timeout + 1), **(options.get("client_options") or {})}
 
     async def aclose(self) -> None:
         """Closes the async filesystems' HTTP sessions on this loop and stops the executor, the
@@ -227,27 +205,22 @@ class Reader:
 
 
 async def _close_sessions(fs: Any) -> None:
-    """fsspec has no public close for async filesystems; these are the clients s3fs, gcsfs and
-    http keep. Errors while closing are of no use to anyone and are ignored."""
+    """Closes an async filesystem's HTTP client on this loop: ``session = await fs.set_session();
+    await session.close()`` is how s3fs and fsspec's http say to (gcsfs names it
+    ``_set_session``); obstore's pools go with ``object_store.release``. Errors while closing
+    are of no use to anyone and are ignored."""
     try:
-        creator = getattr(fs, "_s3creator", None)
-        if creator is not None:
-            await creator.__aexit__(None, None, None)
-        close = getattr(getattr(fs, "_session", None), "close", None)  # aiohttp (http, gcsfs)
-        if close is not None and inspect.iscoroutinefunction(close):
-            await close()
-        # obstore keeps a store, with its pool of connections, per bucket in an lru_cache on the
-        # instance (a reference cycle, so dropping the instance would free them only at a GC).
-        clear = getattr(getattr(fs, "_construct_store", None), "cache_clear", None)
-        if clear is not None:
-            clear()
+        if object_store.is_obstore(fs):
+            object_store.release(fs)
+            return
+        set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
+        if set_session is not None:
+            session = await set_session()
+            close = getattr(session, "close", None)
+            if close is not None and inspect.iscoroutinefunction(close):
+                await close()
     except Exception:
         pass
-
-
-def _is_obstore(cls: type) -> bool:
-    obstore = sys.modules.get("obstore.fsspec")  # imported if it was registered with fsspec
-    return obstore is not None and issubclass(cls, obstore.FsspecStore)
 
 
 def _as_builtin(error: Exception) -> Exception | None:

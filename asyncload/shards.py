@@ -25,9 +25,9 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import fsspec
 import numpy as np
 
+from . import object_store
 from .autotune import AsyncGate
 from .sampler import EpochSampler
 from .sources import Source, checked_index
@@ -152,8 +152,11 @@ def tar_shards(url: str, storage_options: dict | None = None, **options: Any) ->
     holds one). ``options`` are ``ShardSource``'s: ``members``, ``shuffle_buffer``,
     ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
-    with fsspec.open(index_url, "rt", **(storage_options or {})) as file:
-        index = json.load(file)
+    fs, path = object_store.url_to_fs(index_url, storage_options)
+    try:
+        index = json.loads(fs.cat_file(path))
+    finally:
+        object_store.release(fs)
     return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import posixpath
 from typing import Any, Iterable, Sequence
 
-import fsspec
 import numpy as np
+
+from . import object_store
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -59,9 +60,12 @@ class Source(Sequence):
 def _find(url: str, storage_options: dict | None, extensions: Sequence[str]) -> tuple[Any, str, list[str]]:
     """Lists every file under ``url`` with one of ``extensions``: the filesystem, the root path
     and the sorted file paths (without protocol)."""
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, root = object_store.url_to_fs(url, storage_options)
     wanted = tuple(e.lower() for e in extensions)
-    paths = sorted(p for p in fs.find(root) if p.lower().endswith(wanted))
+    try:
+        paths = sorted(p for p in fs.find(root) if p.lower().endswith(wanted))
+    finally:
+        object_store.release(fs)
     return fs, root.rstrip("/"), paths
 
 
@@ -90,8 +94,11 @@ def list_files(url: str, storage_options: dict | None = None, extensions: Sequen
 def manifest(url: str, storage_options: dict | None = None) -> Source:
     """A text file of one item per line: ``url`` or ``url<TAB>label`` (or ``url,label``).
     Either every line has a label or none does."""
-    with fsspec.open(url, "rt", **(storage_options or {})) as file:
-        rows = [line.strip() for line in file if line.strip()]
+    fs, path = object_store.url_to_fs(url, storage_options)
+    try:
+        rows = [line.strip() for line in fs.cat_file(path).decode().splitlines() if line.strip()]
+    finally:
+        object_store.release(fs)
     split = [row.split("\t") if "\t" in row else row.rsplit(",", 1) if "," in row else [row] for row in rows]
     if all(len(parts) == 1 for parts in split):
         return Source(parts[0] for parts in split)

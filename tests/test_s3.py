@@ -1,4 +1,4 @@
-"""End to end against a real S3-compatible server (moto) on 127.0.0.1."""
+"""End to end against a real S3 server (SeaweedFS) on 127.0.0.1, through the default client."""
 
 import pytest
 import torch

@@ -16,9 +16,8 @@ import torch
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
 from asyncload.shards import ShardSampler, buffer_shuffle, plan_chunks
 from asyncload.stats import diagnose
-from bench.s3server import storage_options
-from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket
-from tests.faults import FaultProxy
+from bench.s3server import LatencyProxy, storage_options
+from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, setup_s3fs
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
@@ -35,12 +34,10 @@ def shard_dir(jpeg_folder, tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_shards(s3_options, shard_dir) -> str:
     """The shard set uploaded to ``s3://asyncload-test/shards``."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    make_bucket(fs)
-    for path in sorted(shard_dir.iterdir()):
-        fs.pipe_file(f"asyncload-test/shards/{path.name}", path.read_bytes())
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        for path in sorted(shard_dir.iterdir()):
+            fs.pipe_file(f"asyncload-test/shards/{path.name}", path.read_bytes())
     return "s3://asyncload-test/shards"
 
 
@@ -190,9 +187,9 @@ def test_small_chunks_split_a_shard_into_several_ranged_reads(shard_dir):
 
 @pytest.fixture
 def slow_shards(s3_server, s3_shards):
-    """The S3 shard set behind 0.1 s of first-byte latency, one ranged read per sample."""
-    with FaultProxy(s3_server.port) as proxy:
-        proxy.delay_seconds = 0.1
+    """The S3 shard set behind 0.2 s of first-byte latency, one ranged read per sample (long
+    enough for the tuner to act within the epoch, with SeaweedFS as quick as it is)."""
+    with LatencyProxy(s3_server.port, (0.2, 0.2)) as proxy:
         options = storage_options(proxy.endpoint_url)
         yield tar_shards(s3_shards, storage_options=options, chunk_bytes=1), options
 
@@ -211,7 +208,10 @@ def test_io_concurrency_caps_the_ranged_reads_and_slow_ones_are_named_storage(sl
 
 def test_auto_reads_more_chunks_at_once_from_slow_storage(slow_shards):
     source, options = slow_shards
-    loader = AsyncLoader(source, batch_size=2, decode=DECODE, storage_options=options, io_concurrency="auto")
+    # In storage order: a shuffled epoch's first batch waits for samples from all over it, so the
+    # tuner's first look would come with most of the 24 reads done (SeaweedFS serves them fast).
+    loader = AsyncLoader(source, batch_size=2, decode=DECODE, storage_options=options, io_concurrency="auto",
+                         shuffle=False)
     loader.tuner.interval = 0.1
     with loader:  # one epoch: the raise must reach the reads of the epoch that is running
         assert sorted(flat(delivered(loader))) == sorted(ALL)

@@ -30,16 +30,21 @@ def test_early_exits_leave_no_descriptor_or_socket_open(s3_jpeg_bucket, s3_optio
 
     run(None)  # first use opens what stays open by design (imports, the TLS context, ...)
     fds_before = psutil.Process().num_fds()
-    connections_before = len(psutil.Process().net_connections())
+    connections_before = connections()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         for stop_after in (None, 0, 2, None):
             run(stop_after)
         gc.collect()
-    # moto closes every connection itself, so also check that no HTTP client was left unclosed
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
-    assert psutil.Process().num_fds() == fds_before
-    assert len(psutil.Process().net_connections()) == connections_before
+    # SeaweedFS keeps connections alive: those of other clients (the fixtures' uploads) may close
+    # meanwhile, so none may be added, rather than none changed
+    assert psutil.Process().num_fds() <= fds_before
+    assert connections() <= connections_before
+
+
+def connections() -> set:
+    return {(c.laddr, c.raddr) for c in psutil.Process().net_connections()}
 
 
 

@@ -6,7 +6,6 @@ from typing import Any
 
 from bench import tasks
 from bench.contenders.base import Contender, RunData, cores
-from bench.s3server import obstore_options
 from bench.workloads import Workload
 
 
@@ -27,8 +26,8 @@ class AsyncLoadContender(Contender):
     def configs(self, workload: Workload, quick: bool) -> list[dict]:
         """Defaults first, then the tuned sweep: decode threads at the core count and around it,
         I/O concurrency below and above the default of 64 (not for local files: decode threads
-        read those themselves), and for S3 obstore's client (where it is installed), which
-        spends less CPU per GET than s3fs."""
+        read those themselves), and for S3 s3fs (``client="fsspec"``) against the default
+        obstore, where obstore is installed."""
         n = cores()
         default = {"tag": "default"}
         auto = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}
@@ -39,7 +38,7 @@ class AsyncLoadContender(Contender):
             return [default] if quick else [default, *tuned, auto]
         if workload.name == "python-step":  # the same pipeline, in-process and in a child process
             return [default, {"isolate": True}]
-        if quick:  # the defaults (and obstore from S3) only: a setup check in under 3 minutes
+        if quick:  # the defaults (and s3fs from S3) only: a setup check in under 3 minutes
             sweep = []
         else:
             sweep = [{"num_threads": t, "io_concurrency": 64} for t in (1, 2 * n) if t != n]
@@ -48,7 +47,7 @@ class AsyncLoadContender(Contender):
         if workload.source == "synthetic" and not quick:  # the same wait as a plain function
             sweep.append({"num_threads": n, "io_concurrency": 64, "read": "sync"})
         if workload.source.startswith("s3") and _has_obstore():
-            sweep.append({"num_threads": n, "io_concurrency": 64, "backend": "obstore"})
+            sweep.append({"num_threads": n, "io_concurrency": 64, "client": "fsspec"})
         configs = [default] + [{"tag": "tuned", **c} for c in sweep]
         if not quick:  # asyncload's own autotuner
             configs.append(auto)
@@ -72,11 +71,8 @@ class AsyncLoadContender(Contender):
                                shuffle=True, seed=0, read=read, decode=tasks.large_array,
                                device=device, **settings)
         storage_options = data.storage_options
-        if config.get("backend") == "obstore":  # this process only: each run has its own
-            import obstore.fsspec
-
-            obstore.fsspec.register("s3")
-            storage_options = obstore_options(storage_options["endpoint_url"])
+        if "client" in config:  # "fsspec": s3fs rather than the default obstore
+            storage_options = {**storage_options, "client": config["client"]}
         if workload.samples_per_shard:
             source = tar_shards(data.root, storage_options=storage_options, shuffle_buffer=2 * workload.batch_size)
         else:

@@ -1,0 +1,173 @@
+"""Which client serves a URL: obstore (Rust ``object_store``) for s3://, gs:// and az:// where it
+is installed, fsspec's own filesystems (s3fs, gcsfs, adlfs, ...) for the rest.
+
+Why: every GET through s3fs costs ~3.5 ms of Python CPU (botocore builds, signs and parses each
+request in Python) on the loader's one event loop, which caps a process near 300 objects/s;
+obstore does the same work in Rust for ~0.4 ms. Users keep writing the fsspec-style
+``storage_options`` they know (``endpoint_url``, ``key``, ``secret``, ``anon``, ``profile``, GCS
+``token``, ...): they are translated here, obstore's own names (``config``, ``client_options``,
+``aws_endpoint``, ``region``, ...) are accepted as well, and an option obstore cannot serve
+(``use_ssl``, ``s3_additional_kwargs``, gcsfs's ``token="cache"``, ...) sends that protocol back
+to fsspec (the translation is in ``store_options``). ``storage_options={"client": "fsspec"}``
+(or ``"obstore"``) chooses the client explicitly; ``"auto"`` is the default.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from datetime import timedelta
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+
+from .store_options import Unsupported, obstore_settings
+
+# fsspec protocol -> obstore's scheme for it.
+OBSTORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az"}
+CLIENTS = ("auto", "obstore", "fsspec")
+def client_for(protocol: str, storage_options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """``("obstore", FsspecStore keyword arguments)`` or ``("fsspec", that filesystem's options)``
+    for ``protocol``. Raises ValueError naming an option neither client knows, or one that the
+    explicitly chosen client cannot serve."""
+    options = dict(storage_options or {})
+    choice = options.pop("client", "auto")
+    if choice not in CLIENTS:
+        raise ValueError(f"storage_options['client'] must be one of {', '.join(map(repr, CLIENTS))}, got {choice!r}")
+    scheme = OBSTORE_SCHEMES.get(protocol)
+    if choice == "fsspec" or scheme is None or (choice == "auto" and not has_obstore()):
+        return "fsspec", options  # local files, memory, http... stay fsspec's whatever the choice
+    if not has_obstore():
+        raise ValueError("storage_options['client'] is 'obstore', which is not installed (pip install obstore; Python >= 3.11)")
+    try:
+        return "obstore", obstore_settings(scheme, options)
+    except Unsupported as error:
+        if choice == "obstore":
+            raise ValueError(f"storage_options: obstore cannot serve {error}; use client='fsspec'") from None
+        return "fsspec", options
+
+
+@functools.cache
+def has_obstore() -> bool:
+    try:
+        import obstore.fsspec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _store_class(protocol: str) -> type:
+    """obstore's fsspec filesystem with ``protocol`` as its class's own (as ``obstore.fsspec.register``
+    makes them, without touching fsspec's registry), so paths strip and unstrip as fsspec's do;
+    for S3 it finds a bucket's region when nothing says it (see ``_bucket_region``)."""
+    from obstore.fsspec import FsspecStore
+    from obstore.store import from_url
+
+    def construct_store(self: Any, bucket: str) -> Any:
+        config = self._config or {}
+        if OBSTORE_SCHEMES[protocol] == "s3" and not _region_known(config, self._credential_provider):
+            region = _bucket_region(bucket)
+            if region is not None:
+                config = {**config, "region": region}
+        return from_url(f"{protocol}://{bucket}", config=config, client_options=self._client_options,
+                        retry_config=self._retry_config, credential_provider=self._credential_provider,
+                        **self._config_kwargs)
+
+    return type(f"FsspecStore_{protocol}", (FsspecStore,), {"protocol": protocol, "_construct_store": construct_store})
+
+
+# Where S3 says which region a bucket is in (the x-amz-bucket-region header of any answer,
+# even a redirect or a denial), for buckets whose region nothing configures: s3fs finds it
+# by itself, object_store assumes us-east-1.
+AWS_BUCKET_REGION_URL = "https://s3.amazonaws.com/{bucket}"
+REGION_KEYS = {"region", "aws_region", "default_region", "aws_default_region", "endpoint", "aws_endpoint",
+               "aws_endpoint_url", "endpoint_url"}
+
+
+def _region_known(config: dict[str, Any], provider: Any) -> bool:
+    """Whether a region (or an endpoint other than AWS's) is set in the options, the environment
+    or the credential provider."""
+    keys = {k.lower() for k in config} | {k.lower() for k in getattr(provider, "config", None) or {}}
+    env = {"AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL"} & set(os.environ)
+    return bool(keys & REGION_KEYS or env)
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_region(bucket: str, timeout: float = 5.0) -> str | None:
+    """The region S3 names for ``bucket`` in one unsigned HEAD; None if it names none."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(AWS_BUCKET_REGION_URL.format(bucket=bucket), method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.headers.get("x-amz-bucket-region")
+    except urllib.error.HTTPError as answer:  # 301, 403: still an answer with the header
+        return answer.headers.get("x-amz-bucket-region")
+    except OSError:
+        return None
+
+
+def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: Any = None,
+               read_timeout: float | None = None, connections: int = 64) -> Any:
+    """A fresh filesystem for ``protocol`` from the client ``client_for`` picks; asynchronous
+    (fsspec's) when ``loop`` is given. With ``read_timeout`` it is tuned for the reader, whose
+    retries and timeout must be the only ones: the client retries nothing itself, its own
+    timeout lies beyond ours, and it may hold ``connections`` connections."""
+    client, options = client_for(protocol, storage_options)
+    asynchronous = {"asynchronous": True} if loop is not None else {}
+    if client == "obstore":  # obstore runs its own runtime: FsspecStore takes no loop
+        if read_timeout is not None:
+            _obstore_for_reads(options, read_timeout)
+        return _store_class(protocol)(skip_instance_cache=True, **options, **asynchronous)
+    cls = fsspec.get_filesystem_class(protocol)
+    if cls.async_impl and loop is not None:
+        asynchronous["loop"] = loop
+    is_s3fs = "config_kwargs" in inspect.signature(cls.__init__).parameters
+    if is_s3fs and read_timeout is not None:
+        _s3fs_for_reads(options, connections)
+    fs = cls(skip_instance_cache=True, **options, **asynchronous)
+    if is_s3fs and read_timeout is not None and "retries" not in options:
+        fs.retries = 1  # s3fs's own retry loop: one attempt, then ours
+    return fs
+
+
+def _s3fs_for_reads(options: dict[str, Any], connections: int) -> None:
+    """botocore allows 10 connections by default, which would cap reads in flight, and retries
+    by itself, unseen and unbounded by ours."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", connections)
+    config.setdefault("retries", {"total_max_attempts": 1})
+    options["config_kwargs"] = config
+
+
+def _obstore_for_reads(options: dict[str, Any], read_timeout: float) -> None:
+    """obstore retries 10 times by itself and ends every request at 30 s: leave retrying to the
+    reader and let its timeout be the one that fires (a user's own settings win). Its HTTP
+    client has no cap on connections."""
+    options["retry_config"] = options.get("retry_config") or {"max_retries": 0}
+    options["client_options"] = {"timeout": timedelta(seconds=read_timeout + 1), **(options.get("client_options") or {})}
+
+
+def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """``fsspec.core.url_to_fs`` through ``filesystem``: the filesystem and the path in it."""
+    protocol = split_protocol(url)[0] or "file"
+    if protocol not in OBSTORE_SCHEMES:
+        return fsspec.core.url_to_fs(url, **{k: v for k, v in (storage_options or {}).items() if k != "client"})
+    fs = filesystem(protocol, storage_options)
+    return fs, fs._strip_protocol(url)
+
+
+def release(fs: Any) -> None:
+    """Closes the connections an obstore filesystem keeps: it holds a store, with its pool, per
+    bucket in an lru_cache on the instance (a reference cycle, so dropping the instance would
+    free them only at a GC). Other filesystems are left as they are."""
+    if is_obstore(fs):
+        fs._construct_store.cache_clear()
+
+
+def is_obstore(fs: Any) -> bool:
+    return has_obstore() and isinstance(fs, __import__("obstore.fsspec").fsspec.FsspecStore)

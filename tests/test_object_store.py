@@ -1,0 +1,128 @@
+"""Which client serves a URL, and fsspec-style options as obstore's (no server needed: obstore
+builds a store without sending a request)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from asyncload import object_store
+from asyncload.object_store import client_for
+
+pytest.importorskip("obstore")
+
+
+def test_object_stores_default_to_obstore_and_the_rest_to_fsspec():
+    assert [client_for(p, {})[0] for p in ("s3", "s3a", "gs", "gcs")] == ["obstore"] * 4
+    assert [client_for(p, {"account_name": "a"})[0] for p in ("az", "abfs")] == ["obstore"] * 2
+    assert [client_for(p, {"client": "obstore"})[0] for p in ("file", "memory", "http")] == ["fsspec"] * 3
+    assert client_for("s3", {"client": "fsspec", "key": "k"}) == ("fsspec", {"key": "k"})
+
+
+def test_s3fs_names_are_translated():
+    client, settings = client_for("s3", {
+        "endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s", "token": "t", "requester_pays": True,
+        "client_kwargs": {"region_name": "eu-west-1", "verify": False}, "skip_instance_cache": True,
+        "config_kwargs": {"max_pool_connections": 64, "connect_timeout": 3, "s3": {"addressing_style": "virtual"}},
+    })
+    assert client == "obstore"
+    assert settings["config"] == {"endpoint": "http://127.0.0.1:9000", "access_key_id": "k", "secret_access_key": "s",
+                                  "token": "t", "request_payer": True, "region": "eu-west-1",
+                                  "virtual_hosted_style_request": True}
+    assert settings["client_options"] == {"allow_http": True, "allow_invalid_certificates": True,
+                                          "connect_timeout": timedelta(seconds=3)}
+    assert client_for("s3", {"anon": True, "region": "us-west-2"})[1]["config"] == {"skip_signature": True, "region": "us-west-2"}
+
+
+def test_what_obstore_cannot_serve_goes_to_fsspec_unless_obstore_is_chosen():
+    for options in ({"use_ssl": False}, {"s3_additional_kwargs": {"ACL": "private"}},
+                    {"client_kwargs": {"proxies": {}}}, {"client_kwargs": {"verify": "/etc/ssl/ca.pem"}},
+                    {"config_kwargs": {"signature_version": "s3v4"}}):
+        assert client_for("s3", options) == ("fsspec", options)
+        with pytest.raises(ValueError, match="obstore cannot serve"):
+            client_for("s3", {**options, "client": "obstore"})
+    assert client_for("gs", {"token": "cache"})[0] == "fsspec"
+
+
+def test_unknown_options_and_clients_are_named():
+    with pytest.raises(ValueError, match=r"storage option 'secrett' is not valid for s3://"):
+        client_for("s3", {"secrett": "x"})
+    with pytest.raises(ValueError, match=r"storage option config\['bogus'\] is not valid"):
+        client_for("s3", {"config": {"bogus": 1}})
+    with pytest.raises(ValueError, match=r"storage option client_options\['bogus'\] is not valid"):
+        client_for("s3", {"client_options": {"bogus": 1}})
+    with pytest.raises(ValueError, match="storage_options\\['client'\\] must be one of 'auto', 'obstore', 'fsspec', got 'boto3'"):
+        client_for("s3", {"client": "boto3"})
+
+
+def test_gcs_and_azure_names_are_translated(tmp_path):
+    assert client_for("gs", {"token": "anon", "project": "p"})[1]["config"] == {"skip_signature": True}
+    assert client_for("gs", {"token": "google_default", "project": "p"})[1]["config"] == {}
+    credentials = tmp_path / "sa.json"
+    credentials.write_text('{"type": "authorized_user", "client_id": "c", "client_secret": "s", "refresh_token": "r"}')
+    assert client_for("gs", {"token": str(credentials)})[1]["config"] == {"application_credentials": str(credentials)}
+    assert client_for("az", {"account_name": "acct", "anon": True})[1]["config"] == {"account_name": "acct", "skip_signature": True}
+
+
+def test_no_aws_files_no_boto3_provider(tmp_path, monkeypatch):
+    """Without ``~/.aws`` or a profile, object_store's own chain (environment, web identity,
+    instance metadata) finds credentials: boto3 is not asked."""
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert "credential_provider" not in client_for("s3", {})[1]
+    assert object_store.has_obstore()
+
+
+class RegionServer:
+    """Answers every HEAD as S3 does for a bucket in another region: 301 with its region."""
+
+    def __init__(self, region: str) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+                self.server.paths.append(self.path)
+                self.send_response(301)
+                self.send_header("x-amz-bucket-region", region)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.paths = []
+        self.thread = threading.Thread(target=self.server.serve_forever, name="region-server")
+
+    def __enter__(self) -> "RegionServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
+    """object_store assumes us-east-1 where s3fs finds the bucket's region: asked once per bucket,
+    only when no option, variable or profile names a region or an endpoint."""
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    object_store._bucket_region.cache_clear()
+    with RegionServer("eu-west-3") as server:
+        monkeypatch.setattr(object_store, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
+        fs = object_store.filesystem("s3", {"anon": True})
+        assert fs._construct_store("far-bucket").config["region"] == "eu-west-3"
+        fs._construct_store.cache_clear()
+        assert fs._construct_store("far-bucket").config["region"] == "eu-west-3"
+        assert server.server.paths == ["/far-bucket"], "asked once"
+        fs = object_store.filesystem("s3", {"anon": True, "region": "us-west-2"})
+        assert fs._construct_store("other-bucket").config["region"] == "us-west-2"
+        monkeypatch.setenv("AWS_REGION", "ap-south-1")  # object_store reads it itself
+        assert "region" not in object_store.filesystem("s3", {"anon": True})._construct_store("third").config
+        assert server.server.paths == ["/far-bucket"]
+    object_store._bucket_region.cache_clear()
