@@ -36,14 +36,16 @@ class AsyncLoadContender(Contender):
         if workload.samples_per_shard:  # a handful of ranged reads (4 at once by default)
             tuned = [{"tag": "tuned", "num_threads": 2 * n}, {"tag": "tuned", "num_threads": n, "io_concurrency": 8}]
             return [default] if quick else [default, *tuned, auto]
-        if workload.name == "python-step":  # the same pipeline, in-process and in a child process
-            return [default, {"isolate": True}]
+        if workload.name == "python-step":  # the same pipeline, in-process and in child processes
+            return [default, {"processes": 1}, {"processes": 2}]
         if quick:  # the defaults (and s3fs from S3) only: a setup check in under 3 minutes
             sweep = []
         else:
             sweep = [{"num_threads": t, "io_concurrency": 64} for t in (1, 2 * n) if t != n]
             if workload.source != "local":
                 sweep += [{"num_threads": n, "io_concurrency": c} for c in (16, 256)]
+            if workload.source == "local":  # beside DataLoader's num_workers: N pipelines, N GILs
+                sweep += [{"processes": p} for p in (1, 2)]
         if workload.source == "synthetic" and not quick:  # the same wait as a plain function
             sweep.append({"num_threads": n, "io_concurrency": 64, "read": "sync"})
         if workload.source.startswith("s3") and _has_obstore():
@@ -63,7 +65,7 @@ class AsyncLoadContender(Contender):
     def build(self, workload: Workload, config: dict, data: RunData) -> Any:
         from asyncload import AsyncLoader, image_folder, tar_shards
 
-        settings = {k: config[k] for k in ("num_threads", "io_concurrency", "prefetch", "isolate") if k in config}
+        settings = {k: config[k] for k in ("num_threads", "io_concurrency", "prefetch", "processes") if k in config}
         device = "cuda" if data.device == "cuda" else None
         if workload.source == "synthetic":
             read = tasks.large_read_sync if config.get("read") == "sync" else tasks.large_read_async
