@@ -141,7 +141,11 @@ class SeaweedFS(_ChildServer):
         return [weed, "server", "-s3", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                 f"-s3.port={self.port}", "-s3.port.lance=0", "-s3.port.iceberg=0",
-                f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
+                f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock",
+                # each bucket is a collection that takes volumes of its own (a few at its first
+                # write): under the default cap of 8 a third bucket's writes fail with an
+                # internal error ("no free volumes left"). Volume files are sparse.
+                "-volume.max=100"]
 
     def start(self, timeout: float = 60.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

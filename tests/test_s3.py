@@ -37,3 +37,20 @@ def test_reads_through_first_byte_latency_overlap(s3_server, s3_jpeg_bucket, s3_
         elapsed = time.monotonic() - started
     assert len(labels) == 24
     assert elapsed < 2.0
+
+
+def test_the_server_takes_a_bucket_per_test_module(s3_options):
+    """SeaweedFS gives each bucket volumes of its own; with its default cap the third bucket's
+    writes failed, whatever the client."""
+    from tests.conftest import setup_s3fs
+
+    with setup_s3fs(s3_options) as fs:
+        for number in range(4):
+            bucket = f"asyncload-extra-{number}"
+            if not fs.exists(bucket):
+                fs.mkdir(bucket)
+            fs.pipe_file(f"{bucket}/object", b"%d" % number)
+    source = [f"s3://asyncload-extra-{number}/object" for number in range(4)]
+    with AsyncLoader(source, batch_size=4, shuffle=False, decode=lambda data: torch.tensor(int(data)), storage_options=s3_options) as loader:
+        (batch,) = list(loader)
+    assert batch.tolist() == [0, 1, 2, 3]
