@@ -93,13 +93,15 @@ class DeviceStage:
         """Copies the first ``size`` rows of ``buffer`` asynchronously; the buffer stays out of
         the ring until the copy's event completes."""
         host = [t[:size] for t in buffer.tensors]
-        buffer.in_pipeline = False
         with torch.cuda.stream(self.stream):
             leaves = [t.to(self.device, non_blocking=True) for t in host]
             leaves = convert_batch(leaves, self.normalize)
             done = torch.cuda.Event()
             done.record(self.stream)
+        # The event first, the release last: the ring (on the loop thread) may look at the buffer
+        # at any moment, and without its event it would take it as free while the copy reads it.
         buffer.copy_done = done
+        buffer.in_pipeline = False
         return PendingCopy(leaves, done)
 
     def hand_over(self, pending: PendingCopy) -> list[torch.Tensor]:

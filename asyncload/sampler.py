@@ -18,10 +18,21 @@ def source_digest(source: Sequence[Any]) -> str:
     ``state_dict()``; another source almost always differs in one of these."""
     count = len(source)
     probes = sorted({round(i * (count - 1) / (SOURCE_PROBES - 1)) for i in range(SOURCE_PROBES)}) if count else []
-    digest = hashlib.sha256(f"{type(source).__name__}:{count}".encode())
+    digest = hashlib.sha256(f"{count}".encode())
     for index in probes:
-        digest.update(repr(source[index]).encode())
+        digest.update(_stable_text(source[index]).encode())
     return digest.hexdigest()[:16]
+
+
+def _stable_text(item: Any) -> str:
+    """Text for an item that is the same in every process: the value of strings, numbers and
+    tuples or lists of them; only the type of anything else (a default ``repr`` holds a memory
+    address, which would refuse every resume in a new process)."""
+    if isinstance(item, (str, bytes, int, float)):
+        return repr(item)
+    if isinstance(item, (tuple, list)):
+        return "(" + ",".join(_stable_text(part) for part in item) + ")"
+    return type(item).__qualname__
 
 
 def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -505,3 +505,29 @@ def test_device_stage_copies_the_next_batch_ahead_from_segments_pinned_only_for_
             time.sleep(0.2)  # the next batch completes meanwhile
         assert all(b.tensors[0].is_pinned() for b in loader._processes.pool.ring.segments.values())
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def count_native_threads(data):
+    """A decode that reports the native thread settings it runs under, as its sample."""
+    import cv2
+
+    return np.array([cv2.getNumThreads(), torch.get_num_threads()], np.int64)
+
+
+def test_children_run_native_libraries_on_one_thread_per_decode_thread():
+    """As in-process: no OpenCV or torch thread pool inside each decode thread of a child."""
+    with AsyncLoader(list(range(8)), batch_size=4, read=False, decode=count_native_threads, processes=1) as loader:
+        seen = {tuple(row.tolist()) for batch in loader for row in batch}
+    assert seen == {(1, 1)}
+
+
+def test_a_raised_sample_error_does_not_keep_its_segment():
+    """on_error="raise": the failing batch's shared segment goes back to the ring, so iterating
+    again and again reuses segments instead of leaving one in use for each error."""
+    with AsyncLoader(list(range(1, 14)), batch_size=4, shuffle=False, read=False, decode=fails_if_a_multiple_of_seven,
+                     processes=1, prefetch=1) as loader:  # item 7 fails: the second batch, once the layout is known
+        for _ in range(4):
+            with pytest.raises(SampleError):
+                list(loader)
+        segments = loader._processes.pool.ring.segments
+        assert sum(buffer.in_pipeline for buffer in segments.values()) == 0

@@ -69,3 +69,23 @@ def test_rank_and_world_size_come_from_torchrun_before_init_process_group(monkey
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     assert distributed_defaults(None, None) == (0, 1)
+
+
+class Key:
+    """A source item with the default repr, which holds a memory address."""
+
+
+def test_the_source_digest_is_the_same_in_another_process():
+    """A resume happens in a new process: the digest of the same source must not change there
+    (a default repr holds a memory address), nor between a list and a tuple of the same items."""
+    import subprocess
+    import sys
+
+    from asyncload.sampler import source_digest
+
+    code = ("from tests.test_sampler import Key; from asyncload.sampler import source_digest; "
+            "print(source_digest([(f's3://b/{i}', i) for i in range(100)]), source_digest([Key() for _ in range(9)]))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    here = [source_digest(tuple((f"s3://b/{i}", i) for i in range(100))), source_digest([Key() for _ in range(9)])]
+    assert other == here
+    assert source_digest([f"s3://b/{i}" for i in range(100)]) != source_digest([f"s3://b/{i}" for i in range(1, 101)])

@@ -20,7 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import cv2
 import numpy as np
+import torch
 
 from ..autotune import AsyncGate, Gate
 from ..buffers import BatchBuffer, SampleLayout
@@ -64,7 +66,10 @@ class Filler:
         self.stopped: set[int] = set()
         self.started: set[int] = set()
         self.tasks: dict[int, set[asyncio.Task]] = {}
-        self.pool = ThreadPoolExecutor(settings["num_threads"], thread_name_prefix="asyncload-decode")
+        # No native thread pool inside a decode thread (see ``workers.py``); this process is ours.
+        cv2.setNumThreads(1)
+        self.pool = ThreadPoolExecutor(settings["num_threads"], thread_name_prefix="asyncload-decode",
+                                       initializer=torch.set_num_threads, initargs=(1,))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="asyncload-loop", daemon=True)
         self.thread.start()

@@ -172,6 +172,8 @@ class ProcessRun:
                 return
             error = batch.first_error()
             if error is not None:
+                if batch.buffer is not None:  # complete (no child writes it): the ring may reuse it
+                    batch.buffer.give_back()
                 raise error
             out = self._hand_out(batch)
             number += 1
