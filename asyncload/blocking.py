@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 MAX_LOST_FACTOR = 4
+SLICE_S = 0.5  # call(): how often a waiting caller looks whether the pool was shut down
+QUEUED_LIMIT = 4  # call(): read timeouts a call may wait for a thread before it gives up
 
 
 @dataclass
@@ -98,16 +100,21 @@ class BlockingCalls:
         raises ``TimeoutError`` once the call has run ``timeout`` seconds. One wait on the
         future in the usual case; the start time is looked at only when that wait times out."""
         call = self.submit(function, *args)
-        wait = timeout
+        queued = time.monotonic()
         while True:
-            try:
-                return call.future.result(wait)
+            try:  # in slices: a shutdown must not leave the caller waiting out a whole timeout
+                return call.future.result(min(timeout, SLICE_S))
             except TimeoutError:
-                started = call.started
-                if started is not None and time.monotonic() - started >= timeout:
+                if self._closed:
+                    call.future.cancel()
+                    raise RuntimeError("these blocking calls are shut down") from None
+                started, now = call.started, time.monotonic()
+                if started is not None and now - started >= timeout:
                     self._timed_out(call)
                     raise TimeoutError(f"no answer within {timeout:g} s") from None
-                wait = timeout if started is None else started + timeout - time.monotonic()  # queued, or started late
+                if started is None and now - queued >= QUEUED_LIMIT * timeout:  # every thread stuck
+                    call.future.cancel()
+                    raise TimeoutError(f"no thread free to start it within {QUEUED_LIMIT * timeout:g} s") from None
 
     async def call_async(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
         """As ``call``, awaited on an event loop (whose thread must not block)."""

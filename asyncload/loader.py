@@ -189,7 +189,7 @@ class AsyncLoader:
         # The threads start now (the first batch is under way before the first next()), but a
         # generator dropped before its first next() never runs its `finally`: stop them when
         # it goes, whether it ran or not.
-        weakref.finalize(iteration, run.stop)
+        weakref.finalize(iteration, _stop_unless_stopped, run)
         return iteration
 
     def _batch_quota(self) -> BatchQuota | None:
@@ -221,7 +221,7 @@ class AsyncLoader:
             self._done, self._skipped, self._batches_done = Positions(), Positions(), 0  # the epoch is complete
         finally:
             run.stop()
-            if self._run is run:
+            if self._run is run and getattr(run, "_stop_done", True):  # else close() finishes the stop
                 self._run = None
             if bar is not None:
                 bar.close()
@@ -340,3 +340,10 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _stop_unless_stopped(run: Any) -> None:
+    """A dropped iteration's run is stopped, unless its own ``finally`` already tried: a stop that
+    timed out waited once, and garbage collection must not wait again (``close()`` finishes it)."""
+    if not getattr(run, "_stopped", False):
+        run.stop()

@@ -304,10 +304,13 @@ class EpochRun:
                     self._finish(Batch(number, positions, None, 0, {0: failure}))
                     return None
                 self._skipped_early.append(positions[0])
-                replacement = self.cursor.take(1)
-                if not replacement:
+                replacement = self.cursor.take(1) or (self._padding(1) if self.quota is not None else [])
+                if replacement:
+                    positions[0] = replacement[0]
+                    continue
+                del positions[0]  # the epoch has no sample left to replace it: the batch is one shorter
+                if not positions:
                     return None  # every remaining sample failed and was skipped
-                positions[0] = replacement[0]
         sample = labelled(sample, label)
         self.s.ring.configure(SampleLayout.of(sample), self.s.batch_size)
         return key, sample
@@ -566,7 +569,7 @@ class EpochRun:
         except RuntimeError:
             pass  # closed: everything was produced, or the run was stopped
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Ends the event loop and the decode threads, and returns unused buffers to the ring.
         Safe to call more than once and from ``__del__``; waits at most about ``timeout`` s.
         A stop cut short (Ctrl-C while it waits, or a thread stuck in a read or a user's
@@ -577,6 +580,7 @@ class EpochRun:
         self._stopped = True
         self._release_handed()
         self._call_in_loop(self._main.cancel)
+        timeout = STOP_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
         _wait_ended([self.thread], deadline)
         self.workers.stop(timeout=0)  # no queued job starts; the threads end after the one they run
@@ -586,6 +590,7 @@ class EpochRun:
         if alive:
             warnings.warn(f"asyncload: {len(alive)} threads still running {timeout:g} s after stop() "
                           f"({', '.join(alive)}); a later stop() or close() finishes the job", RuntimeWarning)
+            self.s.stats.run_stopped()  # its probe thread too: the stuck threads are not the run's figures
             return
         self._stop_done = True
         for batch in self._in_pipeline:

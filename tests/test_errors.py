@@ -190,3 +190,18 @@ def test_the_failure_budget_spans_a_resumed_epoch():
         with pytest.raises(TooManyFailures):
             list(resumed)
     assert not {1, 2} & set(decoded), "skipped samples are not read again"
+
+
+def test_a_failed_first_sample_in_the_only_batch_loses_no_other_sample():
+    """The epoch's first sample teaches the layout; when it fails and the epoch has nothing left
+    to replace it, the rest of its batch is still delivered (it used to end the epoch empty)."""
+    def decode(i):
+        if i == 0:
+            raise ValueError("corrupt")
+        return np.full(2, i, np.int64)
+
+    with AsyncLoader(list(range(10)), batch_size=16, shuffle=False, read=False, decode=decode,
+                     on_error="skip", max_failures=1) as loader:
+        batches = [b[:, 0].tolist() for b in loader]
+    assert batches == [list(range(1, 10))]
+    assert [f.item for f in loader.stats.failures] == [0]

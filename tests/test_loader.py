@@ -471,3 +471,32 @@ def test_slices_and_arrays_kept_from_batches_stay_intact():
     for k, part in kept:
         first = {0: 4 * k + 1, 1: 4 * k, 2: 4 * k + 3}[k % 3]
         assert int(np.asarray(part).reshape(-1)[0]) == first, f"batch {k}'s kept part was overwritten"
+
+
+def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
+    """A decode stuck past stop()'s bound: the end of the loop warns (once: dropping the iterator
+    must not wait again), the loader keeps the run, and close() ends every thread, the GIL probe's
+    included, once the decode returns."""
+    import asyncload.pipeline
+
+    monkeypatch.setattr(asyncload.pipeline, "STOP_TIMEOUT_S", 0.5)
+    release = threading.Event()
+
+    def decode(i):
+        if i == 6:
+            release.wait(10)
+        return np.int64(i)
+
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.warns(RuntimeWarning, match="still running"):
+        iterator.close()  # the loop's end: its finally stops the run
+    started = time.monotonic()
+    del iterator
+    assert time.monotonic() - started < 0.3, "the dropped iterator waited again"
+    assert asyncload_threads()
+    release.set()
+    loader.close()
+    assert not asyncload_threads()
+    assert not [t for t in threading.enumerate() if t.name == "asyncload-gil-probe"]

@@ -530,4 +530,6 @@ def test_a_raised_sample_error_does_not_keep_its_segment():
             with pytest.raises(SampleError):
                 list(loader)
         segments = loader._processes.pool.ring.segments
-        assert sum(buffer.in_pipeline for buffer in segments.values()) == 0
+        # At most the batch a child was still filling when the last run stopped (it comes back
+        # once the child confirms); before, each error kept one more segment for good.
+        assert sum(buffer.in_pipeline for buffer in segments.values()) <= 1
