@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .stats import LoaderStats, diagnose
+from .stats.figures import LoaderStats, diagnose
 
 MAX_IO = 1024
 

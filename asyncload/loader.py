@@ -14,16 +14,16 @@ import numpy as np
 import torch
 
 from .autotune import MAX_IO, AutoTuner, Gate, Knob
-from .buffers import BufferRing, Field, SampleLayout
-from .decode import ImageDecoder
+from .batch.buffers import BufferRing, Field, SampleLayout
+from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .pipeline import BatchQuota, EpochRun, Settings, is_labelled
+from .run.epoch import BatchQuota, EpochRun, Settings, is_labelled
 from .procs.processes import Processes, process_count
 from .procs.run import ProcessRun
-from .progress import Positions
-from .sampler import EpochSampler, distributed_defaults, source_digest
-from .shards import ShardSampler, ShardSource
-from .stats import LoaderStats
+from .order.positions import Positions
+from .order.sampler import EpochSampler, distributed_defaults, source_digest
+from .sources.shards import ShardSampler, ShardSource
+from .stats.figures import LoaderStats
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
 OBJECT_READS = 64  # default reads in flight, of single objects

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from asyncload.sampler import EpochSampler, distributed_defaults
+from asyncload.order.sampler import EpochSampler, distributed_defaults
 
 
 def sampler(n=10, batch_size=3, shuffle=True, seed=0, drop_last=False, rank=0, world_size=1):

@@ -23,12 +23,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ..autotune import AsyncGate, Gate
-from ..buffers import BatchBuffer, SampleLayout
-from ..cache import ShardCache
+from ..batch.buffers import BatchBuffer, SampleLayout
+from ..io.cache import ShardCache
 from ..errors import SampleError
-from ..read import Reader
-from ..shards import ShardSource, ShardStream
-from ..stats import LoaderStats
+from ..io.reader import Reader
+from ..sources.shards import ShardSource, ShardStream
+from ..stats.figures import LoaderStats
 from .protocol import Done, Fill, Probe, Probed, Stopped, portable
 from .rows import RowWriter, labelled, read_local, split
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..stats import LoaderStats, diagnose
+from ..stats.figures import LoaderStats, diagnose
 
 CHILD_STAGES = ("read", "decode", "write")
 CHILD_LEVELS = ("reads_in_flight", "decodes_running")

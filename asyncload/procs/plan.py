@@ -15,9 +15,9 @@ import math
 import numpy as np
 
 from ..errors import SampleError, TooManyFailures
-from ..pipeline import BatchQuota
-from ..progress import Cursor, Positions
-from ..stats import LoaderStats
+from ..run.epoch import BatchQuota
+from ..order.positions import Cursor, Positions
+from ..stats.figures import LoaderStats
 
 
 class EpochPlan:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..autotune import MAX_IO, AutoTuner, Knob
-from ..pipeline import BatchQuota, Settings
-from ..progress import Positions
+from ..run.epoch import BatchQuota, Settings
+from ..order.positions import Positions
 from .merged import ProcessStats
 from .parent import ProcessPool
 from .protocol import Limits

@@ -13,12 +13,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..buffers import BatchBuffer, Field
+from ..batch.buffers import BatchBuffer, Field
 from ..errors import SampleError
-from ..pipeline import is_labelled
-from ..read import Reader
-from ..rows import local_path, read_file
-from ..stats import LoaderStats
+from ..run.epoch import is_labelled
+from ..io.reader import Reader
+from ..run.jobs import local_path, read_file
+from ..stats.figures import LoaderStats
 
 
 def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, int | None]:

@@ -17,11 +17,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..buffers import BatchBuffer
+from ..batch.buffers import BatchBuffer
 from ..device import PendingCopy, convert_batch
 from ..errors import SampleError
-from ..pipeline import BatchQuota, Settings
-from ..progress import Positions
+from ..run.epoch import BatchQuota, Settings
+from ..order.positions import Positions
 from .plan import EpochPlan
 from .parent import ProcessPool
 from .protocol import Done, Fill, Probe, Probed

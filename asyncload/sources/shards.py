@@ -27,10 +27,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import object_store
-from .autotune import AsyncGate
-from .sampler import EpochSampler
-from .sources import Source, checked_index
+from ..io import object_store
+from ..autotune import AsyncGate
+from ..order.sampler import EpochSampler
+from .items import Source, checked_index
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "asyncload-shards/1"

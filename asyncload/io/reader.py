@@ -20,7 +20,7 @@ from fsspec.core import split_protocol
 
 from . import object_store
 from .blocking import BlockingCalls
-from .stats import LoaderStats
+from ..stats.figures import LoaderStats
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
 SHUTDOWN_WAIT_S = 10.0  # how long closing waits for reads still running (stuck ones are left)

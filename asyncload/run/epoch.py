@@ -18,16 +18,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .autotune import AsyncGate, Gate
-from .buffers import BatchBuffer, BufferRing, SampleLayout
-from .cache import ShardCache
-from .device import DeviceStage, PendingCopy, convert_batch
-from .errors import SampleError, TooManyFailures
-from .progress import Cursor, Positions
-from .read import Reader
-from .rows import Batch, Row, RowFiller, chunk_rows, labelled, local_path
-from .shards import ShardSource, ShardStream
-from .stats import LoaderStats
+from ..autotune import AsyncGate, Gate
+from ..batch.buffers import BatchBuffer, BufferRing, SampleLayout
+from ..io.cache import ShardCache
+from ..device import DeviceStage, PendingCopy, convert_batch
+from ..errors import SampleError, TooManyFailures
+from ..order.positions import Cursor, Positions
+from ..io.reader import Reader
+from .jobs import Batch, Row, RowFiller, chunk_rows, labelled, local_path
+from ..sources.shards import ShardSource, ShardStream
+from ..stats.figures import LoaderStats
 from .workers import DecodeWorkers
 
 STOP_TIMEOUT_S = 20.0  # how long stop() waits for the threads: a read's timeout is on its own threads
