@@ -27,10 +27,13 @@ from ..batch.buffers import BatchBuffer, SampleLayout
 from ..io.cache import ShardCache
 from ..errors import SampleError
 from ..io.reader import Reader
-from ..sources.shards import ShardSource, ShardStream
+from ..io.shard_stream import ShardStream
+from ..sources.shards import ShardSource
 from ..stats.figures import LoaderStats
 from .protocol import Done, Fill, Probe, Probed, Stopped, portable
-from .rows import RowWriter, labelled, read_local, split
+from ..run.jobs import labelled
+from ..run.settings import split
+from .rows import RowWriter, read_local
 
 
 UNREAD = object()  # a row's data, before a decode thread reads it (a local file, or with read=False)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..autotune import MAX_IO, AutoTuner, Knob
-from ..run.epoch import BatchQuota, Settings
+from ..run.settings import BatchQuota, Settings
 from ..order.positions import Positions
 from .merged import ProcessStats
 from .parent import ProcessPool
