@@ -4,7 +4,6 @@ class reads as what it does.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .sources.shards import ShardSource
@@ -12,14 +11,6 @@ from .sources.shards import ShardSource
 OBJECT_READS = 64  # default reads in flight, of single objects
 SHARD_READS = 4  # default reads in flight for tar shards: ranged reads of up to chunk_bytes each
 AUTO_OBJECT_READS = 16  # where "auto" starts for single objects (for shards: at SHARD_READS)
-
-
-def default_threads() -> int:
-    """The cores this process may run on (its affinity), the default for ``num_threads``."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def initial_reads(io_concurrency: int | str | None, shards: bool) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .arguments import check_arguments, check_shard_arguments, default_threads, initial_reads
+from .arguments import check_arguments, check_shard_arguments, initial_reads
 from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .batch.buffers import BufferRing, Field, SampleLayout
 from .decode.image import ImageDecoder
@@ -26,6 +26,7 @@ from .order.shard_order import ShardSampler
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
+from .stats.machine import usable_cores
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
 
@@ -72,7 +73,7 @@ class AsyncLoader:
         processes: int | str | None = None,
     ) -> None:
         check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
-        cores = default_threads()
+        cores = usable_cores()
         auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
         threads = cores if auto_threads or num_threads is None else int(num_threads)
         io = initial_reads(io_concurrency, isinstance(source, ShardSource))

@@ -16,7 +16,7 @@ import torch
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
 from asyncload.io.shard_stream import plan_chunks
 from asyncload.order.shard_order import ShardSampler, buffer_shuffle
-from asyncload.stats.figures import diagnose
+from asyncload.stats.verdict import diagnose
 from bench.s3server import LatencyProxy, storage_options
 from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, setup_s3fs
 

@@ -11,7 +11,7 @@ import pytest
 
 from asyncload import AsyncLoader
 from asyncload.stats.gil import GilProbe
-from asyncload.stats.figures import diagnose
+from asyncload.stats.verdict import diagnose
 
 
 def run(read, decode, n=64, consume=None, **kwargs) -> AsyncLoader:

@@ -23,7 +23,7 @@ class ProgressBar:
         """``samples`` more were delivered."""
         now = time.monotonic()
         if now - self.last_postfix >= 1.0:
-            self.bar.set_postfix_str(f"bottleneck: {self.stats.as_dict()['bottleneck']}", refresh=False)
+            self.bar.set_postfix_str(f"bottleneck: {self.stats.snapshot().bottleneck}", refresh=False)
             self.last_postfix = now
         self.bar.update(samples)
 
