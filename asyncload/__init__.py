@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from .decode.image import ImageDecoder
     from .errors import SampleError, TooManyFailures
     from .loader import AsyncLoader
+    from .sources.items import Source, image_folder, list_files, manifest
     from .sources.shards import tar_shards
     from .sources.writer import index_shards, write_shards
-    from .sources.items import Source, image_folder, list_files, manifest
 
 
 def __getattr__(name: str) -> Any:

@@ -16,13 +16,13 @@ from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .batch.buffers import BufferRing, Field, SampleLayout
 from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .run.epoch import EpochRun
-from .run.settings import BatchQuota, Settings, is_labelled
-from .procs.processes import Processes, process_count
-from .procs.run import ProcessRun
 from .order.positions import Positions
 from .order.sampler import EpochSampler, distributed_defaults, source_digest
 from .order.shard_order import ShardSampler
+from .procs.processes import Processes, process_count
+from .procs.run import ProcessRun
+from .run.epoch import EpochRun
+from .run.settings import BatchQuota, Settings, is_labelled
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats

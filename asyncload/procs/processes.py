@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from ..autotune import MAX_IO, AutoTuner, Knob
+from ..order.positions import Positions
 from ..run.settings import BatchQuota, Settings
 from ..stats.machine import usable_cores
-from ..order.positions import Positions
 from .merged import ProcessStats
 from .parent import ProcessPool
 from .protocol import Limits
