@@ -21,7 +21,7 @@ from .board import ENDED, Board
 from .handout import HandOut
 from .jobs import Batch
 from .plan import EpochPlan
-from .producer import Producer
+from .producer import Producer, call_in_loop
 from .settings import BatchQuota, Settings
 
 STOP_TIMEOUT_S = 20.0  # how long stop() waits for the threads: a read's timeout is on its own threads
@@ -44,7 +44,7 @@ class EpochRun:
         self.skipped_delivered: list[int] = []  # skipped positions of the batches handed out, for the state
         self.loop = asyncio.new_event_loop()
         self.board = Board(settings.stats)
-        self.producer = Producer(settings, epoch, self.plan, self.board, self.loop, self._call_in_loop)
+        self.producer = Producer(settings, epoch, self.plan, self.board, self.loop)
         self.handout = HandOut(settings)
         self._stop_done = False  # every thread has ended and the run's state is released
         settings.stats.run_started()
@@ -75,11 +75,7 @@ class EpochRun:
         self._call_in_loop(lambda: self.producer.set_io_limit(limit))
 
     def _call_in_loop(self, callback: Callable[[], Any]) -> None:
-        """Schedules ``callback`` on the event loop, unless the loop has already finished."""
-        try:
-            self.loop.call_soon_threadsafe(callback)
-        except RuntimeError:
-            pass  # closed: everything was produced, or the run was stopped
+        call_in_loop(self.loop, callback)
 
     # ----- the user's thread -----
 

@@ -33,13 +33,12 @@ class Producer:
     """The loop side of one run: reads, decode jobs, failures, complete batches to ``board``."""
 
     def __init__(self, settings: Settings, epoch: int, plan: EpochPlan, board: Board,
-                 loop: asyncio.AbstractEventLoop, call_in_loop: Callable[[Callable[[], Any]], None]) -> None:
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.s = settings
         self.plan = plan
         self.order = plan.order
         self.board = board
         self.loop = loop
-        self._call_in_loop = call_in_loop
         # What a shard run reads: the rest of the epoch (taken now, on the user's thread).
         self._undelivered = plan.undelivered() if isinstance(settings.source, ShardSource) else None
         self.workers = DecodeWorkers(settings.num_threads, settings.thread_gate)
@@ -251,7 +250,7 @@ class Producer:
     def _job_failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """On a decode thread: a row failed. The failure policy may take the plan's next
         position, which the loop owns: run it there."""
-        self._call_in_loop(lambda: self._spawn(self._failed(batch, row, error)))
+        call_in_loop(self.loop, lambda: self._spawn(self._failed(batch, row, error)))
 
     def set_io_limit(self, limit: int) -> None:
         """Changes how many reads may be in flight, on the loop."""
@@ -284,5 +283,13 @@ class Producer:
 
     def _finish(self, batch: Batch) -> None:
         if self.board.finish(batch):
-            self._call_in_loop(self._all_complete.set)
+            call_in_loop(self.loop, self._all_complete.set)
+
+
+def call_in_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> None:
+    """Schedules ``callback`` on ``loop`` from any thread, unless the loop has already finished."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass  # closed: everything was produced, or the run was stopped
 
