@@ -15,25 +15,25 @@ _PUBLIC = {
     "AsyncLoader": "asyncload.loader",
     "SampleError": "asyncload.errors",
     "TooManyFailures": "asyncload.errors",
-    "ImageDecoder": "asyncload.decode",
-    "Source": "asyncload.sources",
-    "image_folder": "asyncload.sources",
-    "list_files": "asyncload.sources",
-    "manifest": "asyncload.sources",
-    "tar_shards": "asyncload.shards",
-    "write_shards": "asyncload.shardwriter",
-    "index_shards": "asyncload.shardwriter",
+    "ImageDecoder": "asyncload.decode.image",
+    "Source": "asyncload.sources.items",
+    "image_folder": "asyncload.sources.items",
+    "list_files": "asyncload.sources.items",
+    "manifest": "asyncload.sources.items",
+    "tar_shards": "asyncload.sources.shards",
+    "write_shards": "asyncload.sources.writer",
+    "index_shards": "asyncload.sources.writer",
 }
 
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
-    from .decode import ImageDecoder
+    from .decode.image import ImageDecoder
     from .errors import SampleError, TooManyFailures
     from .loader import AsyncLoader
-    from .shards import tar_shards
-    from .shardwriter import index_shards, write_shards
-    from .sources import Source, image_folder, list_files, manifest
+    from .sources.items import Source, image_folder, list_files, manifest
+    from .sources.shards import tar_shards
+    from .sources.writer import index_shards, write_shards
 
 
 def __getattr__(name: str) -> Any:

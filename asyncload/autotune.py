@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .stats import LoaderStats, diagnose
+from .stats.figures import LoaderStats
+from .stats.verdict import diagnose
 
 MAX_IO = 1024
 
@@ -161,8 +162,8 @@ class AutoTuner:
 
     def _io_cap(self, window: dict[str, Any]) -> int:
         """Reads in flight whose bytes fit the memory budget, at the mean object size so far."""
-        total = self.stats.as_dict()
-        mean_bytes = total["read/bytes"] / total["read/items"] if total["read/items"] else 0
+        read = self.stats.snapshot().read
+        mean_bytes = read.bytes / read.items if read.items else 0
         return MAX_IO if mean_bytes == 0 else max(1, min(MAX_IO, int(self.memory_budget // mean_bytes)))
 
     def _change(self, knob: Knob, value: int, why: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .buffers import BatchBuffer
+from .batch.buffers import BatchBuffer
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device | None:

@@ -1,41 +1,34 @@
 """AsyncLoader: the public object. It holds the settings, the sampler, the ring of batch
-buffers and the epoch's progress; each iteration runs an ``EpochRun`` (``pipeline.py``).
+buffers and the epoch's progress; each iteration runs an ``EpochRun`` (``run/epoch.py``)
+or, with ``processes=N``, a ``ProcessRun`` (``procs/run.py``).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from .arguments import check_arguments, check_shard_arguments, initial_reads
 from .autotune import MAX_IO, AutoTuner, Gate, Knob
-from .buffers import BufferRing, Field, SampleLayout
-from .decode import ImageDecoder
+from .batch.buffers import BufferRing, Field, SampleLayout
+from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .pipeline import BatchQuota, EpochRun, Settings, is_labelled
+from .order.positions import Positions
+from .order.sampler import EpochSampler, distributed_defaults, source_digest
+from .order.shard_order import ShardSampler
 from .procs.processes import Processes, process_count
 from .procs.run import ProcessRun
-from .progress import Positions
-from .sampler import EpochSampler, distributed_defaults, source_digest
-from .shards import ShardSampler, ShardSource
-from .stats import LoaderStats
+from .run.epoch import EpochRun
+from .run.settings import BatchQuota, Settings, is_labelled
+from .sources.shards import ShardSource
+from .stats.bar import ProgressBar
+from .stats.figures import LoaderStats
+from .stats.machine import usable_cores
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
-OBJECT_READS = 64  # default reads in flight, of single objects
-SHARD_READS = 4  # default reads in flight for tar shards: ranged reads of up to chunk_bytes each
-AUTO_OBJECT_READS = 16  # where "auto" starts for single objects (for shards: at SHARD_READS)
-
-
-def _default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 class AsyncLoader:
@@ -79,16 +72,16 @@ class AsyncLoader:
         isolate: bool = False,
         processes: int | str | None = None,
     ) -> None:
-        _check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
-        cores = _default_threads()
+        check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
+        cores = usable_cores()
         auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
         threads = cores if auto_threads or num_threads is None else int(num_threads)
-        io = _initial_reads(io_concurrency, isinstance(source, ShardSource))
+        io = initial_reads(io_concurrency, isinstance(source, ShardSource))
         self.device = resolve_device(device)
         rank, world_size = distributed_defaults(rank, world_size)
         order = dict(shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
         if isinstance(source, ShardSource):
-            _check_shard_arguments(source, read, decode)
+            check_shard_arguments(source, read, decode)
             self.sampler: EpochSampler = ShardSampler(source, batch_size, **order)
         else:
             self.sampler = EpochSampler(len(source), batch_size, **order)
@@ -203,7 +196,7 @@ class AsyncLoader:
         return BatchQuota(batches - self._batches_done, last)
 
     def _iterate(self, run: EpochRun | ProcessRun) -> Iterator[Any]:
-        bar = _ProgressBar(self) if self.progress else None
+        bar = ProgressBar(self.stats, self.sampler.samples_per_rank, self.epoch) if self.progress else None
         try:
             for positions, batch in run:
                 self._done.add(positions)
@@ -285,61 +278,6 @@ class AsyncLoader:
             self.close()
         except Exception:
             pass
-
-
-def _initial_reads(io_concurrency: int | str | None, shards: bool) -> int:
-    """Reads in flight to start with: the user's number, else the default for the source's kind
-    of read; "auto" starts low for single objects and grows while storage is the bottleneck."""
-    if isinstance(io_concurrency, int):
-        return io_concurrency
-    if shards:
-        return SHARD_READS
-    return AUTO_OBJECT_READS if io_concurrency == "auto" else OBJECT_READS
-
-
-def _check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float) -> None:
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
-        raise ValueError(f"io_concurrency must be a positive integer, 'auto' or None, got {io_concurrency!r}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-    if read is True or (read not in (None, False) and not callable(read)):
-        raise TypeError(f"read must be None, False or a callable, got {read!r}")
-    if isinstance(max_failures, float) and not 0 <= max_failures < 1:
-        raise ValueError(f"max_failures as a fraction must be in [0, 1), got {max_failures}")
-    if isinstance(max_failures, int) and max_failures < 0:
-        raise ValueError(f"max_failures must not be negative, got {max_failures}")
-
-
-def _check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
-    if read is not None:
-        raise ValueError("a shard source is read by the loader itself: leave read=None")
-    if source.members == "all" and decode is None:
-        raise ValueError("tar_shards(..., members='all') gives each sample as {extension: bytes}: pass a decode= for it")
-
-
-class _ProgressBar:
-    """A tqdm bar over the epoch's samples that also shows the current bottleneck (refreshed at
-    most once a second); tqdm hides it when standard error is not a terminal."""
-
-    def __init__(self, loader: AsyncLoader) -> None:
-        from tqdm.auto import tqdm
-
-        self.stats = loader.stats
-        self.bar = tqdm(total=loader.sampler.samples_per_rank, unit="sample", desc=f"epoch {loader.epoch}",
-                        file=sys.stderr, disable=None)
-        self.last_postfix = 0.0
-
-    def advance(self, samples: int) -> None:
-        now = time.monotonic()
-        if now - self.last_postfix >= 1.0:
-            self.bar.set_postfix_str(f"bottleneck: {self.stats.as_dict()['bottleneck']}", refresh=False)
-            self.last_postfix = now
-        self.bar.update(samples)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _stop_unless_stopped(run: Any) -> None:

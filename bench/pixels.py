@@ -24,7 +24,7 @@ import time
 import numpy as np
 import simplejpeg
 
-from asyncload.decode import ImageDecoder
+from asyncload.decode.image import ImageDecoder
 from bench.dataset import synth_image
 from bench.machine import cpu_model
 
@@ -123,7 +123,7 @@ def gpu(images: list[bytes], device: str) -> None:
     nvJPEG) with simplejpeg standing in for torchvision where it does not import."""
     import torch
 
-    from asyncload.gpu_decode import GpuImageDecoder, jpeg_decode_on_cpu, torchvision_decode_jpegs
+    from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu, torchvision_decode_jpegs
 
     on_cuda = device.startswith("cuda")
     decode_jpegs = torchvision_decode_jpegs

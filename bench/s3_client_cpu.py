@@ -43,8 +43,8 @@ async def cpu_per_get(fs, paths: list[str], in_flight: int) -> tuple[float, floa
 
 
 async def compare(endpoint_url: str, paths: list[str], in_flight: int, runs: int) -> dict[str, dict[str, float]]:
-    from asyncload import object_store
-    from asyncload.read import _close_sessions
+    from asyncload.io import object_store
+    from asyncload.io.reader import _close_sessions
 
     loop = asyncio.get_running_loop()
     clients = {name: object_store.filesystem("s3", {**storage_options(endpoint_url), "client": name}, loop=loop,

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from asyncload import AsyncLoader
-from asyncload.stats import LoaderStats
+from asyncload.stats.figures import LoaderStats
 from bench import tasks
 from bench.dataset import ensure_image_set
 from bench.workloads import image_set

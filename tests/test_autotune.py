@@ -8,7 +8,7 @@ import numpy as np
 
 from asyncload import AsyncLoader
 from asyncload.autotune import AutoTuner, Gate, Knob, _interval_figures
-from asyncload.stats import LoaderStats
+from asyncload.stats.figures import LoaderStats
 
 
 def test_gate_limits_threads_and_follows_a_new_limit():

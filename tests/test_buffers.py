@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncload.buffers import BufferRing, SampleLayout
+from asyncload.batch.buffers import BufferRing, SampleLayout
 
 
 def test_layout_round_trips_nested_samples():

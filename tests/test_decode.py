@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import simplejpeg
 
-from asyncload.decode import ImageDecoder, centre_square_box, decode_rgb, random_resized_crop_box
+from asyncload.decode.image import ImageDecoder, centre_square_box, decode_rgb, random_resized_crop_box
 
 
 def gradient_image(height: int, width: int) -> np.ndarray:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from torch.utils.data import DistributedSampler
 
-from asyncload.sampler import EpochSampler
+from asyncload.order.sampler import EpochSampler
 from tests import distributed_worker as worker
 from tests.conftest import PER_CLASS, image_colour, make_jpeg
 

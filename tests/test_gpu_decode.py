@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncload.decode import ImageDecoder
-from asyncload.gpu_decode import GpuImageDecoder, jpeg_decode_on_cpu, torchvision_decode_jpegs
+from asyncload.decode.image import ImageDecoder
+from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu, torchvision_decode_jpegs
 from tests.photos import encoded, mean_abs_diff, reference_crop
 
 MIXED = [  # what a folder of user files holds: nvJPEG takes the first four

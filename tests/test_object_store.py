@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from asyncload import object_store
-from asyncload.object_store import client_for
+from asyncload.io import object_store
+from asyncload.io.object_store import client_for
 
 pytest.importorskip("obstore")
 

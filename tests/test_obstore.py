@@ -13,9 +13,10 @@ import pytest
 import s3fs
 import torch
 
-from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, object_store
-from asyncload.read import Reader
-from asyncload.stats import LoaderStats
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
+from asyncload.io import object_store
+from asyncload.io.reader import Reader
+from asyncload.stats.figures import LoaderStats
 from bench.s3server import obstore_options, storage_options
 from tests.conftest import CLASSES, PER_CLASS, epoch, identify, wait_until
 from tests.faults import SLOW_DOWN, STALL, FaultProxy, first_tries

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncload.decode import ImageDecoder, dct_reduction, snap_box
-from asyncload.resize import centre_crop_offsets, resized_shape
+from asyncload.decode.image import ImageDecoder, dct_reduction, snap_box
+from asyncload.decode.resize import centre_crop_offsets, resized_shape
 from tests.photos import VARIANTS, encoded, mean_abs_diff, photos, reference_crop, reference_eval
 
 PHOTOS = ["china", "flower", "grace_hopper"]
@@ -110,7 +110,7 @@ def test_the_resize_starts_no_thread_pool_of_its_own():
 
     script = """
 import os, numpy as np, torch
-from asyncload.resize import resize_aa_into, resize_centre_crop_into
+from asyncload.decode.resize import resize_aa_into, resize_centre_crop_into
 torch.set_num_threads(4)
 count = lambda: len(os.listdir("/proc/self/task"))
 before = count()

@@ -1,4 +1,4 @@
-from asyncload.progress import Cursor, Positions
+from asyncload.order.positions import Cursor, Positions
 
 
 def test_positions_merge_into_intervals():

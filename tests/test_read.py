@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError
-from asyncload.read import backoff
+from asyncload.io.reader import backoff
 from tests.conftest import asyncload_threads, wait_until
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from asyncload.sampler import EpochSampler, distributed_defaults
+from asyncload.order.sampler import EpochSampler, distributed_defaults
 
 
 def sampler(n=10, batch_size=3, shuffle=True, seed=0, drop_last=False, rank=0, world_size=1):
@@ -81,9 +81,9 @@ def test_the_source_digest_is_the_same_in_another_process():
     import subprocess
     import sys
 
-    from asyncload.sampler import source_digest
+    from asyncload.order.sampler import source_digest
 
-    code = ("from tests.test_sampler import Key; from asyncload.sampler import source_digest; "
+    code = ("from tests.test_sampler import Key; from asyncload.order.sampler import source_digest; "
             "print(source_digest([(f's3://b/{i}', i) for i in range(100)]), source_digest([Key() for _ in range(9)]))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     here = [source_digest(tuple((f"s3://b/{i}", i) for i in range(100))), source_digest([Key() for _ in range(9)])]

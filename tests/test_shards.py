@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
-from asyncload.shards import ShardSampler, buffer_shuffle, plan_chunks
-from asyncload.stats import diagnose
+from asyncload.io.shard_stream import plan_chunks
+from asyncload.order.shard_order import ShardSampler, buffer_shuffle
+from asyncload.stats.verdict import diagnose
 from bench.s3server import LatencyProxy, storage_options
 from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, setup_s3fs
 
@@ -446,7 +447,7 @@ def test_partial_downloads_of_a_killed_process_are_removed(s3_shard_copy, s3_opt
 
     fs, prefix = s3_shard_copy
     source = tar_shards(f"s3://{prefix}", storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1 << 20)
-    from asyncload.cache import ShardCache
+    from asyncload.io.cache import ShardCache
 
     first = ShardCache(tmp_path, 0, None, 0, None).path(source.urls[0]).name
     abandoned = tmp_path / f".{first}.0123abcd.part"
@@ -470,7 +471,7 @@ def test_a_shard_evicted_by_another_process_while_touched_is_downloaded_again(tm
     2 ms): the cache must download it again, never fail a read on the race."""
     import asyncio
 
-    from asyncload.cache import ShardCache
+    from asyncload.io.cache import ShardCache
 
     remote = tmp_path / "remote.tar"
     remote.write_bytes(bytes(range(256)) * 64)

@@ -58,5 +58,8 @@ def test_many_epochs_stay_flat(jpeg_folder, epochs):
             assert sum(len(labels) for _, labels in loader) == len(source)
             figures.append(process_figures())
     fds, threads, rss = zip(*figures[2:])
-    assert len(set(fds)) == 1 and len(set(threads)) == 1
+    # Nothing grows from epoch to epoch. (Not "nothing changes": connections that earlier tests'
+    # clients keep alive to the S3 server may close at idle in the middle of this test.)
+    assert fds[-1] <= fds[0] and max(fds) <= fds[0] + 1, fds
+    assert threads[-1] <= threads[0] and max(threads) <= threads[0] + 1, threads
     assert max(rss) - min(rss) < 16 * 2**20, "memory must not grow from epoch to epoch"

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader
-from asyncload.gil import GilProbe
-from asyncload.stats import diagnose
+from asyncload.stats.gil import GilProbe
+from asyncload.stats.verdict import diagnose
 
 
 def run(read, decode, n=64, consume=None, **kwargs) -> AsyncLoader:

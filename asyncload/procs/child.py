@@ -18,7 +18,7 @@ import threading
 from multiprocessing import reduction
 from typing import Any
 
-from ..stats import LoaderStats
+from ..stats.figures import LoaderStats
 from . import shm
 from .fill import Filler
 from .protocol import Broken, Close, Fill, Limits, Map, Probe, Stop, Unmap, portable, unpickle

@@ -8,8 +8,7 @@ what a ``Fill`` lists and counts the rows, so a fill is one message in and one o
 A row is always finished by exactly one party: the loop task that reads it (if it fails or is
 cancelled before its decode is queued) or the decode job (once queued). So when a run is
 stopped, the ``Stopped`` answer is sent only once no thread can still write into its segments,
-and the parent may reuse them. (What a later shared "fill these rows" engine could take from
-here: ``rows.py`` and the row counting; the in-process pipeline has the same steps.)
+and the parent may reuse them. (Left to share with ``run/``: the row counting and ``rows.py``.)
 """
 
 from __future__ import annotations
@@ -25,15 +24,17 @@ import numpy as np
 import torch
 
 from ..autotune import AsyncGate, Gate
-from ..buffers import BatchBuffer, SampleLayout
-from ..cache import ShardCache
+from ..batch.buffers import BatchBuffer, SampleLayout
 from ..errors import SampleError
-from ..read import Reader
-from ..shards import ShardSource, ShardStream
-from ..stats import LoaderStats
+from ..io.cache import ShardCache
+from ..io.reader import Reader
+from ..io.shard_stream import ShardStream
+from ..run.jobs import labelled
+from ..run.settings import split
+from ..sources.shards import ShardSource
+from ..stats.figures import LoaderStats
 from .protocol import Done, Fill, Probe, Probed, Stopped, portable
-from .rows import RowWriter, labelled, read_local, split
-
+from .rows import RowWriter, read_local
 
 UNREAD = object()  # a row's data, before a decode thread reads it (a local file, or with read=False)
 

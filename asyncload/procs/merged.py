@@ -9,9 +9,11 @@ running" counts decodes in all processes at once, against the total ``num_thread
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from ..stats import LoaderStats, diagnose
+from ..stats.figures import LoaderStats, with_verdict
+from ..stats.snapshot import LevelFigures, StatsSnapshot
 
 CHILD_STAGES = ("read", "decode", "write")
 CHILD_LEVELS = ("reads_in_flight", "decodes_running")
@@ -24,32 +26,34 @@ class ProcessStats(LoaderStats):
     def __init__(self, io_concurrency: int, num_threads: int, prefetch: int, processes: int) -> None:
         super().__init__(io_concurrency, num_threads, prefetch)
         self.processes = processes
-        self._children: dict[int, dict[str, Any]] = {}
+        self._children: dict[int, StatsSnapshot] = {}  # each child's latest figures
 
     def update(self, child: int, figures: dict[str, Any]) -> None:
         """Takes a child's latest figures (the user's thread, while it waits for a batch)."""
+        snapshot = StatsSnapshot.from_dict(figures)
         with self._lock:
-            self._children[child] = figures
+            self._children[child] = snapshot
+            children = list(self._children.values())
             for name in CHILD_STAGES:
                 stage = self.stages[name]
-                stage.items = sum(f[f"{name}/items"] for f in self._children.values())
-                stage.seconds = sum(f[f"{name}/seconds"] for f in self._children.values())
-                stage.bytes = sum(f[f"{name}/bytes"] for f in self._children.values())
-            self.stages["decode"].cpu_seconds = sum(f["decode/cpu_seconds"] for f in self._children.values())
-            self.retries = sum(f["retries"] for f in self._children.values())
+                stage.items = sum(getattr(c, name).items for c in children)
+                stage.seconds = sum(getattr(c, name).seconds for c in children)
+                stage.bytes = sum(getattr(c, name).bytes for c in children)
+            self.stages["decode"].cpu_seconds = sum(c.decode.cpu_seconds for c in children)
+            self.retries = sum(c.retries for c in children)
 
-    def as_dict(self) -> dict[str, Any]:
-        figures = super().as_dict()
+    def snapshot(self) -> StatsSnapshot:
+        """The parent's figures with the children's levels and CPU added."""
+        own = super().snapshot()
         with self._lock:
             children = list(self._children.values())
-        active = figures["active_seconds"]
+        active = own.active_seconds
+        levels = {}
         for name in CHILD_LEVELS:
-            area = sum(f[f"{name}/mean"] * f["active_seconds"] for f in children)
-            figures[f"{name}/mean"] = area / active if active else 0.0
-            figures[f"{name}/peak"] = sum(f[f"{name}/peak"] for f in children)
-        children_cpu = sum(f["cpu_seconds"] for f in children)
-        figures["cpu_seconds"] += children_cpu
-        figures["other_processes_cpu_seconds"] = max(0.0, figures["other_processes_cpu_seconds"] - children_cpu)
-        figures["processes"] = self.processes
-        figures["bottleneck"] = diagnose(figures)[0]
-        return figures
+            area = sum(getattr(c, name).mean * c.active_seconds for c in children)
+            levels[name] = LevelFigures(area / active if active else 0.0, sum(getattr(c, name).peak for c in children))
+        children_cpu = sum(c.cpu_seconds for c in children)
+        return with_verdict(replace(
+            own, **levels, cpu_seconds=own.cpu_seconds + children_cpu, processes=self.processes,
+            other_processes_cpu_seconds=max(0.0, own.other_processes_cpu_seconds - children_cpu),
+        ))

@@ -24,11 +24,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from . import shm
 from .child import child_main
 from .merged import ProcessStats
 from .protocol import MAIN_GUARD_EXIT, Broken, Close, Map, Stop, Stopped, Unmap, pickled_arguments
 from .segments import SegmentRing
-from . import shm
 
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
 

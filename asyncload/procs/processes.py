@@ -14,13 +14,13 @@ its choices to the children.
 from __future__ import annotations
 
 import math
-import os
 import numpy as np
 import torch
 
 from ..autotune import MAX_IO, AutoTuner, Knob
-from ..pipeline import BatchQuota, Settings
-from ..progress import Positions
+from ..order.positions import Positions
+from ..run.settings import BatchQuota, Settings
+from ..stats.machine import usable_cores
 from .merged import ProcessStats
 from .parent import ProcessPool
 from .protocol import Limits
@@ -36,17 +36,10 @@ def process_count(processes: int | str | None, isolate: bool) -> int:
     if isolate and processes != 1:
         raise ValueError(f"isolate=True is processes=1; got processes={processes!r} as well")
     if processes == "auto":
-        return max(1, _cores() // CORES_PER_PROCESS)
+        return max(1, usable_cores() // CORES_PER_PROCESS)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
         raise ValueError(f"processes must be None, a non-negative integer or 'auto', got {processes!r}")
     return processes
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 class Processes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import SampleLayout
+from ..batch.buffers import SampleLayout
 from ..errors import SampleError, TooManyFailures
 
 # A child that finds itself created while spawn imports the user's script again (a script with

@@ -1,41 +1,20 @@
 """One sample into one row: the steps every way of filling a batch has in common.
 
-``split`` turns a source item into what to read and its label; ``RowWriter.write`` decodes and
-writes the row (the decoder's ``decode_into`` straight into the row when it declares its output,
-else a copy through ``BatchBuffer.write``), counting decode time and CPU in the stats. Nothing
-here knows about processes, so the in-process pipeline could use it as well.
+``RowWriter.write`` decodes and writes the row (the decoder's ``decode_into`` straight into the row when it declares its output,
+else a copy through ``BatchBuffer.write``), counting decode time and CPU in the stats. What to
+read and its label come from ``run.settings.split``, shared with the in-process run.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import numpy as np
-
-from ..buffers import BatchBuffer, Field
+from ..batch.buffers import BatchBuffer, Field
 from ..errors import SampleError
-from ..pipeline import is_labelled
-from ..read import Reader
-from ..rows import local_path, read_file
-from ..stats import LoaderStats
-
-
-def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, int | None]:
-    """The source item at ``index`` -> (what to read, label or None)."""
-    try:
-        item = source[index]
-    except Exception as error:
-        raise SampleError(f"source[{index}]", "source", error) from error
-    if not labelled_items:
-        return item, None
-    if not is_labelled(item):
-        raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
-    return item[0], int(item[1])
-
-
-def labelled(sample: Any, label: int | None) -> Any:
-    return sample if label is None else (sample, np.int64(label))
+from ..io.reader import Reader
+from ..run.jobs import labelled, local_path, read_file
+from ..stats.figures import LoaderStats
 
 
 def read_local(reader: Reader, key: str) -> bytes:

@@ -1,6 +1,6 @@
 """One iteration with child processes: assigns whole batches to children, hands them out.
 
-The parent plans (``plan.py``); each batch is one shared segment, sent to the least busy child
+The parent plans with the in-process run's ``EpochPlan`` and hands out with its ``HandOut``; each batch is one shared segment, sent to the least busy child
 as one ``Fill`` (rows and source indices) within a window of batches ahead of the user. The
 child answers ``Done`` with the rows that failed; with ``on_error="skip"`` their replacements
 go to the same child, so when nothing fails the batches are exactly the in-process ones, in
@@ -17,12 +17,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..buffers import BatchBuffer
-from ..device import PendingCopy, convert_batch
+from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
-from ..pipeline import BatchQuota, Settings
-from ..progress import Positions
-from .plan import EpochPlan
+from ..order.positions import Positions
+from ..run.board import ENDED
+from ..run.handout import HandOut
+from ..run.plan import EpochPlan
+from ..run.settings import BatchQuota, Settings
 from .parent import ProcessPool
 from .protocol import Done, Fill, Probe, Probed
 
@@ -65,7 +66,8 @@ class ProcessRun:
         self.assigned = 0
         self.handed_out = 0
         self.exhausted = False
-        self.pending_copies: dict[int, PendingCopy] = {}
+        self.handout = HandOut(settings)
+        self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._stopped = False
         settings.stats.run_started()
         if pool.ring.layout is not None:
@@ -128,7 +130,7 @@ class ProcessRun:
 
     def _done(self, message: Done) -> None:
         if self._stopped:  # stop() from another thread (close()) while this one waited
-            raise RuntimeError("this iteration has ended: the loader was closed or iterated anew")
+            raise RuntimeError(ENDED)
         batch = self.fills.pop(message.fill)
         batch.pending -= 1
         self.load[batch.child] -= 1
@@ -165,7 +167,7 @@ class ProcessRun:
         number = 0
         while True:
             if self._stopped:
-                raise RuntimeError("this iteration has ended: the loader was closed or iterated anew")
+                raise RuntimeError(ENDED)
             self._assign()
             batch = self._wait_for(number if self.s.in_order else None)
             if batch is None:
@@ -175,13 +177,19 @@ class ProcessRun:
                 if batch.buffer is not None:  # complete (no child writes it): the ring may reuse it
                     batch.buffer.give_back()
                 raise error
-            out = self._hand_out(batch)
+            assert batch.buffer is not None
+            out = self.handout.hand_out(batch.number, batch.buffer, len(batch.positions), batch.holes)
+            self.handed_out += 1
             number += 1
             self._assign()
             if self.s.device_stage is not None:
                 self._take_answers()  # so that batch k+1, if done, is copied now
             self._prefetch_copy(number)
-            yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+            try:
+                yield [p for row, p in enumerate(batch.positions) if row not in batch.holes], out
+            finally:
+                del out
+                self.handout.release()  # the user asked for the next batch, or ended the loop
 
     def _wait_for(self, number: int | None) -> Batch | None:
         started = time.perf_counter()
@@ -200,37 +208,14 @@ class ProcessRun:
         self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started)
         return batch
 
-    def _hand_out(self, batch: Batch) -> Any:
-        """The user's view of a complete batch: shared-memory tensors, or converted with
-        ``normalize``, or copied to the GPU on the side stream."""
-        buffer = batch.buffer
-        assert buffer is not None
-        self.handed_out += 1
-        size = buffer.close_holes(len(batch.positions), batch.holes)
-        stage = self.s.device_stage
-        if stage is not None:
-            pending = self.pending_copies.pop(batch.number, None) or self._start_copy(buffer, size)
-            return buffer.layout.unflatten(stage.hand_over(pending))
-        if self.s.normalize is not None:
-            return buffer.layout.unflatten(convert_batch(buffer.views(size), self.s.normalize))
-        return buffer.batch(size)
-
     def _prefetch_copy(self, number: int) -> None:
-        """With a device stage: if batch ``number`` is complete, start its copy now, so that it
-        runs on the side stream while the user works on the batch just handed out."""
-        if self.s.device_stage is None or not self.s.in_order or number in self.pending_copies:
+        """With a device stage: if batch ``number`` is complete, start its copy now."""
+        if not self.handout.wants_copy(number):
             return
         batch = self.batches.get(number)
         if batch is not None and batch.pending == 0 and not batch.errors and not batch.holes:
             assert batch.buffer is not None
-            self.pending_copies[number] = self._start_copy(batch.buffer, len(batch.positions))
-
-    def _start_copy(self, buffer: BatchBuffer, size: int) -> PendingCopy:
-        assert self.s.device_stage is not None
-        started = time.perf_counter()
-        pending = self.s.device_stage.start_copy(buffer, size)
-        self.s.stats.add("copy", time.perf_counter() - started, sum(t[:size].nbytes for t in buffer.tensors))
-        return pending
+            self.handout.prefetch_copy(number, batch.buffer, len(batch.positions))
 
     def stop(self) -> None:
         """Ends the run: complete batches go back to the ring now, the others once every child
@@ -238,6 +223,7 @@ class ProcessRun:
         if self._stopped:
             return
         self._stopped = True
+        self.handout.release()
         unfinished = []
         for batch in self.batches.values():
             if batch.buffer is None or batch.number in self.pending_copies:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..buffers import BatchBuffer, SampleLayout
+from ..batch.buffers import BatchBuffer, SampleLayout
 from . import shm
 from .protocol import Map
 

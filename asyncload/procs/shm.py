@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import torch
 
-from ..buffers import BatchBuffer, SampleLayout, _torch_dtype
+from ..batch.buffers import BatchBuffer, SampleLayout, _torch_dtype
 
 ALIGN = 64  # field offsets: cache lines, and any dtype's alignment
 

@@ -35,7 +35,7 @@ class _ShuffledSource:
 
 def _ffmpeg_filter(width: int, height: int, rng: np.random.Generator) -> str:
     """The same random-resized-crop (torchvision parameters) and flip, as an FFmpeg filter graph."""
-    from asyncload.decode import random_resized_crop_box
+    from asyncload.decode.image import random_resized_crop_box
 
     top, left, crop_h, crop_w = random_resized_crop_box(height, width, rng)
     graph = f"crop=w={crop_w}:h={crop_h}:x={left}:y={top},scale=w=224:h=224:flags=bilinear"

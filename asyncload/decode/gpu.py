@@ -26,8 +26,8 @@ import numpy as np
 import simplejpeg
 import torch
 
-from .buffers import Field
-from .decode import JPEG_MAGIC, ImageDecoder, Plan
+from ..batch.buffers import Field
+from .image import JPEG_MAGIC, ImageDecoder, Plan
 from .resize import centre_crop_offsets, resized_shape
 
 Key = tuple[int, ...] | None

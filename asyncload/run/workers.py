@@ -24,7 +24,7 @@ from typing import Any, Callable
 import cv2
 import torch
 
-from .autotune import Gate
+from ..autotune import Gate
 
 Job = Callable[[], None]
 

@@ -32,6 +32,11 @@ class SampleLayout:
 
     ``flatten`` turns a sample into its fields' arrays, in a fixed order; ``unflatten`` builds the
     same structure from the batch's tensors, so a tuple or dict sample gives a tuple or dict batch.
+
+    Why not ``torch.utils._pytree``: ``flatten`` runs once per sample for decoders without
+    ``decode_into``, and on torch 2.13 ``tree_leaves`` alone costs what this whole walk and its
+    checks cost (about 1.9 us), ``tree_flatten`` twice that; and a pickled ``TreeSpec`` (layouts go
+    to child processes) warns (FutureWarning) when loaded. The leaf order is pytree's all the same.
     """
 
     def __init__(self, tree: Any, fields: list[Field]) -> None:

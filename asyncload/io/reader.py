@@ -19,9 +19,9 @@ from typing import Any, Awaitable, Callable
 
 from fsspec.core import split_protocol
 
+from ..stats.figures import LoaderStats
 from . import object_store
 from .blocking import BlockingCalls
-from .stats import LoaderStats
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
 SHUTDOWN_WAIT_S = 10.0  # how long closing waits for reads still running (stuck ones are left)

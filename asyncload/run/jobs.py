@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .buffers import BatchBuffer, Field
-from .errors import SampleError
-from .stats import LoaderStats
+from ..batch.buffers import BatchBuffer, Field
+from ..errors import SampleError
+from ..stats.figures import LoaderStats
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 

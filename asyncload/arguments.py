@@ -1,0 +1,47 @@
+"""The loader's arguments: their checks and defaults, apart from ``AsyncLoader`` so that the
+class reads as what it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sources.shards import ShardSource
+
+OBJECT_READS = 64  # default reads in flight, of single objects
+SHARD_READS = 4  # default reads in flight for tar shards: ranged reads of up to chunk_bytes each
+AUTO_OBJECT_READS = 16  # where "auto" starts for single objects (for shards: at SHARD_READS)
+
+
+def initial_reads(io_concurrency: int | str | None, shards: bool) -> int:
+    """Reads in flight to start with: the user's number, else the default for the source's kind
+    of read; "auto" starts low for single objects and grows while storage is the bottleneck."""
+    if isinstance(io_concurrency, int):
+        return io_concurrency
+    if shards:
+        return SHARD_READS
+    return AUTO_OBJECT_READS if io_concurrency == "auto" else OBJECT_READS
+
+
+def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float) -> None:
+    """Fails at construction, naming the argument, rather than later on a thread."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
+        raise ValueError(f"io_concurrency must be a positive integer, 'auto' or None, got {io_concurrency!r}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+    if read is True or (read not in (None, False) and not callable(read)):
+        raise TypeError(f"read must be None, False or a callable, got {read!r}")
+    if isinstance(max_failures, float) and not 0 <= max_failures < 1:
+        raise ValueError(f"max_failures as a fraction must be in [0, 1), got {max_failures}")
+    if isinstance(max_failures, int) and max_failures < 0:
+        raise ValueError(f"max_failures must not be negative, got {max_failures}")
+
+
+def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
+    """A shard source is read by the loader; with every member, only the user knows how to decode."""
+    if read is not None:
+        raise ValueError("a shard source is read by the loader itself: leave read=None")
+    if source.members == "all" and decode is None:
+        raise ValueError("tar_shards(..., members='all') gives each sample as {extension: bytes}: pass a decode= for it")

@@ -1,0 +1,1 @@
+"""Where samples land: the layout of a sample's fields and the ring of preallocated batch buffers."""

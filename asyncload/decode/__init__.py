@@ -1,0 +1,1 @@
+"""Bytes to arrays: the default image decoder, its antialiased resize, and the batched GPU decoder."""

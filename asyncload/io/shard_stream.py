@@ -1,0 +1,190 @@
+"""Reading tar shards in the order an epoch needs them: the samples still wanted are grouped
+into runs of neighbouring samples of a shard, each run one ranged read of up to ``chunk_bytes``,
+fetched from the event loop a few at once; what is read ahead of the consumer is bounded by the
+shuffle buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..autotune import AsyncGate
+from ..sources.shards import ShardSource
+
+
+@dataclass
+class Chunk:
+    """One ranged read: bytes ``[start, end)`` of shard ``url``, holding samples ``indices``."""
+
+    url: str
+    start: int
+    end: int
+    indices: list[int]
+    task: asyncio.Task | None = None
+
+
+def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> list[Chunk]:
+    """Ranged reads for the samples ``wanted`` (sample numbers in the order the epoch needs them):
+    shards in the order of their first need, and within a shard runs of neighbouring samples,
+    each read at most ``chunk_bytes`` long (a sample larger than that is read alone)."""
+    unique = np.flatnonzero(np.bincount(wanted, minlength=len(source)))  # ascending: storage order, so by shard
+    shard_of = source.shard_of[unique]
+    groups = np.split(unique, np.flatnonzero(np.diff(shard_of)) + 1) if len(unique) else []
+    shards, first_need = np.unique(source.shard_of[wanted], return_index=True)
+    group_of = dict(zip(shards.tolist(), groups))
+    chunks: list[Chunk] = []
+    for shard in shards[np.argsort(first_need, kind="stable")].tolist():
+        indices = group_of[shard]
+        breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+        for run in np.split(indices, breaks):
+            chunks.extend(_split_run(source, shard, run, chunk_bytes))
+    return chunks
+
+
+def _split_run(source: ShardSource, shard: int, run: np.ndarray, chunk_bytes: int) -> list[Chunk]:
+    chunks = []
+    begin, end = source.sample_begin[run], source.sample_end[run]
+    start = 0
+    while start < len(run):
+        stop = int(np.searchsorted(end, begin[start] + chunk_bytes, side="right"))
+        stop = max(stop, start + 1)
+        chunks.append(Chunk(source.urls[shard], int(begin[start]), int(end[stop - 1]), run[start:stop].tolist()))
+        start = stop
+    return chunks
+
+
+class ShardTruncated(ValueError):
+    """A shard is shorter than its index says (a ValueError: another try cannot fix it)."""
+
+
+class ShardStream:
+    """Serves one epoch run's samples from ranged reads of their shards, on the event loop.
+
+    ``get(sample)`` starts the reads of the plan up to the chunk that holds the sample and
+    ``concurrent_reads - 1`` chunks beyond it (so reads stay in the epoch's order, overlap, and
+    run ahead of the epoch by a few chunks only), at most ``concurrent_reads`` at once, and waits
+    for its bytes. ``set_limit`` changes ``concurrent_reads`` while the epoch runs (the tuner's
+    ``io_concurrency``). Each sample's bytes are copied out of its chunk, so a sample that waits long
+    in the shuffle does not keep a whole chunk alive. Per-sample bookkeeping is in arrays: a few
+    bytes a sample, for millions of samples.
+
+    A sample asked for beyond the plan is read again on its own, with one ranged read of its
+    bytes: padding (a DDP rank that skipped samples repeats its first ones to deliver as many
+    batches as the other ranks) may ask for a sample whose bytes were dropped at their last
+    planned use, or, after a resume, for one delivered before and so left out of the plan.
+    """
+
+    def __init__(self, source: ShardSource, wanted: np.ndarray, read_range: Any, concurrent_reads: int = 4,
+                 cache: Any = None) -> None:
+        self.source = source
+        self.read_range = read_range  # async (url, start, end) -> bytes
+        self.cache = cache  # the ShardCache behind read_range, if any: its downloads end with us
+        self.chunks = plan_chunks(source, wanted, source.chunk_bytes)
+        self.chunk_of = np.full(len(source), -1, dtype=np.int64)
+        for number, chunk in enumerate(self.chunks):
+            self.chunk_of[chunk.indices] = number
+        self.uses = np.bincount(wanted, minlength=len(source)).astype(np.int32)  # padding may repeat one
+        self.started = 0
+        self.slots = AsyncGate(concurrent_reads)
+        self.ready: dict[int, Any] = {}  # sample -> bytes (or members), read and not yet taken
+        self.failed: dict[int, BaseException] = {}
+        self.waiting: dict[int, asyncio.Future] = {}
+
+    async def get(self, sample: ShardSample) -> Any:
+        index = sample.index
+        if self._beyond_plan(index):
+            return await self._read_again(index)
+        self._start_through(int(self.chunk_of[index]) + self.slots.limit - 1)
+        if index not in self.ready and index not in self.failed:
+            future = self.waiting.get(index)
+            if future is None:
+                future = self.waiting[index] = asyncio.get_running_loop().create_future()
+            await asyncio.shield(future)
+        if index in self.failed:
+            raise self.failed[index]
+        return self._take(index)
+
+    def _beyond_plan(self, index: int) -> bool:
+        """Not in the plan, or in a chunk read already whose copy of the sample was taken."""
+        number = int(self.chunk_of[index])
+        if number < 0:
+            return True
+        task = self.chunks[number].task
+        return task is not None and task.done() and index not in self.ready and index not in self.failed
+
+    async def _read_again(self, index: int) -> Any:
+        """One ranged read of sample ``index``'s own bytes (padding's repeat; see the class)."""
+        url = self.source.urls[int(self.source.shard_of[index])]
+        start, end = int(self.source.sample_begin[index]), int(self.source.sample_end[index])
+        await self.slots.acquire()
+        try:
+            data = await self.read_range(url, start, end)
+        finally:
+            self.slots.release()
+        if len(data) < end - start:
+            raise ShardTruncated(f"{url} ends at byte {start + len(data)}, its index has a sample up to byte {end}")
+        return self._members(memoryview(data), start, index)
+
+    def _take(self, index: int) -> Any:
+        self.uses[index] -= 1
+        if self.uses[index] == 0:
+            return self.ready.pop(index)
+        return self.ready[index]
+
+    def _start_through(self, number: int) -> None:
+        while self.started <= min(number, len(self.chunks) - 1):
+            chunk = self.chunks[self.started]
+            chunk.task = asyncio.get_running_loop().create_task(self._fetch(chunk))
+            self.started += 1
+
+    async def _fetch(self, chunk: Chunk) -> None:
+        try:
+            await self.slots.acquire()
+            try:
+                data = await self.read_range(chunk.url, chunk.start, chunk.end)
+            finally:
+                self.slots.release()
+            if len(data) < chunk.end - chunk.start:
+                raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
+            view = memoryview(data)
+            samples = {index: self._members(view, chunk.start, index) for index in chunk.indices}
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            for index in chunk.indices:
+                self._settle(index, error=error)
+            return
+        for index, sample in samples.items():
+            self._settle(index, sample)
+
+    def _members(self, view: memoryview, base: int, index: int) -> Any:
+        if self.source.members == "image":
+            offset, size = self.source.image_member(index)
+            return bytes(view[offset - base : offset - base + size])
+        return {ext: bytes(view[offset - base : offset - base + size]) for ext, offset, size in self.source.sample_members(index)}
+
+    def _settle(self, index: int, sample: Any = None, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.failed[index] = error
+        else:
+            self.ready[index] = sample
+        future = self.waiting.pop(index, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def set_limit(self, concurrent_reads: int) -> None:
+        """Allows ``concurrent_reads`` reads at once from now on, and reading that far ahead."""
+        self.slots.set_limit(concurrent_reads)
+
+    async def aclose(self) -> None:
+        """Cancels the reads in flight, then the cache's downloads (before the reader closes)."""
+        tasks = [chunk.task for chunk in self.chunks[: self.started] if chunk.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.cache is not None:
+            await self.cache.aclose()

@@ -1,0 +1,73 @@
+"""The order of an epoch over tar shards: the shard order is shuffled, each rank takes a
+contiguous part of that stream (so it reads few shards), then a seeded shuffle buffer mixes
+samples across neighbouring shards. A plain array of positions, from ``(seed, epoch)`` alone, so
+resume, exactly-once delivery and the skip policy work as for single objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from ..sources.shards import ShardSource
+from .sampler import EpochSampler
+
+
+def buffer_shuffle(stream: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """What a streaming shuffle buffer of ``size`` outputs for ``stream``: each step emits a
+    random sample of the buffer and puts the next one of the stream in its place. So the sample
+    at output position ``p`` was at most ``p + size`` samples into the stream: reading the stream
+    in order, about ``size`` samples wait in memory."""
+    values = stream.tolist()
+    buffer = values[:size]
+    picks = rng.random(len(values)).tolist()
+    out = []
+    upcoming = size
+    for pick in picks:
+        slot = int(pick * len(buffer))
+        out.append(buffer[slot])
+        if upcoming < len(values):
+            buffer[slot] = values[upcoming]
+            upcoming += 1
+        else:
+            buffer[slot] = buffer[-1]
+            buffer.pop()
+    return np.array(out, dtype=np.int64)
+
+
+class ShardSampler(EpochSampler):
+    """``EpochSampler`` for shards: each rank takes a contiguous part of the shard-ordered stream
+    (so it reads few shards, not a slice of all of them), with the same lengths, padding and
+    ``drop_last`` as ``DistributedSampler``; the shard order and the buffer shuffle come from
+    ``(seed, epoch)`` (and the rank), the same on every machine."""
+
+    def __init__(self, source: ShardSource, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(len(source), batch_size, **kwargs)
+        self.source = source
+
+    def identity(self) -> dict[str, Any]:
+        """The base order's, plus what shapes a shard order: the shuffle buffer, the members
+        read, and the shards' boundaries and URLs."""
+        source = self.source
+        layout = hashlib.sha256(np.ascontiguousarray(source.shard_first).tobytes())
+        layout.update("\n".join(source.urls).encode())
+        return {**super().identity(), "shuffle_buffer": source.shuffle_buffer, "members": source.members,
+                "shards": layout.hexdigest()[:16]}
+
+    def order(self, epoch: int) -> np.ndarray:
+        source = self.source
+        shards = np.arange(len(source.urls))
+        if self.shuffle:
+            shards = np.random.default_rng([self.seed, epoch]).permutation(shards)
+        stream = np.concatenate([np.arange(source.shard_first[s], source.shard_first[s + 1]) for s in shards] or [[]])
+        per_rank = self.samples_per_rank
+        total = per_rank * self.world_size
+        if total > len(stream) and len(stream) > 0:
+            stream = np.resize(stream, total)  # pads by repeating from the start
+        mine = stream[self.rank * per_rank : (self.rank + 1) * per_rank].astype(np.int64)
+        if not self.shuffle:
+            return mine
+        rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
+        return buffer_shuffle(mine, source.shuffle_buffer, rng)

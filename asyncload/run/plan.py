@@ -1,0 +1,114 @@
+"""The plan of one epoch run: which positions go into which batch, the replacements for skipped
+samples, DDP's batch quota, and the failure budget. Shared by the in-process run and the
+child-process parent, kept apart from the code that moves samples (the children need none of it).
+
+A batch takes the cursor's next positions; a failed sample either fails its batch or is replaced
+by the cursor's next position (padding from the start of the order once it runs out, with a
+quota, as ``DistributedSampler`` pads); a run whose every sample fails still ends. With
+``drop_last`` and no quota, a rest too short for a batch stays in the cursor, to replace skipped
+samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import SampleError, TooManyFailures
+from ..order.positions import Cursor, Positions
+from ..stats.figures import LoaderStats
+from .settings import BatchQuota
+
+
+class EpochPlan:
+    """Positions of ``order`` not in ``done``, handed out batch by batch.
+
+    ``skipped``: positions an earlier run of this epoch skipped (a resume): they are not read
+    again, not used as padding, and count against the failure budget, which spans the epoch."""
+
+    def __init__(self, order: np.ndarray, done: Positions, quota: BatchQuota | None, batch_size: int,
+                 drop_last: bool, skip_errors: bool, max_failures: int | float, stats: LoaderStats,
+                 skipped: Positions | None = None) -> None:
+        self.order = order
+        self.quota = quota
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.skip_errors = skip_errors
+        self.max_failures = max_failures
+        self.stats = stats
+        self._failed: set[int] = set()
+        self._earlier_failures = 0
+        if skipped is not None and len(skipped):
+            self._failed = {p for start, stop in skipped.intervals() for p in range(start, stop)}
+            self._earlier_failures = len(self._failed)
+            done = Positions([*done.intervals(), *skipped.intervals()])
+        self._done = done
+        self.cursor = Cursor(len(order), done)
+        self.failure_limit = failure_limit(max_failures, len(order))
+        self.failures: list[SampleError] = []
+        self._next_padding = 0  # the next position to repeat, with a quota
+
+    def undelivered(self) -> np.ndarray:
+        """The source indices of the order at positions not done, in order."""
+        wanted = np.ones(len(self.order), dtype=bool)
+        for start, stop in self._done.intervals():
+            wanted[start:stop] = False
+        return self.order[wanted]
+
+    def take_batch(self, number: int) -> list[int]:
+        """The positions of batch ``number``: the cursor's next ones, padded to the quota's
+        batch size once the cursor runs short; none when the epoch has no batch left."""
+        size = self.batch_size
+        if self.quota is not None:
+            if number >= self.quota.count:
+                return []
+            size = self.quota.last_size if number == self.quota.count - 1 else size
+        if self.drop_last and self.quota is None:  # the rest stays, to replace skipped samples
+            return self.cursor.take(size, whole=True)
+        positions = self.cursor.take(size)
+        if self.quota is not None and len(positions) < size:
+            positions += self._padding(size - len(positions))
+        if self.drop_last and len(positions) < self.batch_size:
+            return []
+        return positions
+
+    def replacement(self, pad: bool = True) -> int | None:
+        """The position that takes a skipped sample's row (with ``pad`` and a quota, repeated
+        from the start once the cursor is exhausted), or None if the epoch has none left."""
+        taken = self.cursor.take(1)
+        if not taken and pad and self.quota is not None:
+            taken = self._padding(1)
+        return taken[0] if taken else None
+
+    def _padding(self, count: int) -> list[int]:
+        """Up to ``count`` positions repeated from the start of the order, passing over the
+        ones that failed; one pass, so a run whose samples all fail still ends."""
+        taken: list[int] = []
+        while len(taken) < count and self._next_padding < len(self.order):
+            if self._next_padding not in self._failed:
+                taken.append(self._next_padding)
+            self._next_padding += 1
+        return taken
+
+    def record(self, position: int, error: SampleError) -> SampleError | None:
+        """Counts the failure of the sample at ``position``; returns the error its batch must
+        raise, or None to skip the sample. A sample that fails again (padding repeated it) is
+        skipped without counting twice."""
+        if position in self._failed and self.skip_errors:
+            return None
+        self._failed.add(position)
+        self.stats.add_failure(error.item, error.stage, error.cause)
+        self.failures.append(error)
+        if not self.skip_errors:
+            return error
+        if self._earlier_failures + len(self.failures) > self.failure_limit:
+            return TooManyFailures(self.failures, self.max_failures)
+        return None
+
+
+def failure_limit(max_failures: int | float, epoch_size: int) -> int:
+    """How many failures an epoch may have: a count, or a fraction of the epoch's samples."""
+    if isinstance(max_failures, float):
+        return math.floor(max_failures * epoch_size)
+    return max_failures

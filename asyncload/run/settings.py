@@ -1,0 +1,78 @@
+"""What a run needs from the loader, decided once per loader: the policy (order, errors), the
+resources (threads, reads in flight, the buffer ring, the device stage) and the shared stats.
+
+A run holds these settings, never the loader, so that dropping the loader is never delayed by
+a running thread holding it; the child processes rebuild theirs from the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..autotune import Gate
+from ..batch.buffers import BufferRing
+from ..device import DeviceStage
+from ..errors import SampleError
+from ..stats.figures import LoaderStats
+
+
+def is_labelled(item: Any) -> bool:
+    """A ``(key, int label)`` pair."""
+    return (
+        isinstance(item, (tuple, list))
+        and len(item) == 2
+        and isinstance(item[1], (int, np.integer))
+        and not isinstance(item[1], bool)
+    )
+
+
+def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, int | None]:
+    """The source item at ``index`` -> (what to read, label or None)."""
+    try:
+        item = source[index]
+    except Exception as error:
+        raise SampleError(f"source[{index}]", "source", error) from error
+    if not labelled_items:
+        return item, None
+    if not is_labelled(item):
+        raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
+    return item[0], int(item[1])
+
+
+@dataclass
+class Settings:
+    """What an epoch run needs from the loader (not the loader itself, so that dropping the
+    loader is never delayed by a running thread holding it)."""
+
+    source: Sequence[Any]
+    read: Callable[[Any], Any] | bool | None
+    decode: Callable[[Any], Any]
+    labelled: bool
+    batch_size: int
+    drop_last: bool
+    num_threads: int  # decode threads started (the most the tuner may use)
+    io_concurrency: int  # reads in flight; the tuner may change it between and during epochs
+    thread_gate: Gate | None  # with num_threads="auto": how many decode threads may work at once
+    prefetch: int
+    in_order: bool
+    skip_errors: bool
+    max_failures: int | float
+    storage_options: dict[str, Any] | None
+    read_timeout: float
+    read_retries: int
+    normalize: tuple[Sequence[float], Sequence[float]] | None
+    ring: BufferRing
+    device_stage: DeviceStage | None
+    stats: LoaderStats
+
+
+@dataclass(frozen=True)
+class BatchQuota:
+    """How many batches a run must deliver whatever fails (``count``), the last one with
+    ``last_size`` rows: ranks of a DDP job must all deliver the same number of batches."""
+
+    count: int
+    last_size: int

@@ -1,0 +1,159 @@
+"""Tar shards (WebDataset layout: ``key.jpg`` + ``key.cls`` ... in one ``.tar``) for storage that
+charges per request: one large ranged read brings in hundreds of samples.
+
+A shard set is described by an index (``index.json``, written by ``write_shards`` or
+``index_shards``) that gives every sample's members as byte ranges of its shard. With it:
+
+- the epoch order is known up front, from ``(seed, epoch)`` alone: the shard order is shuffled,
+  each rank takes a contiguous part of that stream (equal lengths, ``DistributedSampler``'s
+  padding and ``drop_last``), then a seeded shuffle buffer mixes samples across neighbouring
+  shards. Because the order is a plain array of positions, resume, exactly-once delivery and the
+  skip policy work as for single objects;
+- reads follow that order: the samples still wanted are grouped into runs of neighbouring
+  samples of a shard, each run one ranged read of up to ``chunk_bytes``, fetched from the event
+  loop in the order the epoch needs them, the loader's ``io_concurrency`` at once (4 by
+  default: each read is large). What is read ahead of the consumer is bounded by the
+  shuffle buffer, as with a streaming shuffle buffer.
+
+This module holds the index and the source; the order is ``order/shard_order.py``, the reads
+``io/shard_stream.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..io import object_store
+from .items import Source, checked_index
+
+INDEX_NAME = "index.json"
+INDEX_FORMAT = "asyncload-shards/1"
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+LABEL_MEMBER = "cls"
+
+
+@dataclass(frozen=True)
+class ShardSample:
+    """Where one sample lives: its shard's URL, its key inside the shard, and its number in the
+    shard set (storage order). Errors name it as ``shard-url#key``."""
+
+    shard: str
+    key: str
+    index: int
+
+    def __repr__(self) -> str:
+        return repr(f"{self.shard}#{self.key}")
+
+
+class ShardSource(Sequence):
+    """The samples of a shard set, as ``(ShardSample, label)`` items when every sample has a
+    ``.cls`` member, else ``ShardSample`` items. Build it with ``tar_shards(url)``.
+
+    ``members="image"`` (default): a sample reads as the bytes of its image member, for
+    ``ImageDecoder``; ``"all"``: as a dict ``{extension: bytes}`` of every member, for your own
+    ``decode``. ``shuffle_buffer``: how many samples the shuffle mixes at once (memory: about that
+    many encoded samples). ``chunk_bytes``: the largest single ranged read. ``cache_dir``: keep
+    remote shards on local disk, at most ``cache_bytes`` (see ``cache.py``).
+    """
+
+    def __init__(
+        self,
+        index: dict[str, Any],
+        base_url: str,
+        *,
+        storage_options: dict | None = None,
+        members: str = "image",
+        shuffle_buffer: int = 1000,
+        chunk_bytes: int = 16 << 20,
+        cache_dir: str | None = None,
+        cache_bytes: int = 64 << 30,
+    ) -> None:
+        if index.get("format") != INDEX_FORMAT:
+            raise ValueError(f"{base_url}: not an asyncload shard index (format {index.get('format')!r})")
+        if members not in ("image", "all"):
+            raise ValueError(f"members must be 'image' or 'all', got {members!r}")
+        self.storage_options = storage_options
+        self.members = members
+        self.shuffle_buffer = max(1, shuffle_buffer)
+        self.chunk_bytes = chunk_bytes
+        self.cache_dir = cache_dir
+        self.cache_bytes = cache_bytes
+        self.classes = list(index.get("classes", []))
+        self._read_index(index["shards"], base_url)
+
+    def _read_index(self, shards: list[dict[str, Any]], base_url: str) -> None:
+        """Flattens the index into arrays: a million samples cost tens of MB, not a GB of objects."""
+        self.urls = [_join(base_url, shard["url"]) for shard in shards]
+        self.shard_bytes = np.array([shard["bytes"] for shard in shards], dtype=np.int64)
+        counts = [len(shard["keys"]) for shard in shards]
+        self.shard_of = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
+        self.shard_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.keys = Source(key for shard in shards for key in shard["keys"])  # one blob, not a list of str
+        ext_ids: dict[str, int] = {}
+        member_start, member_ext, member_offset, member_size = [0], [], [], []
+        for shard in shards:
+            for sample in shard["members"]:
+                for ext, offset, size in sample:
+                    member_ext.append(ext_ids.setdefault(ext, len(ext_ids)))
+                    member_offset.append(offset)
+                    member_size.append(size)
+                member_start.append(len(member_ext))
+        self.extensions: list[str] = list(ext_ids)
+        self.member_start = np.array(member_start, dtype=np.int64)
+        self.member_ext = np.array(member_ext, dtype=np.int16)
+        self.member_offset = np.array(member_offset, dtype=np.int64)
+        self.member_size = np.array(member_size, dtype=np.int64)
+        labels = [label for shard in shards for label in shard.get("labels") or [None] * len(shard["keys"])]
+        self.labels = None if any(label is None for label in labels) else np.array(labels, dtype=np.int64)
+        ends = self.member_offset + self.member_size
+        starts = self.member_start[:-1]
+        self.sample_begin = np.minimum.reduceat(self.member_offset, starts) if len(starts) else np.zeros(0, np.int64)
+        self.sample_end = np.maximum.reduceat(ends, starts) if len(starts) else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        index = checked_index(index, len(self), "ShardSource")
+        sample = ShardSample(self.urls[self.shard_of[index]], self.keys.url(index), index)
+        return sample if self.labels is None else (sample, int(self.labels[index]))
+
+    def __repr__(self) -> str:
+        return f"ShardSource({len(self)} samples in {len(self.urls)} shards, {len(self.classes)} classes)"
+
+    def sample_members(self, index: int) -> list[tuple[str, int, int]]:
+        """``(extension, offset, size)`` of each member of sample ``index``."""
+        members = range(self.member_start[index], self.member_start[index + 1])
+        return [(self.extensions[self.member_ext[m]], int(self.member_offset[m]), int(self.member_size[m])) for m in members]
+
+    def image_member(self, index: int) -> tuple[int, int]:
+        """``(offset, size)`` of sample ``index``'s image member."""
+        for ext, offset, size in self.sample_members(index):
+            if ext in IMAGE_MEMBERS:
+                return offset, size
+        raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_MEMBERS)})")
+
+
+def _join(base_url: str, url: str) -> str:
+    """A shard URL from the index: absolute as it is, else relative to the index's folder."""
+    if "://" in url or url.startswith("/"):
+        return url
+    return posixpath.join(base_url, url)
+
+
+def tar_shards(url: str, storage_options: dict | None = None, **options: Any) -> ShardSource:
+    """The shard set whose index is ``url`` (an ``index.json``, or the folder or bucket prefix that
+    holds one). ``options`` are ``ShardSource``'s: ``members``, ``shuffle_buffer``,
+    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
+    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+    fs, path = object_store.url_to_fs(index_url, storage_options)
+    try:
+        index = json.loads(fs.cat_file(path))
+    finally:
+        object_store.release(fs)
+    return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)

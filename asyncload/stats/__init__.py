@@ -1,0 +1,1 @@
+"""What the loader measured: per-stage figures, the verdict on the bottleneck, the GIL probe."""

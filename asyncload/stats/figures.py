@@ -1,0 +1,204 @@
+"""Where the time goes: counters for each stage, levels over time, and the bottleneck they point to.
+
+Cheap enough to be always on: each event costs a clock read and an uncontended lock. Busy
+seconds of a stage add up the time its items spent in it: for reads that overlap on the event
+loop this exceeds wall time, which is the point: it shows how much waiting was hidden.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from .gil import GilProbe
+from .machine import system_cpu_seconds, usable_cores
+from .snapshot import LEVELS, STAGES, LevelFigures, StageFigures, StatsSnapshot
+from .verdict import diagnose
+
+
+@dataclass
+class StageStats:
+    """One stage: how many items passed, how long they spent in it, how many bytes they carried."""
+
+    items: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+    cpu_seconds: float = 0.0  # CPU time of the threads doing the work (decode only)
+
+
+@dataclass
+class Level:
+    """A quantity that rises and falls (reads in flight, decodes running, batches ready): its
+    time-weighted mean and its peak, so a report can say "reads in flight averaged 63.8 of 64"."""
+
+    value: int = 0
+    peak: int = 0
+    area: float = 0.0  # integral of value over time
+    since: float = field(default_factory=time.perf_counter)
+
+    def change(self, delta: int, now: float) -> None:
+        self.area += self.value * (now - self.since)
+        self.since = now
+        self.value += delta
+        self.peak = max(self.peak, self.value)
+
+    def area_until(self, now: float) -> float:
+        return self.area + self.value * (now - self.since)
+
+
+@dataclass
+class Failure:
+    """A sample that failed: which item, in which stage, and why."""
+
+    item: object
+    stage: str
+    error: str
+
+
+class LoaderStats:
+    """Figures for the loader's lifetime, updated from the event loop, the decode threads and
+    the user's thread. Means are over the time an epoch was running, not the idle time between."""
+
+    def __init__(self, io_concurrency: int = 1, num_threads: int = 1, prefetch: int = 1) -> None:
+        self.limits = {"io_concurrency": io_concurrency, "num_threads": num_threads, "prefetch": prefetch}
+        self.stages = {name: StageStats() for name in STAGES}
+        self.levels = {name: Level() for name in LEVELS}
+        self.batches = 0
+        self.samples = 0
+        self.consumer_wait_seconds = 0.0
+        self.retries = 0
+        self.failures: list[Failure] = []
+        self._active_seconds = 0.0
+        self._active_cpu = 0.0
+        self._active_system_cpu = 0.0
+        self._running_since: tuple[float, float, float] | None = None
+        self._lock = threading.Lock()
+        self._gil = GilProbe()
+        self._callback: tuple[float, Callable[[dict[str, Any]], None]] | None = None
+        self._last_callback = time.perf_counter()
+
+    # ----- updates from the pipeline -----
+
+    @property
+    def read(self) -> StageStats:
+        return self.stages["read"]
+
+    @property
+    def decode(self) -> StageStats:
+        return self.stages["decode"]
+
+    def add(self, stage: str, seconds: float, nbytes: int = 0, cpu_seconds: float = 0.0, items: int = 1) -> None:
+        """Counts ``items`` that spent ``seconds`` in ``stage`` (decode jobs report a chunk at once)."""
+        with self._lock:
+            stats = self.stages[stage]
+            stats.items += items
+            stats.seconds += seconds
+            stats.bytes += nbytes
+            stats.cpu_seconds += cpu_seconds
+
+    def level(self, name: str, delta: int) -> None:
+        with self._lock:
+            self.levels[name].change(delta, time.perf_counter())
+
+    def add_retry(self) -> None:
+        with self._lock:
+            self.retries += 1
+
+    def add_failure(self, item: object, stage: str, error: BaseException) -> None:
+        with self._lock:
+            self.failures.append(Failure(item, stage, f"{type(error).__name__}: {error}"))
+
+    def add_batch(self, samples: int, waited: float) -> None:
+        with self._lock:
+            self.batches += 1
+            self.samples += samples
+            self.consumer_wait_seconds += waited
+        self._maybe_call_back()
+
+    def run_started(self) -> None:
+        with self._lock:
+            self._running_since = (time.perf_counter(), time.process_time(), system_cpu_seconds())
+        self._gil.start()
+
+    def run_stopped(self) -> None:
+        self._gil.stop()
+        with self._lock:
+            if self._running_since is not None:
+                wall, cpu, system_cpu = self._running_since
+                self._active_seconds += time.perf_counter() - wall
+                self._active_cpu += time.process_time() - cpu
+                self._active_system_cpu += system_cpu_seconds() - system_cpu
+                self._running_since = None
+
+    # ----- reading the figures -----
+
+    def on_interval(self, seconds: float, callback: Callable[[dict[str, Any]], None] | None) -> None:
+        """Calls ``callback(stats.as_dict())`` from the training loop's thread, at most every
+        ``seconds`` (checked when a batch is handed out); ``None`` stops it."""
+        self._callback = None if callback is None else (seconds, callback)
+
+    def _maybe_call_back(self) -> None:
+        if self._callback is None:
+            return
+        seconds, callback = self._callback
+        now = time.perf_counter()
+        if now - self._last_callback >= seconds:
+            self._last_callback = now
+            callback(self.as_dict())
+
+    def snapshot(self) -> StatsSnapshot:
+        """The figures now, typed (see ``StatsSnapshot`` for what each one means)."""
+        with self._lock:
+            now = time.perf_counter()
+            active, cpu, system_cpu = self._active_seconds, self._active_cpu, self._active_system_cpu
+            if self._running_since is not None:
+                active += now - self._running_since[0]
+                cpu += time.process_time() - self._running_since[1]
+                system_cpu += system_cpu_seconds() - self._running_since[2]
+            stages = {name: StageFigures(s.items, s.seconds, s.bytes, s.cpu_seconds if name == "decode" else 0.0)
+                      for name, s in self.stages.items()}
+            levels = {name: LevelFigures(level.area_until(now) / active if active else 0.0, level.peak)
+                      for name, level in self.levels.items()}
+            snapshot = StatsSnapshot(
+                **stages, **levels, gil_late_ms=self._gil.mean_late_ms(), batches=self.batches, samples=self.samples,
+                consumer_wait_seconds=self.consumer_wait_seconds, retries=self.retries, failures=len(self.failures),
+                active_seconds=active, cpu_seconds=cpu, other_processes_cpu_seconds=max(0.0, system_cpu - cpu),
+                cpu_cores=usable_cores(), **self.limits,
+            )
+        return with_verdict(snapshot)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers (and the bottleneck's name), for training logs or TensorBoard."""
+        return self.snapshot().as_dict()
+
+    def report(self) -> str:
+        """A compact table of the figures, and the bottleneck with its evidence."""
+        s = self.snapshot()
+        active = max(s.active_seconds, 1e-9)
+        lines = [f"{'stage':<8}{'items':>9}{'busy s':>9}{'ms/item':>9}{'MB':>9}"]
+        for name in STAGES:
+            stage = getattr(s, name)
+            if stage.items:
+                lines.append(f"{name:<8}{stage.items:>9}{stage.seconds:>9.2f}{1000 * stage.seconds / stage.items:>9.2f}"
+                             f"{stage.bytes / 1e6:>9.1f}")
+        reads, decodes, ready = s.reads_in_flight, s.decodes_running, s.batches_ready
+        lines.append(
+            f"in flight (mean/peak/limit): reads {reads.mean:.1f}/{reads.peak}/{s.io_concurrency}, "
+            f"decodes {decodes.mean:.1f}/{decodes.peak}/{s.num_threads}, "
+            f"batches ready {ready.mean:.1f}/{ready.peak}/{s.prefetch}"
+        )
+        lines.append(
+            f"consumer: {s.batches} batches, {s.samples} samples in {active:.2f} s "
+            f"({s.samples / active:.0f}/s), waited {100 * s.consumer_wait_seconds / active:.0f} % of the time; "
+            f"CPU {s.cpu_seconds / active:.2f} cores; retries {s.retries}, failures {s.failures}"
+        )
+        name, evidence = diagnose(s.as_dict())
+        lines.append(f"bottleneck: {name}: {evidence}")
+        return "\n".join(lines)
+
+
+def with_verdict(snapshot: StatsSnapshot) -> StatsSnapshot:
+    """``snapshot`` with its bottleneck named."""
+    return replace(snapshot, bottleneck=diagnose(snapshot.as_dict())[0])
