@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 class BatchBuffer:
     """The tensors of one batch, ``[capacity, *field.shape]`` each, and NumPy views for writing rows.
 
-    ``tensors`` takes memory allocated elsewhere (``isolate=True`` puts every buffer in a shared
+    ``tensors`` takes memory allocated elsewhere (``processes=N`` puts every buffer in a shared
     memory segment that the parent process maps); by default each field is its own tensor.
     ``pinned``: the memory is page-locked (default: ``pin_memory``), so a copy to the GPU the
     user queues from it may still run after the user let go of it.
@@ -196,7 +196,6 @@ class BatchBuffer:
         return all(ref() is None for ref in self._handed)
 
 
-Allocator = Callable[[SampleLayout, int], BatchBuffer]
 
 
 class BufferRing:
@@ -204,14 +203,12 @@ class BufferRing:
 
     The pipeline bounds how many buffers it fills ahead (``prefetch``); the ring only decides
     whether a buffer can be recycled. A buffer the user still holds is never reused: if none is
-    provably free, a fresh one is allocated, by ``allocate(layout, capacity)`` when given (the
-    hook ``isolate.py`` uses for shared memory).
+    provably free, a fresh one is allocated.
     """
 
-    def __init__(self, keep: int, pin_memory: bool, allocate: Allocator | None = None) -> None:
+    def __init__(self, keep: int, pin_memory: bool) -> None:
         self.keep = keep
         self.pin_memory = pin_memory
-        self.allocate = allocate
         self.layout: SampleLayout | None = None
         self.capacity = 0
         self._buffers: list[BatchBuffer] = []
@@ -244,8 +241,6 @@ class BufferRing:
 
     def _new_buffer(self) -> BatchBuffer:
         assert self.layout is not None
-        if self.allocate is not None:
-            return self.allocate(self.layout, self.capacity)
         return BatchBuffer(self.layout, self.capacity, self.pin_memory)
 
     def _forget_held_buffers(self) -> None:

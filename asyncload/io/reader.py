@@ -14,7 +14,6 @@ import inspect
 import random
 import sys
 import time
-from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
 from fsspec.core import split_protocol

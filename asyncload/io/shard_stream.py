@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..autotune import AsyncGate
-from ..sources.shards import ShardSource
+from ..sources.shards import ShardSample, ShardSource
 
 
 @dataclass

@@ -1,9 +1,8 @@
 """In a child process: fills rows of shared batch segments with the samples the parent names.
 
-One event loop thread awaits remote reads; a pool of decode threads reads local files, decodes
-and writes each sample straight into its row (``decode_into`` for decoders that declare their
-output, ``BatchBuffer.write`` otherwise). The parent plans the epoch; this module only loads
-what a ``Fill`` lists and counts the rows, so a fill is one message in and one out.
+One event loop thread awaits remote reads; decode threads read local files, decode and write
+each sample straight into its row. The parent plans the epoch; this module loads what a ``Fill``
+lists and counts the rows, so a fill is one message in and one out.
 
 A row is always finished by exactly one party: the loop task that reads it (if it fails or is
 cancelled before its decode is queued) or the decode job (once queued). So when a run is
@@ -67,8 +66,7 @@ class Filler:
         self.stopped: set[int] = set()
         self.started: set[int] = set()
         self.tasks: dict[int, set[asyncio.Task]] = {}
-        # No native thread pool inside a decode thread (see ``workers.py``); this process is ours.
-        cv2.setNumThreads(1)
+        cv2.setNumThreads(1)  # no native pool inside each decode thread (run/workers.py); our process
         self.pool = ThreadPoolExecutor(settings["num_threads"], thread_name_prefix="asyncload-decode",
                                        initializer=torch.set_num_threads, initargs=(1,))
         self.loop = asyncio.new_event_loop()

@@ -6,8 +6,8 @@ track or warn about, and the kernel frees it once the last mapping is gone, whoe
 and however. The parent creates it, maps it, and passes its descriptor to every child over its
 pipe (``SCM_RIGHTS``); each process maps it once through PyTorch's own file mapping and closes its
 descriptor at once, so a thousand batches kept by the user cost no file descriptors. Every field
-of the batch is a tensor view into the segment's one storage, so the storage's use count tells
-whether anything still holds a batch (``BatchBuffer.is_free``).
+of the batch is a tensor view into the segment's one storage; ``BatchBuffer.is_free`` tells from
+the views it handed out whether anything still holds a batch.
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ def buffer_on(fd: int, layout: SampleLayout, capacity: int) -> BatchBuffer:
 
 
 def _field_views(fd: int, layout: SampleLayout, capacity: int) -> list[torch.Tensor]:
-    """The fields as views of one storage. No other reference to the storage outlives this
-    function, so the buffer's baseline use count is the views' alone."""
+    """The fields as views of one storage (no other reference to it outlives this function)."""
     offsets, size = field_offsets(layout, capacity)
     storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, size)
     whole = torch.empty(0, dtype=torch.uint8).set_(storage)
