@@ -156,7 +156,7 @@ class EpochRun:
         deadline = time.monotonic() + timeout
         workers = self.producer.workers
         _wait_ended([self.thread], deadline)
-        workers.stop(timeout=0)  # no queued job starts; the threads end after the one they run
+        workers.stop()  # no queued job starts; the threads end after the one they run
         _wait_ended(workers.all_threads()[:1], deadline)  # the starter: then the list is whole
         threads = [self.thread, *workers.all_threads()]
         alive = [thread.name for thread in _wait_ended(threads, deadline)]

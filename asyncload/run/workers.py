@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -89,19 +88,14 @@ class DecodeWorkers:
         """Every thread this pool started (the starter included), for a bounded wait on them."""
         return [self._starter, *self.threads]
 
-    def stop(self, timeout: float) -> bool:
-        """Lets no queued job start, ends the threads, waits up to ``timeout`` seconds for them;
-        True if none is left running. Safe to call again after an interrupted call."""
+    def stop(self) -> None:
+        """Lets no queued job start; each thread ends after the job it runs. Does not wait: the
+        caller waits on ``all_threads()`` within its own bound. Safe to call again."""
         if not self._stopping:
             self._stopping = True
             native_threads.release()
             for _ in range(self._count):  # one for each thread, started or about to be
                 self._jobs.put(None)
-        deadline = time.monotonic() + timeout
-        self._starter.join(max(0.0, deadline - time.monotonic()))
-        for thread in list(self.threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not self._starter.is_alive() and not any(thread.is_alive() for thread in self.threads)
 
 
 class _NativeThreads:
