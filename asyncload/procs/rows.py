@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from ..batch.buffers import BatchBuffer, Field
+from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
 from ..io.reader import Reader
-from ..run.jobs import labelled, local_path, read_file
+from ..run.jobs import decodes_in_place, labelled, read_plain_file
 from ..stats.figures import LoaderStats
 
 
@@ -21,9 +21,8 @@ def read_local(reader: Reader, key: str) -> bytes:
     """A local file, read on the calling decode thread (cheaper than a hand-off): a regular file
     with a few system calls, anything else (``memory://``, a FIFO) through the reader's timeout."""
     try:
-        path = local_path(key)
         started = time.perf_counter()
-        data = read_file(path) if path is not None else None
+        data = read_plain_file(key)
         if data is None:
             return reader.read_local(key)  # counts itself in the stats
         reader.stats.add("read", time.perf_counter() - started, len(data))
@@ -38,7 +37,7 @@ class RowWriter:
     def __init__(self, decode: Callable[[Any], Any], stats: LoaderStats) -> None:
         self.decode = decode
         self.stats = stats
-        self.in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+        self.in_place = decodes_in_place(decode)
 
     def write(self, buffer: BatchBuffer, row: int, key: Any, data: Any, label: int | None, seed_key: tuple[int, int]) -> None:
         """Decodes ``data`` into row ``row`` of ``buffer``; ``seed_key`` (epoch, index) seeds a

@@ -64,6 +64,18 @@ def local_path(key: Any) -> str | None:
     return None
 
 
+def read_plain_file(key: Any) -> bytes | None:
+    """The bytes of a plain path or ``file://`` URL naming a regular file; None for anything else
+    (another protocol, a FIFO): the caller reads those through the reader, with its timeout."""
+    path = local_path(key)
+    return read_file(path) if path is not None else None
+
+
+def decodes_in_place(decode: Any) -> bool:
+    """Whether ``decode`` declares its output (``field``) and writes it into a row itself."""
+    return isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+
+
 def read_file(path: str) -> bytes | None:
     """The whole regular file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A
     Python file object or a read of unknown size costs several times more GIL time than these
@@ -98,7 +110,7 @@ class RowFiller:
                  read_other: Callable[[str], bytes], rows_done: Callable[[Batch, int], None],
                  row_failed: Callable[[Batch, int, SampleError], None]) -> None:
         self.decode = decode
-        self.in_place = isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
+        self.in_place = decodes_in_place(decode)
         self.epoch = epoch
         self.stats = stats
         self.read_other = read_other
@@ -118,8 +130,7 @@ class RowFiller:
             data = row.data
             if data is None:
                 try:
-                    path = local_path(row.key)
-                    data = read_file(path) if path is not None else None
+                    data = read_plain_file(row.key)
                     if data is None:
                         data = self.read_other(row.key)
                 except Exception as error:
