@@ -132,6 +132,28 @@ def test_a_missing_object_names_its_url_and_is_not_retried(s3_jpeg_bucket, s3_op
     assert loader.stats.retries == 0
 
 
+def test_whole_objects_and_ranges_come_back_exactly_empty_ones_too(s3_jpeg_bucket, s3_options):
+    """The reader reads a whole object as one ranged GET to its end; an empty object has no byte
+    to range over (the server answers 416) and must still read as b"" without a retry."""
+    import os
+
+    put = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options)
+    objects = {f"asyncload-test/raw/{size}": os.urandom(size) for size in (0, 1, 100_000)}
+    put.pipe(objects)
+    stats = LoaderStats()
+    loop = asyncio.new_event_loop()
+    try:
+        reader = Reader(loop, storage_options=s3_options, timeout=30.0, retries=2, io_concurrency=8, stats=stats)
+        for path, data in objects.items():
+            assert loop.run_until_complete(reader.read(f"s3://{path}")) == data
+        big = objects["asyncload-test/raw/100000"]
+        assert loop.run_until_complete(reader.read_range("s3://asyncload-test/raw/100000", 10, 70_000)) == big[10:70_000]
+        loop.run_until_complete(reader.aclose())
+    finally:
+        loop.close()
+    assert stats.retries == 0
+
+
 @pytest.fixture
 def moto_source(moto_server, moto_jpeg_bucket):
     return image_folder(moto_jpeg_bucket, storage_options=storage_options(moto_server.endpoint_url))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -150,6 +151,39 @@ def _obstore_for_reads(options: dict[str, Any], read_timeout: float) -> None:
     client has no cap on connections."""
     options["retry_config"] = options.get("retry_config") or {"max_retries": 0}
     options["client_options"] = {"timeout": timedelta(seconds=read_timeout + 1), **(options.get("client_options") or {})}
+
+
+# The end of the one ranged GET that reads a whole object (see ``cat``): a server answers a range
+# that runs past the end with the bytes there are (RFC 9110, 14.1.1).
+WHOLE_OBJECT = 1 << 62
+
+
+async def cat(fs: Any, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """The bytes of ``path`` ("bucket/key"; ``start``/``end``: of that range) from obstore
+    filesystem ``fs``, in one request.
+
+    Why not ``fs._cat_file``: for a whole object it awaits obstore's ``get`` and then the body,
+    two futures that each come back from obstore's Rust threads through the GIL, and parses the
+    path as a URL on the way; one ranged GET to the end of the object is one future. On the
+    2-core bench box that is 0.28-0.32 ms of CPU per 100 KB GET against 0.37-0.48 (the server
+    on the same cores). An empty object has no byte to range over (416): read it plainly."""
+    bucket, _, key = path.partition("/")
+    store = fs._construct_store(bucket)  # cached per bucket by FsspecStore
+    if start is not None or end is not None:
+        if start is None or end is None:
+            raise NotImplementedError("a range needs both start and end")
+        return (await store.get_range_async(key, start=start, end=end)).to_bytes()
+    try:
+        return (await store.get_range_async(key, start=0, end=WHOLE_OBJECT)).to_bytes()
+    except Exception as error:
+        if not _range_not_satisfiable(error):
+            raise
+    return (await (await store.get_async(key)).bytes_async()).to_bytes()
+
+
+def _range_not_satisfiable(error: Exception) -> bool:
+    """Whether obstore's ``error`` is the server's 416 answer (obstore has no type for it)."""
+    return type(error).__module__ == "obstore.exceptions" and re.search(r"\b416\b", str(error)) is not None
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:

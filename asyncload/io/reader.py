@@ -154,10 +154,10 @@ class Reader:
 
     def _fetch_file(self, url: str, **byte_range: int) -> Awaitable[bytes]:
         """The bytes of ``url`` (``start``/``end``: of that range) through its filesystem."""
-        fs, read_kwargs = self._filesystem(url)
+        fs, cat = self._filesystem(url)
         path = fs._strip_protocol(url)
-        if fs.async_impl:
-            return within(fs._cat_file(path, **read_kwargs, **byte_range), self.timeout)
+        if cat is not None:
+            return within(cat(path, **byte_range), self.timeout)
         return self._blocking.call_async(functools.partial(fs.cat_file, path, **byte_range), timeout=self.timeout)
 
     async def version(self, url: str) -> str:
@@ -176,19 +176,23 @@ class Reader:
         with no timeout: cache work on local disk, which must not be abandoned half done."""
         return await asyncio.wrap_future(self._blocking.submit(function, *args).future)
 
-    def _filesystem(self, url: str) -> tuple[Any, dict[str, Any]]:
+    def _filesystem(self, url: str) -> tuple[Any, Callable[..., Awaitable[bytes]] | None]:
         """The filesystem for ``url``'s protocol (one instance per protocol, bound to our loop;
-        obstore for object stores where it can serve them, see ``object_store``) and the keyword
-        arguments that make its read a single request."""
+        obstore for object stores where it can serve them, see ``object_store``) and, for an
+        asynchronous one, how to read ``(path, start=, end=)`` from it in a single request."""
         protocol = split_protocol(url)[0] or "file"
         if protocol not in self._filesystems:
             fs = object_store.filesystem(protocol, self.storage_options, loop=self.loop, read_timeout=self.timeout,
                                          connections=self.io_concurrency)
-            read_kwargs = {}
-            if fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
+            cat = None
+            if object_store.is_obstore(fs):
+                cat = functools.partial(object_store.cat, fs)
+            elif fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
                 # s3fs sends a HEAD before the GET to split large objects; one request is enough.
-                read_kwargs["max_concurrency"] = 1
-            self._filesystems[protocol] = (fs, read_kwargs)
+                cat = functools.partial(fs._cat_file, max_concurrency=1)
+            elif fs.async_impl:
+                cat = fs._cat_file
+            self._filesystems[protocol] = (fs, cat)
         return self._filesystems[protocol]
 
     async def aclose(self) -> None:
