@@ -18,9 +18,8 @@ from typing import Any, Callable, Sequence
 from ..autotune import AsyncGate
 from ..batch.buffers import SampleLayout
 from ..errors import SampleError
-from ..io.cache import ShardCache
 from ..io.reader import Reader
-from ..io.shard_stream import ShardStream
+from ..io.shard_stream import ShardStream, reader_shard_stream
 from ..sources.shards import ShardSource
 from .board import Board
 from .jobs import Batch, Row, RowFiller, chunk_rows, labelled, local_path
@@ -70,7 +69,9 @@ class Producer:
                         retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.s.stats,
                         user_read=self.s.read if callable(self.s.read) else None)
         self._reader = reader
-        self._shards = self._shard_stream(reader) if isinstance(self.s.source, ShardSource) else None
+        if isinstance(self.s.source, ShardSource):
+            assert self._undelivered is not None
+            self._shards = reader_shard_stream(self.s.source, self._undelivered, reader, self.s.io_concurrency)
         try:
             await self._produce()
             await self._all_complete.wait()
@@ -85,25 +86,6 @@ class Producer:
                     await self._shards.aclose()
             finally:
                 await reader.aclose()
-
-    def _shard_stream(self, reader: Reader) -> ShardStream:
-        """Ranged reads for the samples of this run's order not yet delivered, through the
-        disk cache for remote shards when the source has one."""
-        source = self.s.source
-        assert isinstance(source, ShardSource) and self._undelivered is not None
-        read_range = reader.read_range
-        cache = None
-        if source.cache_dir is not None:
-            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
-                               version=reader.version)
-            sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
-
-            async def read_range(url: str, start: int, end: int) -> bytes:
-                if reader.is_local(url):
-                    return await reader.read_range(url, start, end)
-                return await cache.read_range(url, start, end, sizes[url])
-
-        return ShardStream(source, self._undelivered, read_range, self.s.io_concurrency, cache=cache)
 
     async def _produce(self) -> None:
         """Issues every sample's load, batch by batch in order, at most ``prefetch`` batches
