@@ -23,16 +23,16 @@ FILES = {  # sorted as image_folder lists them; the CPU path takes the PNGs, the
     "c/0.webp": ("grace_hopper", "webp"), "c/1.jpg": ("china", "jpeg_progressive"), "c/2.png": ("flower", "png_palette"),
 }
 ON_CPU = 4
-BROKEN = {"a/0b.jpg": "truncated", "c/0b.jpg": "text"}  # positions 1 and 9 of the folder's 12
 
 
-def write_folder(root: Path, broken: bool = False) -> Path:
+def write_folder(root: Path, first_broken: bytes | None = None) -> Path:
+    """``FILES`` under ``root``; with ``first_broken``, that file at position 1 of the 12 and a
+    text file named .jpg at position 9."""
     for name, (photo, variant) in FILES.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(encoded(photo, variant))
-    if broken:
-        good = encoded("china", "jpeg_q90_420")
-        (root / "a/0b.jpg").write_bytes(good[: len(good) // 2])
+    if first_broken is not None:
+        (root / "a/0b.jpg").write_bytes(first_broken)
         (root / "c/0b.jpg").write_bytes(b"not an image, named .jpg")
     return root
 
@@ -44,7 +44,16 @@ def photo_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def broken_folder(tmp_path_factory) -> Path:
-    return write_folder(tmp_path_factory.mktemp("broken"), broken=True)
+    """A truncated JPEG at position 1: the batch decode rejects it, then the CPU path."""
+    good = encoded("china", "jpeg_q90_420")
+    return write_folder(tmp_path_factory.mktemp("broken"), first_broken=good[: len(good) // 2])
+
+
+@pytest.fixture(scope="module")
+def unreadable_folder(tmp_path_factory) -> Path:
+    """A JPEG header libjpeg cannot parse at position 1: it goes straight to the CPU path (on a
+    GPU, whether nvJPEG rejects a truncated JPEG as libjpeg-turbo does is its own question)."""
+    return write_folder(tmp_path_factory.mktemp("unreadable"), first_broken=b"\xff\xd8\xff not a JPEG")
 
 
 class RecordingDecoder(GpuImageDecoder):
@@ -109,8 +118,9 @@ def test_a_broken_file_raises_sample_error_naming_it_at_decode(broken_folder):
     assert raised.value.stage == "decode"
 
 
-def test_skip_refills_the_failed_row_and_delivers_every_good_sample_once(broken_folder):
-    source = image_folder(str(broken_folder))
+@pytest.mark.parametrize("folder", ["broken_folder", "unreadable_folder"])
+def test_skip_refills_the_failed_row_and_delivers_every_good_sample_once(request, folder):
+    source = image_folder(str(request.getfixturevalue(folder)))
     decoder = RecordingDecoder(SIZE, train=True, seed=5)
     # prefetch=1: batch 0 (and its refill) completes before batch 1 takes its positions
     kwargs = dict(shuffle=False, on_error="skip", max_failures=2, prefetch=1)
@@ -203,8 +213,8 @@ def _cuda_with_torchvision() -> bool:
 
 @pytest.mark.skipif(not _cuda_with_torchvision(), reason="needs CUDA and torchvision")
 @pytest.mark.parametrize("broken", [False, True])
-def test_on_cuda_batches_stay_on_the_gpu_within_a_level_of_the_cpu_path(photo_folder, broken_folder, broken):
-    source = image_folder(str(broken_folder if broken else photo_folder))
+def test_on_cuda_batches_stay_on_the_gpu_within_a_level_of_the_cpu_path(photo_folder, unreadable_folder, broken):
+    source = image_folder(str(unreadable_folder if broken else photo_folder))
     kwargs = dict(shuffle=False, prefetch=1, on_error="skip", max_failures=2)  # broken: a refill and a hole, as above
     on_gpu, loader = run_epoch(source, GpuImageDecoder(SIZE, train=True, seed=5, device="cuda"), device="cuda", **kwargs)
     assert all(images.is_cuda and labels.is_cuda for images, labels in on_gpu)
@@ -215,4 +225,4 @@ def test_on_cuda_batches_stay_on_the_gpu_within_a_level_of_the_cpu_path(photo_fo
         assert torch.equal(labels.cpu(), labels_cpu)
         for image, image_cpu in zip(images.cpu().numpy(), images_cpu.numpy()):
             assert mean_abs_diff(image, image_cpu) < 1.5  # nvJPEG's IDCT and a float resize
-    assert loader.stats.as_dict()["decoded_on_cpu"] == ON_CPU
+    assert loader.stats.as_dict()["decoded_on_cpu"] == ON_CPU + (2 if broken else 0)  # the CPU path fails both

@@ -170,23 +170,14 @@ class BatchBuffer:
             for array in self._arrays:
                 if array is not None:
                     array[hole] = array[row]
-        if moves and self.on_device is not None:
-            self._move_device_rows(moves)
+        if moves and self.on_device is not None:  # on the stream that wrote them, so after their writes
+            with torch.cuda.stream(self.on_device.stream):
+                for tensor in (self.tensors[index] for index in self.on_device.fields):
+                    for hole, row in moves:
+                        tensor[hole].copy_(tensor[row])
+                self.writes.append(torch.cuda.Event())  # one more write for the device stage to wait on
+                self.writes[-1].record()
         return len(filled)
-
-    def _move_device_rows(self, moves: list[tuple[int, int]]) -> None:
-        """``close_holes`` for the device fields: on the stream that wrote them (so after their
-        writes), recorded as one more write for the device stage to wait on."""
-        assert self.on_device is not None
-        stream = self.on_device.stream
-        with torch.cuda.stream(stream):
-            for index in self.on_device.fields:
-                tensor = self.tensors[index]
-                for hole, row in moves:
-                    tensor[hole].copy_(tensor[row])
-            event = torch.cuda.Event()
-            event.record(stream)
-        self.writes.append(event)
 
     def views(self, size: int) -> list[torch.Tensor]:
         """The first ``size`` rows of every field, as tensors the ring tracks (see the class
@@ -276,6 +267,7 @@ class BufferRing:
             else:
                 buffer = self._new_buffer()
             buffer.in_pipeline = True
+            buffer.writes = []  # a batch given back uncopied left its own: later ones on that stream cover them
             self._buffers.append(buffer)  # most recently used goes last
             self._forget_held_buffers()
             return buffer
