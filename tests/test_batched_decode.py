@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, tar_shards, write_shards
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, list_files, tar_shards, write_shards
 from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu
 from tests.conftest import asyncload_threads
 from tests.photos import encoded, mean_abs_diff
@@ -189,6 +189,16 @@ def test_a_batched_decoder_runs_in_process_only(photo_folder, extra):
 def test_a_cuda_decoder_needs_the_loader_on_its_device(photo_folder):
     with pytest.raises(ValueError, match=r"device=None: pass device='cuda'"):
         AsyncLoader(image_folder(str(photo_folder)), decode=GpuImageDecoder(SIZE))  # its device is "cuda"
+
+
+def test_items_without_labels_give_the_images_alone(photo_folder):
+    source = list_files(str(photo_folder))
+    with AsyncLoader(source, batch_size=4, shuffle=False, decode=RecordingDecoder(SIZE)) as loader:
+        batches = [images.clone() for images in loader]
+    expected = expected_batches([(url, None) for url in source], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]],
+                                np.arange(len(source)), train=False)
+    for images, images_expected in zip(batches, expected, strict=True):
+        np.testing.assert_array_equal(images.numpy(), images_expected)
 
 
 def test_leaving_early_leaves_no_thread(photo_folder):
