@@ -2,7 +2,8 @@
 on batch k.
 
 The consumer's stream waits on an event, never the host; the pinned buffer is recycled only
-after its copy's event has completed. GPU tensors come from PyTorch's caching allocator and
+after its copy's event has completed. Fields a GPU decoder wrote on the device are cloned there
+instead of copied up. GPU tensors come from PyTorch's caching allocator and
 are marked with ``record_stream`` so their memory is not reused while the user's stream still
 works on them.
 """
@@ -91,10 +92,23 @@ class DeviceStage:
 
     def start_copy(self, buffer: BatchBuffer, size: int) -> PendingCopy:
         """Copies the first ``size`` rows of ``buffer`` asynchronously; the buffer stays out of
-        the ring until the copy's event completes."""
-        host = [t[:size] for t in buffer.tensors]
+        the ring until the copy's event completes.
+
+        Fields already on the device (a GPU decoder's images) are cloned after the decoder's
+        events, a device-to-device copy: the user never holds the decode buffer, so it is
+        recycled by the same rule as a host one (once ``copy_done`` has completed)."""
+        rows = [t[:size] for t in buffer.tensors]
+        writes, buffer.writes = buffer.writes, []
         with torch.cuda.stream(self.stream):
-            leaves = [t.to(self.device, non_blocking=True) for t in host]
+            for event in writes:
+                self.stream.wait_event(event)
+            leaves = []
+            for tensor, part in zip(buffer.tensors, rows):
+                if tensor.is_cuda:
+                    tensor.record_stream(self.stream)  # its memory outlives this clone's reads
+                    leaves.append(part.clone())
+                else:
+                    leaves.append(part.to(self.device, non_blocking=True))
             leaves = convert_batch(leaves, self.normalize)
             done = torch.cuda.Event()
             done.record(self.stream)

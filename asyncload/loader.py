@@ -13,7 +13,7 @@ import torch
 
 from .arguments import check_arguments, check_shard_arguments, initial_reads
 from .autotune import MAX_IO, AutoTuner, Gate, Knob
-from .batch.buffers import BufferRing, Field, SampleLayout
+from .batch.buffers import BufferRing, Field, OnDevice, SampleLayout
 from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
 from .order.positions import Positions
@@ -21,6 +21,7 @@ from .order.sampler import EpochSampler, distributed_defaults, source_digest
 from .order.shard_order import ShardSampler
 from .procs.processes import Processes, process_count
 from .procs.run import ProcessRun
+from .run.batched import image_placement
 from .run.epoch import EpochRun
 from .run.settings import BatchQuota, Settings, is_labelled
 from .sources.shards import ShardSource
@@ -40,7 +41,8 @@ class AsyncLoader:
     shows a tqdm bar; ``normalize=(mean, std)`` turns uint8 NHWC image fields into normalised
     float32 NCHW (on the GPU with a CUDA ``device``); ``read_timeout`` and ``read_retries``
     bound each read; ``processes=N`` runs the pipeline in N child processes (``procs/``), and
-    ``isolate=True`` is ``processes=1``.
+    ``isolate=True`` is ``processes=1``. A batched ``decode`` (``GpuImageDecoder``) decodes each
+    batch with one call, in this process (``run/batched.py``).
     ``io_concurrency`` counts requests in flight: for tar shards each is a ranged read of up to
     ``chunk_bytes`` (16 MiB), so its default there is 4 rather than 64.
     """
@@ -117,10 +119,10 @@ class AsyncLoader:
             device_stage=DeviceStage(self.device, normalize) if self.device is not None else None,
             stats=self.stats,
         )
-        self._configure_known_layout()
+        count = process_count(processes, isolate)
+        self._configure_known_layout(image_placement(self._settings.decode, self.device, count))
         self.tuner = self._make_tuner(auto_threads, auto_io, threads, io, cores)
         self._processes: Processes | None = None
-        count = process_count(processes, isolate)
         if count:  # reads and decodes run in the children; the device stage and normalize here
             self._processes = Processes(count, self._settings, self.device, auto_threads, auto_io, threads)
             self.stats, self.tuner = self._processes.stats, self._processes.tuner
@@ -147,12 +149,13 @@ class AsyncLoader:
         io_knob = Knob("io_concurrency", io, 1, MAX_IO, apply=set_io) if auto_io else None
         return AutoTuner(self.stats, thread_knob, io_knob)
 
-    def _configure_known_layout(self) -> None:
-        """With a decoder that declares its output (the default), buffers need no first sample."""
+    def _configure_known_layout(self, on_device: OnDevice | None) -> None:
+        """With a decoder that declares its output (the default), buffers need no first sample.
+        ``on_device``: a batched GPU decoder's image field lives on the GPU (labels stay on the host)."""
         output = getattr(self._settings.decode, "field", None)
         if isinstance(output, Field):
             tree, fields = (None, [output]) if not self._settings.labelled else ((None, None), [output, LABEL_FIELD])
-            self._settings.ring.configure(SampleLayout(tree, fields), self.sampler.batch_size)
+            self._settings.ring.configure(SampleLayout(tree, fields), self.sampler.batch_size, on_device)
 
     def __len__(self) -> int:
         """Batches in one epoch for this rank."""

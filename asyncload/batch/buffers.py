@@ -5,7 +5,9 @@ There is no collate step: once the layout of one sample is known, a batch is a s
 because a fresh 150 MB allocation costs tens of milliseconds of page faults on first touch,
 and pinning (cudaHostAlloc) costs more. A buffer handed to the user goes back into use only
 when nothing outside the ring references its memory any more and, for pinned memory, once the
-GPU has passed every copy the user queued from it (see ``BatchBuffer.released``).
+GPU has passed every copy the user queued from it (see ``BatchBuffer.released``). A field a
+batched GPU decoder writes lives on the GPU instead (``OnDevice``): the device stage clones it, so
+no view of it ever reaches the user, and it is reused once that clone has run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ class Field:
 
     shape: tuple[int, ...]
     dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    """Fields of a batch that live on a CUDA device rather than in host memory (the image field of
+    a batched GPU decoder), and the stream that writes them. They are allocated on that stream, so
+    PyTorch's caching allocator reuses their memory only in that stream's order."""
+
+    fields: frozenset[int]
+    stream: Any  # torch.cuda.Stream
 
 
 class SampleLayout:
@@ -96,7 +108,9 @@ class BatchBuffer:
     ``tensors`` takes memory allocated elsewhere (``processes=N`` puts every buffer in a shared
     memory segment that the parent process maps); by default each field is its own tensor.
     ``pinned``: the memory is page-locked (default: ``pin_memory``), so a copy to the GPU the
-    user queues from it may still run after the user let go of it.
+    user queues from it may still run after the user let go of it. ``on_device``: fields allocated
+    on a CUDA device instead; they have no NumPy view (``arrays`` holds None for them) and go to
+    the user only through the device stage, which waits on ``writes`` and clones them.
 
     What the user gets are views that can be tracked with public means only: each hand-out wraps
     a fresh NumPy view of the rows in a tensor (``torch.from_numpy``), whose storage holds that
@@ -105,26 +119,34 @@ class BatchBuffer:
 
     def __init__(
         self, layout: SampleLayout, capacity: int, pin_memory: bool = False, tensors: list[torch.Tensor] | None = None,
-        pinned: bool | None = None,
+        pinned: bool | None = None, on_device: OnDevice | None = None,
     ) -> None:
         self.layout = layout
         self.capacity = capacity
+        self.on_device = on_device
         if tensors is None:
-            tensors = [
-                torch.empty((capacity, *f.shape), dtype=_torch_dtype(f.dtype), pin_memory=pin_memory)
-                for f in layout.fields
-            ]
+            tensors = [self._allocate(index, f, pin_memory) for index, f in enumerate(layout.fields)]
         self.tensors = tensors
-        self._arrays = [t.numpy() for t in self.tensors]
+        self._arrays = [t.numpy() if t.device.type == "cpu" else None for t in self.tensors]
+        self.writes: list[Any] = []  # CUDA events after which the device fields hold their rows
         self.pinned = pin_memory if pinned is None else pinned
         self.in_pipeline = False  # taken by the pipeline and not yet handed out or given back
         self.copy_done: Any = None  # a CUDA event: the GPU's reads of the buffer end before it
         self._handed: list[weakref.ref] = []  # the NumPy views under the tensors the user got
         self._with_user = False  # handed out pinned, and the user has not moved on yet
 
+    def _allocate(self, index: int, field: Field, pin_memory: bool) -> torch.Tensor:
+        shape, dtype = (self.capacity, *field.shape), _torch_dtype(field.dtype)
+        if self.on_device is None or index not in self.on_device.fields:
+            return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+        stream = self.on_device.stream
+        with torch.cuda.stream(stream):
+            return torch.empty(shape, dtype=dtype, device=stream.device)
+
     @property
-    def arrays(self) -> list[np.ndarray]:
-        """Writable NumPy views of every field, ``[capacity, *shape]``: row ``i`` is ``array[i]``."""
+    def arrays(self) -> list[np.ndarray | None]:
+        """Writable NumPy views of every host field, ``[capacity, *shape]``: row ``i`` is
+        ``array[i]``; None for a field on a CUDA device (``on_device``)."""
         return self._arrays
 
     def rows(self, index: int) -> list[np.ndarray]:
@@ -140,11 +162,21 @@ class BatchBuffer:
         """Moves the last filled rows into the empty rows ``holes`` (skipped samples the epoch
         had no replacement for); returns how many rows are filled."""
         filled = [row for row in range(size) if row not in holes]
+        moves = []
         for hole, row in zip(sorted(holes), reversed(filled)):
             if row < hole:
                 break
+            moves.append((hole, row))
             for array in self._arrays:
-                array[hole] = array[row]
+                if array is not None:
+                    array[hole] = array[row]
+        if moves and self.on_device is not None:  # on the stream that wrote them, so after their writes
+            with torch.cuda.stream(self.on_device.stream):
+                for tensor in (self.tensors[index] for index in self.on_device.fields):
+                    for hole, row in moves:
+                        tensor[hole].copy_(tensor[row])
+                self.writes.append(torch.cuda.Event())  # one more write for the device stage to wait on
+                self.writes[-1].record()
         return len(filled)
 
     def views(self, size: int) -> list[torch.Tensor]:
@@ -196,8 +228,6 @@ class BatchBuffer:
         return all(ref() is None for ref in self._handed)
 
 
-
-
 class BufferRing:
     """Hands out batch buffers, reusing released ones, keeping at most ``keep`` spare.
 
@@ -211,17 +241,19 @@ class BufferRing:
         self.pin_memory = pin_memory
         self.layout: SampleLayout | None = None
         self.capacity = 0
+        self.on_device: OnDevice | None = None
         self._buffers: list[BatchBuffer] = []
         self._draining: list[BatchBuffer] = []  # forgotten, but the GPU may still read them
         self._lock = threading.Lock()
 
-    def configure(self, layout: SampleLayout, capacity: int) -> None:
-        """Sets the sample layout; buffers of another layout are dropped."""
+    def configure(self, layout: SampleLayout, capacity: int, on_device: OnDevice | None = None) -> None:
+        """Sets the sample layout (and the fields that live on a CUDA device); buffers of another
+        layout are dropped."""
         with self._lock:
             if self.layout is not None and (self.layout.tree, self.layout.fields) == (layout.tree, layout.fields):
-                if capacity == self.capacity:
+                if capacity == self.capacity and on_device == self.on_device:
                     return
-            self.layout, self.capacity = layout, capacity
+            self.layout, self.capacity, self.on_device = layout, capacity, on_device
             self._buffers = []
 
     def take(self) -> BatchBuffer:
@@ -235,13 +267,14 @@ class BufferRing:
             else:
                 buffer = self._new_buffer()
             buffer.in_pipeline = True
+            buffer.writes = []  # a batch given back uncopied left its own: later ones on that stream cover them
             self._buffers.append(buffer)  # most recently used goes last
             self._forget_held_buffers()
             return buffer
 
     def _new_buffer(self) -> BatchBuffer:
         assert self.layout is not None
-        return BatchBuffer(self.layout, self.capacity, self.pin_memory)
+        return BatchBuffer(self.layout, self.capacity, self.pin_memory, on_device=self.on_device)
 
     def _forget_held_buffers(self) -> None:
         """Past ``keep`` buffers, stop tracking the oldest: the user owns them, memory goes when

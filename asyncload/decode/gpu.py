@@ -59,7 +59,7 @@ class GpuImageDecoder:
     ``decode_jpegs`` replaces torchvision's batched decode (e.g. a CPU one, to test without it).
     """
 
-    batched = True  # decode_batch per batch, not decode_into per row (the loader does not call it yet)
+    batched = True  # the loader calls decode_batch once per batch (run/batched.py), not decode_into per row
 
     def __init__(
         self,

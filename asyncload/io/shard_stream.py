@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..autotune import AsyncGate
 from ..sources.shards import ShardSample, ShardSource
+from .cache import ShardCache
+
+if TYPE_CHECKING:
+    from .reader import Reader
 
 
 @dataclass
@@ -188,3 +192,21 @@ class ShardStream:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.cache is not None:
             await self.cache.aclose()
+
+
+def reader_shard_stream(source: ShardSource, wanted: np.ndarray, reader: Reader, concurrent_reads: int) -> ShardStream:
+    """A ``ShardStream`` of ``wanted`` through ``reader``'s ranged reads, and through the disk
+    cache for remote shards when the source has one."""
+    read_range = reader.read_range
+    cache = None
+    if source.cache_dir is not None:
+        cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
+                           version=reader.version)
+        sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
+
+        async def read_range(url: str, start: int, end: int) -> bytes:
+            if reader.is_local(url):
+                return await reader.read_range(url, start, end)
+            return await cache.read_range(url, start, end, sizes[url])
+
+    return ShardStream(source, wanted, read_range, concurrent_reads, cache=cache)

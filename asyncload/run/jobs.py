@@ -199,6 +199,24 @@ class RowFiller:
         return sample
 
 
+class RowJobs:
+    """How the producer hands rows of a per-row decoder to the decode threads: each chunk is a
+    job at once (``hold`` and ``release`` matter only to a batched decoder's ``BatchJobs``)."""
+
+    def __init__(self, filler: RowFiller, run_job: Callable[[Callable[[], None]], None]) -> None:
+        self.filler = filler
+        self.run_job = run_job
+
+    def hold(self, batch: Batch) -> None:
+        pass
+
+    def release(self, batch: Batch) -> None:
+        pass
+
+    def add(self, batch: Batch, rows: list[Row]) -> None:
+        self.run_job(lambda: self.filler.fill(batch, rows))
+
+
 def labelled(sample: Any, label: int | None) -> Any:
     return sample if label is None else (sample, np.int64(label))
 

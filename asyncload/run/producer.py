@@ -6,7 +6,8 @@ ahead of the user. Local files go to the decode threads by chunks (each job read
 rows: no hand-off back to the loop per sample); other items are read here, at most
 ``io_concurrency`` in flight, then decoded one job each. A sample that fails either fails its
 batch (``on_error="raise"``) or (``"skip"``) is recorded and its row is given the plan's next
-position, so batches stay full.
+position, so batches stay full. A batched decoder's rows (``batched.py``) wait until none of
+their batch's is still being read, then go to one ``decode_batch`` job.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Any, Callable, Sequence
 from ..autotune import AsyncGate
 from ..batch.buffers import SampleLayout
 from ..errors import SampleError
-from ..io.cache import ShardCache
 from ..io.reader import Reader
-from ..io.shard_stream import ShardStream
+from ..io.shard_stream import ShardStream, reader_shard_stream
 from ..sources.shards import ShardSource
+from .batched import BatchJobs, is_batched
 from .board import Board
-from .jobs import Batch, Row, RowFiller, chunk_rows, labelled, local_path
+from .jobs import Batch, Row, RowFiller, RowJobs, chunk_rows, labelled, local_path
 from .plan import EpochPlan
 from .settings import Settings, split
 from .workers import DecodeWorkers
@@ -43,6 +44,8 @@ class Producer:
         self._undelivered = plan.undelivered() if isinstance(settings.source, ShardSource) else None
         self.workers = DecodeWorkers(settings.num_threads, settings.thread_gate)
         self.filler = RowFiller(settings.decode, epoch, settings.stats, self._read_other, self.rows_done, self._job_failed)
+        self.jobs = BatchJobs(settings.decode, epoch, settings.stats, self._read_other, self.rows_done, self._job_failed,
+                              self._run_job) if is_batched(settings.decode) else RowJobs(self.filler, self._run_job)
         self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
         self.in_pipeline: list[Batch] = []  # batches taken from the ring and not handed out
         self.skipped_early: list[int] = []  # skipped while the layout was learnt: go with the first batch
@@ -70,7 +73,9 @@ class Producer:
                         retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.s.stats,
                         user_read=self.s.read if callable(self.s.read) else None)
         self._reader = reader
-        self._shards = self._shard_stream(reader) if isinstance(self.s.source, ShardSource) else None
+        if isinstance(self.s.source, ShardSource):
+            assert self._undelivered is not None
+            self._shards = reader_shard_stream(self.s.source, self._undelivered, reader, self.s.io_concurrency)
         try:
             await self._produce()
             await self._all_complete.wait()
@@ -85,25 +90,6 @@ class Producer:
                     await self._shards.aclose()
             finally:
                 await reader.aclose()
-
-    def _shard_stream(self, reader: Reader) -> ShardStream:
-        """Ranged reads for the samples of this run's order not yet delivered, through the
-        disk cache for remote shards when the source has one."""
-        source = self.s.source
-        assert isinstance(source, ShardSource) and self._undelivered is not None
-        read_range = reader.read_range
-        cache = None
-        if source.cache_dir is not None:
-            cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
-                               version=reader.version)
-            sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
-
-            async def read_range(url: str, start: int, end: int) -> bytes:
-                if reader.is_local(url):
-                    return await reader.read_range(url, start, end)
-                return await cache.read_range(url, start, end, sizes[url])
-
-        return ShardStream(source, self._undelivered, read_range, self.s.io_concurrency, cache=cache)
 
     async def _produce(self) -> None:
         """Issues every sample's load, batch by batch in order, at most ``prefetch`` batches
@@ -196,29 +182,35 @@ class Producer:
 
     async def _submit(self, batch: Batch, rows: Sequence[int]) -> None:
         """Starts the loads of ``rows`` of ``batch``: local files by chunks of rows, each a
-        decode job that reads them itself; others read here, one decode job each."""
-        local: list[Row] = []
-        for row in rows:
-            index = int(self.order[batch.positions[row]])
-            try:
-                key, label = self._split(index)
-            except SampleError as error:
-                await self._failed(batch, row, error)
-                continue
-            if self._is_local(key):
-                local.append(Row(row, key, label, index))
-                if len(local) == self._chunk:
-                    self._submit_job(batch, local)
-                    local = []
-            else:
-                await self._read_slots.acquire()
-                self._spawn(self._load(batch, Row(row, key, label, index)))
-        if local:
-            self._submit_job(batch, local)
+        decode job that reads them itself; others read here, one decode job each. A batched
+        decoder's rows wait while the batch is held (here and by each read), then make one job."""
+        self.jobs.hold(batch)
+        try:
+            local: list[Row] = []
+            for row in rows:
+                index = int(self.order[batch.positions[row]])
+                try:
+                    key, label = self._split(index)
+                except SampleError as error:
+                    await self._failed(batch, row, error)
+                    continue
+                if self._is_local(key):
+                    local.append(Row(row, key, label, index))
+                    if len(local) == self._chunk:
+                        self.jobs.add(batch, local)
+                        local = []
+                else:
+                    await self._read_slots.acquire()
+                    self.jobs.hold(batch)  # released by _load
+                    self._spawn(self._load(batch, Row(row, key, label, index)))
+            if local:
+                self.jobs.add(batch, local)
+        finally:
+            self.jobs.release(batch)
 
-    def _submit_job(self, batch: Batch, rows: list[Row]) -> None:
+    def _run_job(self, job: Callable[[], None]) -> None:
         if not self.stopped:
-            self.workers.submit(lambda: self.filler.fill(batch, rows))
+            self.workers.submit(job)
 
     def _is_local(self, key: Any) -> bool:
         """Whether a decode thread reads ``key`` itself: local files, with the loader's own read."""
@@ -244,11 +236,12 @@ class Producer:
                 self._read_slots.release()
         except SampleError as error:
             await self._failed(batch, row.row, error)
-            return
         except Exception as error:  # not the sample's fault, but it must not be lost either
             await self._failed(batch, row.row, SampleError(f"source[{row.index}]", "load", error))
-            return
-        self._submit_job(batch, [row])
+        else:
+            self.jobs.add(batch, [row])
+        finally:
+            self.jobs.release(batch)
 
     def _job_failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """On a decode thread: a row failed. The failure policy may take the plan's next

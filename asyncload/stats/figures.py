@@ -69,6 +69,7 @@ class LoaderStats:
         self.samples = 0
         self.consumer_wait_seconds = 0.0
         self.retries = 0
+        self.decoded_on_cpu = 0  # samples a batched GPU decoder sent to its CPU path
         self.failures: list[Failure] = []
         self._active_seconds = 0.0
         self._active_cpu = 0.0
@@ -105,6 +106,10 @@ class LoaderStats:
     def add_retry(self) -> None:
         with self._lock:
             self.retries += 1
+
+    def add_decoded_on_cpu(self, count: int) -> None:
+        with self._lock:
+            self.decoded_on_cpu += count
 
     def add_failure(self, item: object, stage: str, error: BaseException) -> None:
         with self._lock:
@@ -165,7 +170,7 @@ class LoaderStats:
                 **stages, **levels, gil_late_ms=self._gil.mean_late_ms(), batches=self.batches, samples=self.samples,
                 consumer_wait_seconds=self.consumer_wait_seconds, retries=self.retries, failures=len(self.failures),
                 active_seconds=active, cpu_seconds=cpu, other_processes_cpu_seconds=max(0.0, system_cpu - cpu),
-                cpu_cores=usable_cores(), **self.limits,
+                cpu_cores=usable_cores(), decoded_on_cpu=self.decoded_on_cpu, **self.limits,
             )
         return with_verdict(snapshot)
 
@@ -194,6 +199,8 @@ class LoaderStats:
             f"({s.samples / active:.0f}/s), waited {100 * s.consumer_wait_seconds / active:.0f} % of the time; "
             f"CPU {s.cpu_seconds / active:.2f} cores; retries {s.retries}, failures {s.failures}"
         )
+        if s.decoded_on_cpu:
+            lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")
         name, evidence = diagnose(s.as_dict())
         lines.append(f"bottleneck: {name}: {evidence}")
         return "\n".join(lines)

@@ -90,6 +90,9 @@ class StatsSnapshot:
     """What limits the pipeline (see ``stats.verdict.diagnose``)."""
     processes: int | None = None
     """Child processes running the pipeline, with ``processes=N``; else None."""
+    decoded_on_cpu: int = 0
+    """Samples a batched GPU decoder (``GpuImageDecoder``) sent to its CPU path: formats and files
+    nvJPEG does not decode (CMYK JPEGs, PNG, ...). Near ``decode.items``, the GPU path idles."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers (and the bottleneck's name), for training logs or TensorBoard: keys

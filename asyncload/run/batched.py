@@ -1,0 +1,171 @@
+"""Batched decoders (``batched = True``, ``decode_batch`` and ``field``: ``GpuImageDecoder``):
+one decode job per batch instead of one per chunk of rows.
+
+nvJPEG pays off on many images at once, so the rows of a batch are gathered on the event loop
+until none of them is still being read, then go to a decode thread as one ``decode_batch`` call.
+A failed row takes the failure path of every decoder (``row_failed``): with ``on_error="skip"``
+its replacement is read, gathered and decoded in a call of its own, into the same row. The keys
+are ``(epoch, source index)``, as ``RowFiller`` gives ``decode_into``, so the same seed gives
+``ImageDecoder``'s crops.
+
+Where the images live: a decoder on the CPU writes the host batch buffer, as any decoder. One on
+a CUDA device writes a buffer field allocated on that device (``OnDevice``), on a side stream of
+its own; the events it returns go with the buffer (``BatchBuffer.writes``), and the device stage
+waits on them before it clones the field for the user.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..batch.buffers import Field, OnDevice
+from ..errors import SampleError
+from ..stats.figures import LoaderStats
+from .jobs import Batch, Row, read_plain_file
+
+IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
+
+
+def is_batched(decode: Any) -> bool:
+    """Whether ``decode`` decodes whole batches: ``batched = True``, ``decode_batch``, and a
+    ``field`` that declares its output."""
+    return (getattr(decode, "batched", False) is True and callable(getattr(decode, "decode_batch", None))
+            and isinstance(getattr(decode, "field", None), Field))
+
+
+def image_placement(decode: Any, device: torch.device | None, processes: int) -> OnDevice | None:
+    """Where a batched decoder's images live: None for the host buffer (any other decoder, or a
+    batched one on the CPU, whose rows are copied up as usual), else the CUDA field and the side
+    stream that decodes into it. What the loader cannot run fails here, at construction."""
+    if not is_batched(decode):
+        return None
+    if processes:
+        raise ValueError("a batched decoder (decode_batch) runs in-process, on the GPU's side stream: "
+                         "it cannot be used with processes=N or isolate=True")
+    own = torch.device(getattr(decode, "device", None) or "cpu")
+    if own.type == "cpu":
+        return None
+    if device is None:
+        raise ValueError(f"the decoder runs on {own}, but the loader has device=None: pass device={str(own)!r} "
+                         "so that its batches stay there")
+    if own.type == "cuda" and own.index is None:
+        own = torch.device("cuda", torch.cuda.current_device())
+    if own != device:
+        raise ValueError(f"the decoder runs on {own}, but the loader's device is {device}: they must be the same")
+    return OnDevice(frozenset({IMAGE_FIELD}), torch.cuda.Stream(device))
+
+
+@dataclass
+class _Gathering:
+    holds: int = 0
+    rows: list[Row] = field(default_factory=list)
+
+
+class BatchJobs:
+    """Both sides of the batched decode: ``hold``/``add``/``release`` on the event loop gather
+    a batch's rows, ``fill`` decodes them on a decode thread.
+
+    The producer holds a batch while it submits rows to it and while each of its reads is in
+    flight, and adds the rows whose bytes are here (local files: the job reads them). The last
+    release sends what has gathered as one job through ``run_job``. A replacement submitted
+    while other rows are still held joins their job; one submitted later makes its own.
+    ``read_other``, ``rows_done`` and ``row_failed`` are ``RowFiller``'s."""
+
+    def __init__(self, decode: Any, epoch: int, stats: LoaderStats, read_other: Callable[[str], bytes],
+                 rows_done: Callable[[Batch, int], None], row_failed: Callable[[Batch, int, SampleError], None],
+                 run_job: Callable[[Callable[[], None]], None]) -> None:
+        self.decode = decode
+        self.epoch = epoch
+        self.stats = stats
+        self.read_other = read_other
+        self.rows_done = rows_done
+        self.row_failed = row_failed
+        self.run_job = run_job
+        self._gathering: dict[int, _Gathering] = {}  # batch number -> rows waiting; loop only
+
+    # ----- the event loop -----
+
+    def hold(self, batch: Batch) -> None:
+        """A row of ``batch`` may still come: do not send its job yet."""
+        self._gathering.setdefault(batch.number, _Gathering()).holds += 1
+
+    def add(self, batch: Batch, rows: Sequence[Row]) -> None:
+        """Rows ready to decode (bytes read, or a local file the job reads); under a hold."""
+        self._gathering[batch.number].rows.extend(rows)
+
+    def release(self, batch: Batch) -> None:
+        """Ends a hold; the last one sends the gathered rows as one decode job."""
+        gathering = self._gathering[batch.number]
+        gathering.holds -= 1
+        if gathering.holds == 0:
+            del self._gathering[batch.number]
+            if gathering.rows:
+                self.run_job(lambda: self.fill(batch, gathering.rows))
+
+    # ----- a decode thread -----
+
+    def fill(self, batch: Batch, rows: list[Row]) -> None:
+        """A decode job: reads the local rows, decodes every row with one ``decode_batch`` call,
+        writes the labels, then reports the rows done once and each failure on its own."""
+        self.stats.level("decodes_running", 1)
+        try:
+            rows, datas = self._read(batch, rows)
+            if rows:
+                self._decode(batch, rows, datas)
+        finally:
+            self.stats.level("decodes_running", -1)
+
+    def _read(self, batch: Batch, rows: list[Row]) -> tuple[list[Row], list[Any]]:
+        """The rows whose bytes are here, with their bytes: local files are read now."""
+        ready, datas = [], []
+        read_s, nbytes, reads = 0.0, 0, 0
+        for row in rows:
+            data = row.data
+            if data is None:
+                started = time.perf_counter()
+                try:
+                    data = read_plain_file(row.key)
+                    if data is None:
+                        data = self.read_other(row.key)
+                except Exception as error:
+                    self.row_failed(batch, row.row, SampleError(row.key, "read", error))
+                    continue
+                finally:
+                    read_s += time.perf_counter() - started
+                reads += 1
+                nbytes += len(data)
+            ready.append(row)
+            datas.append(data)
+        if reads:
+            self.stats.add("read", read_s, nbytes, items=reads)
+        return ready, datas
+
+    def _decode(self, batch: Batch, rows: list[Row], datas: list[Any]) -> None:
+        assert batch.buffer is not None
+        buffer = batch.buffer
+        stream = buffer.on_device.stream if buffer.on_device is not None else None
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        try:
+            failures, event, on_cpu = self.decode.decode_batch(
+                datas, [(self.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
+                rows=[row.row for row in rows])
+        except Exception as error:  # not one file's fault, but no row may be lost: each one fails
+            failures, event, on_cpu = dict.fromkeys(range(len(rows)), error), None, []
+        self.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started,
+                       items=len(rows))
+        if on_cpu:
+            self.stats.add_decoded_on_cpu(len(on_cpu))
+        labels = buffer.arrays[IMAGE_FIELD + 1] if len(buffer.tensors) > 1 else None
+        for number, row in enumerate(rows):
+            if labels is not None and number not in failures:
+                labels[row.row] = row.label
+        if event is not None:
+            buffer.writes.append(event)  # before the rows are done: the batch's copy waits on it
+        for number, error in failures.items():
+            self.row_failed(batch, rows[number].row, SampleError(rows[number].key, "decode", error))
+        if len(rows) > len(failures):
+            self.rows_done(batch, len(rows) - len(failures))
