@@ -4,7 +4,7 @@
 
 Starts SeaweedFS (or uses the S3 server at ``--endpoint``, which must allow any key), puts
 ``--objects`` objects of 100 KB, then fetches them all through each client as asyncload's reader
-builds it (``asyncload.object_store.filesystem``, the same fsspec-style options, ``_cat_file``)
+builds it (``asyncload.object_store.filesystem``, the same fsspec-style options, the same read)
 with ``--in-flight`` GETs at once, ``--runs`` times, alternating. Reports the median CPU time of
 this process per GET (the server runs in its own process and is not counted; obstore's Rust
 threads are) and GETs/s. SeaweedFS keeps connections alive, as a cloud bucket does, so a GET
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -29,12 +30,16 @@ CLIENTS = ("obstore", "fsspec")  # storage_options["client"]: fsspec is s3fs her
 
 
 async def cpu_per_get(fs, paths: list[str], in_flight: int) -> tuple[float, float]:
-    """(milliseconds of this process's CPU per GET, GETs per second), fetching every path once."""
+    """(milliseconds of this process's CPU per GET, GETs per second), fetching every path once
+    as asyncload's reader does (obstore: ``object_store.cat``, one ranged GET; s3fs: ``_cat_file``)."""
+    from asyncload.io import object_store
+
     slots = asyncio.Semaphore(in_flight)
+    cat = functools.partial(object_store.cat, fs) if object_store.is_obstore(fs) else fs._cat_file
 
     async def get(path: str) -> int:
         async with slots:
-            return len(await fs._cat_file(path))
+            return len(await cat(fs._strip_protocol(path)))
 
     cpu, wall = time.process_time(), time.perf_counter()
     sizes = await asyncio.gather(*(get(p) for p in paths))

@@ -18,7 +18,7 @@ from asyncload.io import object_store
 from asyncload.io.reader import Reader
 from asyncload.stats.figures import LoaderStats
 from bench.s3server import obstore_options, storage_options
-from tests.conftest import CLASSES, PER_CLASS, epoch, identify, wait_until
+from tests.conftest import CLASSES, PER_CLASS, epoch, identify, setup_s3fs, wait_until
 from tests.faults import SLOW_DOWN, STALL, FaultProxy, first_tries
 
 obstore_fsspec = pytest.importorskip("obstore.fsspec")
@@ -137,9 +137,9 @@ def test_whole_objects_and_ranges_come_back_exactly_empty_ones_too(s3_jpeg_bucke
     to range over (the server answers 416) and must still read as b"" without a retry."""
     import os
 
-    put = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options)
     objects = {f"asyncload-test/raw/{size}": os.urandom(size) for size in (0, 1, 100_000)}
-    put.pipe(objects)
+    with setup_s3fs(s3_options) as put:
+        put.pipe(objects)
     stats = LoaderStats()
     loop = asyncio.new_event_loop()
     try:

@@ -179,6 +179,33 @@ def test_an_epoch_from_s3_equals_the_local_one_in_one_request_per_shard(shard_di
     assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, expected))
 
 
+def test_shards_are_written_and_indexed_in_s3_through_obstore(shard_dir, s3_jpeg_bucket, s3_shards, s3_options,
+                                                              monkeypatch):
+    """write_shards from a bucket into a bucket, and index_shards of shards in a bucket, with the
+    loader's client (obstore): s3fs, an optional extra, is not needed (its import fails here)."""
+    pytest.importorskip("obstore")
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    written = write_shards(image_folder(s3_jpeg_bucket, storage_options=s3_options), "s3://asyncload-test/written",
+                           samples_per_shard=5, storage_options=s3_options)
+    assert written == "s3://asyncload-test/written/index.json"
+    local = json.loads((shard_dir / "index.json").read_text())
+    remote = tar_shards(written, storage_options=s3_options, shuffle_buffer=5)
+    assert remote.urls == [f"s3://asyncload-test/written/{s['url']}" for s in local["shards"]]
+    assert remote.shard_bytes.tolist() == [s["bytes"] for s in local["shards"]]
+    urls = [f"{s3_shards}/{s['url']}" for s in local["shards"]]
+    indexed = index_shards(urls, "s3://asyncload-test/indexed/index.json", storage_options=s3_options, classes=CLASSES)
+    expected = epoch_of(tar_shards(str(shard_dir), shuffle_buffer=5))
+    for index_url in (written, indexed):
+        source = tar_shards(index_url, storage_options=s3_options, shuffle_buffer=5)
+        got = epoch_of(source, storage_options=s3_options)
+        assert len(got) == 4 and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, expected))
+
+
+def epoch_of(source, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    with AsyncLoader(source, batch_size=6, decode=DECODE, **kwargs) as loader:
+        return [(images.clone(), labels.clone()) for images, labels in loader]
+
+
 def test_small_chunks_split_a_shard_into_several_ranged_reads(shard_dir):
     source = tar_shards(str(shard_dir), chunk_bytes=1500)  # each sample is ~1 KB of JPEG
     with AsyncLoader(source, batch_size=8, decode=DECODE) as loader:

@@ -11,13 +11,15 @@ import io
 import json
 import posixpath
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
-import fsspec
+from fsspec.core import split_protocol
 
+from ..io import object_store
 from .shards import INDEX_FORMAT, INDEX_NAME, LABEL_MEMBER
 
-READ_BATCH = 64  # files fetched at once while writing (concurrently, on async filesystems)
+READ_BATCH = 64  # files fetched at once while writing
 
 
 def write_shards(
@@ -31,23 +33,25 @@ def write_shards(
     """Writes the items of ``source`` (URLs, or ``(url, label)`` pairs, e.g. from
     ``image_folder`` or ``manifest``) as tar shards of ``samples_per_shard`` samples under ``url``
     (a folder or bucket prefix), each sample ``<key>.<ext>`` plus ``<key>.cls`` for its label, and
-    the shards' ``index.json``. Keys are the items' positions in ``source``. Returns the index URL."""
+    the shards' ``index.json``. Keys are the items' positions in ``source``. Returns the index URL.
+    Object stores are read and written through the loader's client (``object_store``)."""
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
     options = storage_options or {}
-    out_fs, root = fsspec.core.url_to_fs(url, **options)
-    out_fs.makedirs(root, exist_ok=True)
-    shards = []
-    for number, start in enumerate(range(0, len(source), samples_per_shard)):
-        items = [source[i] for i in range(start, min(start + samples_per_shard, len(source)))]
-        shard_name = name.format(number)
-        with out_fs.open(posixpath.join(root, shard_name), "wb") as file:
-            shards.append({"url": shard_name, **_write_shard(file, items, start, options)})
-    index = {"format": INDEX_FORMAT, "classes": list(getattr(source, "classes", [])), "shards": shards}
-    index_url = posixpath.join(url.rstrip("/"), INDEX_NAME)
-    with fsspec.open(index_url, "wt", **options) as file:
-        json.dump(index, file)
-    return index_url
+    out_fs, root = object_store.url_to_fs(url, options)
+    try:
+        out_fs.makedirs(root, exist_ok=True)
+        shards = []
+        for number, start in enumerate(range(0, len(source), samples_per_shard)):
+            items = [source[i] for i in range(start, min(start + samples_per_shard, len(source)))]
+            shard_name = name.format(number)
+            with out_fs.open(posixpath.join(root, shard_name), "wb") as file:
+                shards.append({"url": shard_name, **_write_shard(file, items, start, options)})
+        index = {"format": INDEX_FORMAT, "classes": list(getattr(source, "classes", [])), "shards": shards}
+        out_fs.pipe_file(posixpath.join(root, INDEX_NAME), json.dumps(index).encode())
+    finally:
+        object_store.release(out_fs)
+    return posixpath.join(url.rstrip("/"), INDEX_NAME)
 
 
 def _write_shard(file: Any, items: list[Any], first_key: int, options: dict) -> dict[str, Any]:
@@ -69,15 +73,22 @@ def _write_shard(file: Any, items: list[Any], first_key: int, options: dict) -> 
 
 
 def _read_all(items: list[Any], options: dict) -> Iterator[bytes]:
-    """The bytes of each item, fetched ``READ_BATCH`` at a time."""
+    """The bytes of each item, in order, ``READ_BATCH`` in flight (on threads: a bucket's
+    latency, not its bandwidth, bounds one read at a time), one client per protocol."""
     urls = [item[0] if isinstance(item, (tuple, list)) else item for item in items]
-    for start in range(0, len(urls), READ_BATCH):
-        batch = urls[start : start + READ_BATCH]
-        fs, _ = fsspec.core.url_to_fs(batch[0], **options)
-        paths = [fs._strip_protocol(u) for u in batch]
-        contents = fs.cat(paths, on_error="raise")
-        for path in paths:
-            yield contents[path]
+    first = {split_protocol(url)[0] or "file": url for url in reversed(urls)}  # a URL per protocol
+    clients = {protocol: object_store.url_to_fs(url, options)[0] for protocol, url in first.items()}
+
+    def read(url: str) -> bytes:
+        fs = clients[split_protocol(url)[0] or "file"]
+        return fs.cat_file(fs._strip_protocol(url))
+
+    try:
+        with ThreadPoolExecutor(READ_BATCH, thread_name_prefix="asyncload-write-shards") as pool:
+            yield from pool.map(read, urls)
+    finally:
+        for fs in clients.values():
+            object_store.release(fs)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> list[Any]:
@@ -101,15 +112,21 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
     base = posixpath.dirname(out)
     shards = []
     for url in urls:
-        fs, path = fsspec.core.url_to_fs(url, **options)
-        with fs.open(path, "rb") as file:
-            entry = _index_shard(file, url)
-        entry["bytes"] = fs.size(path)
+        fs, path = object_store.url_to_fs(url, options)
+        try:
+            with fs.open(path, "rb") as file:
+                entry = _index_shard(file, url)
+            entry["bytes"] = fs.size(path)
+        finally:
+            object_store.release(fs)
         relative = posixpath.relpath(url, base) if posixpath.dirname(url) == base else url
         shards.append({"url": relative, **entry})
     index = {"format": INDEX_FORMAT, "classes": list(classes), "shards": shards}
-    with fsspec.open(out, "wt", **options) as file:
-        json.dump(index, file)
+    out_fs, out_path = object_store.url_to_fs(out, options)
+    try:
+        out_fs.pipe_file(out_path, json.dumps(index).encode())
+    finally:
+        object_store.release(out_fs)
     return out
 
 
