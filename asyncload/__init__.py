@@ -16,6 +16,7 @@ _PUBLIC = {
     "SampleError": "asyncload.errors",
     "TooManyFailures": "asyncload.errors",
     "ImageDecoder": "asyncload.decode.image",
+    "GpuImageDecoder": "asyncload.decode.gpu",
     "Source": "asyncload.sources.items",
     "image_folder": "asyncload.sources.items",
     "list_files": "asyncload.sources.items",
@@ -28,6 +29,7 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
+    from .decode.gpu import GpuImageDecoder
     from .decode.image import ImageDecoder
     from .errors import SampleError, TooManyFailures
     from .loader import AsyncLoader

@@ -51,6 +51,8 @@ class AsyncLoadContender(Contender):
         if workload.source.startswith("s3") and _has_obstore():
             sweep.append({"num_threads": n, "io_concurrency": 64, "client": "fsspec"})
         configs = [default] + [{"tag": "tuned", **c} for c in sweep]
+        if workload.name == "train" and _has_torchvision():  # nvJPEG: GpuImageDecoder, a batch per call
+            configs.append({"tag": "gpu-decode", "decode": "gpu"})
         if not quick:  # asyncload's own autotuner
             configs.append(auto)
         return configs
@@ -81,9 +83,23 @@ class AsyncLoadContender(Contender):
             source = image_folder(data.root, storage_options=storage_options)
         if len(source) != len(data.items):
             raise RuntimeError(f"the source has {len(source)} items, the bench listed {len(data.items)}")
+        decode = tasks.image_decoder()
+        if config.get("decode") == "gpu":
+            from asyncload import GpuImageDecoder
+
+            decode = GpuImageDecoder(224, train=True, seed=0, device=device or "cpu")
         return AsyncLoader(source, batch_size=workload.batch_size, shuffle=True, seed=0,
-                           decode=tasks.image_decoder(), storage_options=storage_options,
+                           decode=decode, storage_options=storage_options,
                            device=device, **settings)
+
+
+def _has_torchvision() -> bool:
+    """torchvision that loads with this torch (a CUDA-only build fails to import on a CPU one)."""
+    try:
+        import torchvision.io  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure means no nvJPEG path here
+        return False
+    return True
 
 
 def _has_obstore() -> bool:
