@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import statistics
@@ -31,11 +30,12 @@ CLIENTS = ("obstore", "fsspec")  # storage_options["client"]: fsspec is s3fs her
 
 async def cpu_per_get(fs, paths: list[str], in_flight: int) -> tuple[float, float]:
     """(milliseconds of this process's CPU per GET, GETs per second), fetching every path once
-    as asyncload's reader does (obstore: ``object_store.cat``, one ranged GET; s3fs: ``_cat_file``)."""
-    from asyncload.io import object_store
-
+    as asyncload's reader does (``one_request_read``: obstore's one ranged GET, s3fs's ``_cat_file``
+    without a HEAD first)."""
     slots = asyncio.Semaphore(in_flight)
-    cat = functools.partial(object_store.cat, fs) if object_store.is_obstore(fs) else fs._cat_file
+    from asyncload.io.reader import one_request_read
+
+    cat = one_request_read(fs)
 
     async def get(path: str) -> int:
         async with slots:

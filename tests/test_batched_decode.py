@@ -118,6 +118,30 @@ def test_a_broken_file_raises_sample_error_naming_it_at_decode(broken_folder):
     assert raised.value.stage == "decode"
 
 
+class MisnumberingDecoder(RecordingDecoder):
+    """Reports its first row failed under the row's number in the batch, not its position in
+    ``datas``: a contract breach the loader must turn into errors, not a batch never complete."""
+
+    def decode_batch(self, datas, keys, out, stream=None, rows=None):
+        result = super().decode_batch(datas, keys, out, stream=stream, rows=rows)
+        return result._replace(failures={rows[0] + 100: ValueError("misnumbered")})
+
+
+class RaisingDecoder(RecordingDecoder):
+    def decode_batch(self, datas, keys, out, stream=None, rows=None):
+        raise RuntimeError("the device went away")
+
+
+@pytest.mark.parametrize("decoder, cause", [(MisnumberingDecoder, "TypeError: its failures must be a dict keyed"),
+                                            (RaisingDecoder, "RuntimeError: the device went away")])
+def test_a_batch_decode_that_breaks_fails_its_rows_saying_so(photo_folder, decoder, cause):
+    source = image_folder(str(photo_folder))
+    with AsyncLoader(source, batch_size=4, shuffle=False, decode=decoder(SIZE)) as loader:
+        with pytest.raises(SampleError, match=f"decode_batch of 4 rows failed: {cause}") as raised:
+            list(loader)
+    assert raised.value.item == source[0][0] and raised.value.stage == "decode"
+
+
 @pytest.mark.parametrize("folder", ["broken_folder", "unreadable_folder"])
 def test_skip_refills_the_failed_row_and_delivers_every_good_sample_once(request, folder):
     source = image_folder(str(request.getfixturevalue(folder)))

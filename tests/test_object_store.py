@@ -65,6 +65,19 @@ def test_gcs_and_azure_names_are_translated(tmp_path):
     assert client_for("az", {"account_name": "acct", "anon": True})[1]["config"] == {"account_name": "acct", "skip_signature": True}
 
 
+@pytest.mark.parametrize("protocol, options", [("gs", {"token": "anon"}), ("gcs", {"token": "anon"}),
+                                               ("s3a", {"anon": True, "region": "us-east-1"}),
+                                               ("abfs", {"account_name": "acct", "anon": True}),
+                                               ("abfss", {"account_name": "acct", "anon": True})])
+def test_every_alias_of_a_scheme_builds_its_store(protocol, options):
+    """fsspec's other names for a scheme (gcs://, s3a://, abfs://) reach obstore under its own
+    name (object_store knows only gs://, s3://, az://); building a store sends no request."""
+    fs, path = object_store.url_to_fs(f"{protocol}://bucket/a.jpg", options)
+    assert object_store.is_obstore(fs) and path == "bucket/a.jpg"
+    assert fs._construct_store("bucket") is not None
+    object_store.release(fs)
+
+
 def test_no_aws_files_no_boto3_provider(tmp_path, monkeypatch):
     """Without ``~/.aws`` or a profile, object_store's own chain (environment, web identity,
     instance metadata) finds credentials: boto3 is not asked."""

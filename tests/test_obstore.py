@@ -154,6 +154,43 @@ def test_whole_objects_and_ranges_come_back_exactly_empty_ones_too(s3_jpeg_bucke
     assert stats.retries == 0
 
 
+def test_a_server_that_ignores_ranges_is_read_with_plain_gets():
+    """A server (or proxy) that answers the whole-object ranged GET with a full 200 body: the
+    object is read with a plain GET, and every later one straight away (one request each)."""
+    import http.server
+    import threading
+
+    body, ranges = b"x" * 1000, []
+
+    class IgnoresRanges(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ranges.append(self.headers.get("Range"))
+            self.send_response(200)
+            for name, value in (("Content-Length", str(len(body))), ("ETag", '"e"'),
+                                ("Last-Modified", "Mon, 23 Nov 2026 10:00:00 GMT")):
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), IgnoresRanges)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    options = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "key": "k", "secret": "s", "region": "us-east-1"}
+    stats, loop = LoaderStats(), asyncio.new_event_loop()
+    try:
+        reader = Reader(loop, storage_options=options, timeout=10.0, retries=0, io_concurrency=4, stats=stats)
+        assert [loop.run_until_complete(reader.read(f"s3://bucket/{i}.jpg")) for i in range(3)] == [body] * 3
+        loop.run_until_complete(reader.aclose())
+    finally:
+        loop.close()
+        server.shutdown()
+        server.server_close()
+    assert ranges[0] is not None and ranges[1:] == [None] * 3
+    assert stats.retries == 0
+
+
 @pytest.fixture
 def moto_source(moto_server, moto_jpeg_bucket):
     return image_folder(moto_jpeg_bucket, storage_options=storage_options(moto_server.endpoint_url))

@@ -184,15 +184,7 @@ class Reader:
         if protocol not in self._filesystems:
             fs = object_store.filesystem(protocol, self.storage_options, loop=self.loop, read_timeout=self.timeout,
                                          connections=self.io_concurrency)
-            cat = None
-            if object_store.is_obstore(fs):
-                cat = functools.partial(object_store.cat, fs)
-            elif fs.async_impl and "max_concurrency" in inspect.signature(fs._cat_file).parameters:
-                # s3fs sends a HEAD before the GET to split large objects; one request is enough.
-                cat = functools.partial(fs._cat_file, max_concurrency=1)
-            elif fs.async_impl:
-                cat = fs._cat_file
-            self._filesystems[protocol] = (fs, cat)
+            self._filesystems[protocol] = (fs, one_request_read(fs))
         return self._filesystems[protocol]
 
     async def aclose(self) -> None:
@@ -206,6 +198,20 @@ class Reader:
         finally:
             self._filesystems.clear()
             self._blocking.shutdown(SHUTDOWN_WAIT_S)
+
+
+def one_request_read(fs: Any) -> Callable[..., Awaitable[bytes]] | None:
+    """How to read ``(path, start=, end=)`` from async filesystem ``fs`` in a single request
+    (None for a synchronous one): obstore's one ranged GET (``object_store.cat``), or the
+    filesystem's ``_cat_file``, told not to send s3fs's HEAD before the GET."""
+    if object_store.is_obstore(fs):
+        return functools.partial(object_store.cat, fs)
+    if not fs.async_impl:
+        return None
+    if "max_concurrency" in inspect.signature(fs._cat_file).parameters:
+        # s3fs sends a HEAD before the GET to split large objects; one request is enough.
+        return functools.partial(fs._cat_file, max_concurrency=1)
+    return fs._cat_file
 
 
 async def _close_sessions(fs: Any) -> None:

@@ -145,27 +145,44 @@ class BatchJobs:
         return ready, datas
 
     def _decode(self, batch: Batch, rows: list[Row], datas: list[Any]) -> None:
+        """One ``decode_batch`` call for ``rows``, then every row reported exactly once: done, or
+        failed with its error. Whatever goes wrong between (the call raises, returns failures
+        numbered otherwise than ``datas``, a label does not fit) fails every row rather than
+        leaving the batch incomplete for ever."""
         assert batch.buffer is not None
         buffer = batch.buffer
-        stream = buffer.on_device.stream if buffer.on_device is not None else None
         started, cpu_started = time.perf_counter(), time.thread_time()
         try:
-            failures, event, on_cpu = self.decode.decode_batch(
-                datas, [(self.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
-                rows=[row.row for row in rows])
+            failures, event = self._call(buffer, rows, datas)
         except Exception as error:  # not one file's fault, but no row may be lost: each one fails
-            failures, event, on_cpu = dict.fromkeys(range(len(rows)), error), None, []
+            whole = RuntimeError(f"{type(self.decode).__name__}.decode_batch of {len(rows)} rows failed: "
+                                 f"{type(error).__name__}: {error}")
+            whole.__cause__ = error
+            failures, event = dict.fromkeys(range(len(rows)), whole), None
         self.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started,
                        items=len(rows))
-        if on_cpu:
-            self.stats.add_decoded_on_cpu(len(on_cpu))
-        labels = buffer.arrays[IMAGE_FIELD + 1] if len(buffer.tensors) > 1 else None
-        for number, row in enumerate(rows):
-            if labels is not None and number not in failures:
-                labels[row.row] = row.label
         if event is not None:
             buffer.writes.append(event)  # before the rows are done: the batch's copy waits on it
         for number, error in failures.items():
             self.row_failed(batch, rows[number].row, SampleError(rows[number].key, "decode", error))
         if len(rows) > len(failures):
             self.rows_done(batch, len(rows) - len(failures))
+
+    def _call(self, buffer: Any, rows: list[Row], datas: list[Any]) -> tuple[dict[int, Exception], Any]:
+        """``decode_batch`` into ``buffer``, its result checked, the labels written: (failures
+        numbered as ``rows``, the event that ends its writes or None)."""
+        stream = buffer.on_device.stream if buffer.on_device is not None else None
+        failures, event, on_cpu = self.decode.decode_batch(
+            datas, [(self.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
+            rows=[row.row for row in rows])
+        if not isinstance(failures, dict) or not set(failures) <= set(range(len(rows))):
+            raise TypeError(f"its failures must be a dict keyed by positions in datas (0..{len(rows) - 1}), "
+                            f"got {failures!r}")
+        if on_cpu:
+            self.stats.add_decoded_on_cpu(len(on_cpu))
+        labels = buffer.arrays[IMAGE_FIELD + 1] if len(buffer.tensors) > 1 else None
+        if labels is not None:
+            for number, row in enumerate(rows):
+                if number not in failures:
+                    labels[row.row] = row.label
+        return failures, event

@@ -11,7 +11,8 @@ import io
 import json
 import posixpath
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Sequence
 
 from fsspec.core import split_protocol
@@ -37,28 +38,65 @@ def write_shards(
     Object stores are read and written through the loader's client (``object_store``)."""
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
-    options = storage_options or {}
-    out_fs, root = object_store.url_to_fs(url, options)
-    try:
+    with Clients(storage_options or {}) as clients:
+        out_fs, root = clients.for_url(url)
         out_fs.makedirs(root, exist_ok=True)
         shards = []
         for number, start in enumerate(range(0, len(source), samples_per_shard)):
             items = [source[i] for i in range(start, min(start + samples_per_shard, len(source)))]
             shard_name = name.format(number)
             with out_fs.open(posixpath.join(root, shard_name), "wb") as file:
-                shards.append({"url": shard_name, **_write_shard(file, items, start, options)})
+                shards.append({"url": shard_name, **_write_shard(file, items, start, clients)})
         index = {"format": INDEX_FORMAT, "classes": list(getattr(source, "classes", [])), "shards": shards}
         out_fs.pipe_file(posixpath.join(root, INDEX_NAME), json.dumps(index).encode())
-    finally:
-        object_store.release(out_fs)
     return posixpath.join(url.rstrip("/"), INDEX_NAME)
 
 
-def _write_shard(file: Any, items: list[Any], first_key: int, options: dict) -> dict[str, Any]:
+class Clients:
+    """The filesystems of one ``write_shards``/``index_shards`` call, one per protocol (each
+    object-store client keeps a connection pool: building one per shard or per item would
+    redo its connections), and the threads that read items (on threads, ``READ_BATCH`` at a
+    time: a bucket's latency, not its bandwidth, bounds one read at a time)."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self._filesystems: dict[str, Any] = {}
+        self._pool = ThreadPoolExecutor(READ_BATCH, thread_name_prefix="asyncload-write-shards")
+
+    def for_url(self, url: str) -> tuple[Any, str]:
+        """The filesystem for ``url`` and the path in it (filesystems built on the caller's thread)."""
+        protocol = split_protocol(url)[0] or "file"
+        if protocol not in self._filesystems:
+            self._filesystems[protocol] = object_store.url_to_fs(url, self.options)[0]
+        fs = self._filesystems[protocol]
+        return fs, fs._strip_protocol(url)
+
+    def read_all(self, urls: list[str]) -> Iterator[bytes]:
+        """The bytes at each URL, in order; at most ``READ_BATCH`` read or held at once."""
+        reads: deque[Future] = deque()
+        for url in urls:
+            fs, path = self.for_url(url)
+            reads.append(self._pool.submit(fs.cat_file, path))
+            if len(reads) == READ_BATCH:
+                yield reads.popleft().result()
+        while reads:
+            yield reads.popleft().result()
+
+    def __enter__(self) -> "Clients":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._pool.shutdown(cancel_futures=True)
+        for fs in self._filesystems.values():
+            object_store.release(fs)
+
+
+def _write_shard(file: Any, items: list[Any], first_key: int, clients: Clients) -> dict[str, Any]:
     """Writes one tar of ``items``; returns its index entry (without the URL)."""
     keys, members, labels = [], [], []
+    urls = [item[0] if isinstance(item, (tuple, list)) else item for item in items]
     with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for offset, (item, data) in enumerate(zip(items, _read_all(items, options))):
+        for offset, (item, data) in enumerate(zip(items, clients.read_all(urls))):
             url, label = item if isinstance(item, (tuple, list)) else (item, None)
             key = f"{first_key + offset:08d}"
             ext = posixpath.splitext(url)[1].lstrip(".").lower() or "bin"
@@ -70,25 +108,6 @@ def _write_shard(file: Any, items: list[Any], first_key: int, options: dict) -> 
             labels.append(None if label is None else int(label))
     return {"bytes": file.tell(), "keys": keys, "members": members,
             "labels": labels if all(label is not None for label in labels) else None}
-
-
-def _read_all(items: list[Any], options: dict) -> Iterator[bytes]:
-    """The bytes of each item, in order, ``READ_BATCH`` in flight (on threads: a bucket's
-    latency, not its bandwidth, bounds one read at a time), one client per protocol."""
-    urls = [item[0] if isinstance(item, (tuple, list)) else item for item in items]
-    first = {split_protocol(url)[0] or "file": url for url in reversed(urls)}  # a URL per protocol
-    clients = {protocol: object_store.url_to_fs(url, options)[0] for protocol, url in first.items()}
-
-    def read(url: str) -> bytes:
-        fs = clients[split_protocol(url)[0] or "file"]
-        return fs.cat_file(fs._strip_protocol(url))
-
-    try:
-        with ThreadPoolExecutor(READ_BATCH, thread_name_prefix="asyncload-write-shards") as pool:
-            yield from pool.map(read, urls)
-    finally:
-        for fs in clients.values():
-            object_store.release(fs)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> list[Any]:
@@ -107,26 +126,20 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
     only the small ``.cls`` members' contents. A member ``dir/key.ext`` belongs to sample
     ``dir/key`` (the part of the name before its first dot). Writes ``index.json`` to ``out``
     (default: beside the first shard) and returns its URL."""
-    options = storage_options or {}
     out = out or posixpath.join(posixpath.dirname(urls[0]), INDEX_NAME)
     base = posixpath.dirname(out)
     shards = []
-    for url in urls:
-        fs, path = object_store.url_to_fs(url, options)
-        try:
+    with Clients(storage_options or {}) as clients:
+        for url in urls:
+            fs, path = clients.for_url(url)
             with fs.open(path, "rb") as file:
                 entry = _index_shard(file, url)
             entry["bytes"] = fs.size(path)
-        finally:
-            object_store.release(fs)
-        relative = posixpath.relpath(url, base) if posixpath.dirname(url) == base else url
-        shards.append({"url": relative, **entry})
-    index = {"format": INDEX_FORMAT, "classes": list(classes), "shards": shards}
-    out_fs, out_path = object_store.url_to_fs(out, options)
-    try:
+            relative = posixpath.relpath(url, base) if posixpath.dirname(url) == base else url
+            shards.append({"url": relative, **entry})
+        index = {"format": INDEX_FORMAT, "classes": list(classes), "shards": shards}
+        out_fs, out_path = clients.for_url(out)
         out_fs.pipe_file(out_path, json.dumps(index).encode())
-    finally:
-        object_store.release(out_fs)
     return out
 
 

@@ -51,7 +51,7 @@ class AsyncLoadContender(Contender):
         if workload.source.startswith("s3") and _has_obstore():
             sweep.append({"num_threads": n, "io_concurrency": 64, "client": "fsspec"})
         configs = [default] + [{"tag": "tuned", **c} for c in sweep]
-        if workload.name == "train" and _has_torchvision():  # nvJPEG: GpuImageDecoder, a batch per call
+        if workload.name == "train" and _has_nvjpeg():  # GpuImageDecoder: a batch per call on the GPU
             configs.append({"tag": "gpu-decode", "decode": "gpu"})
         if not quick:  # asyncload's own autotuner
             configs.append(auto)
@@ -87,14 +87,19 @@ class AsyncLoadContender(Contender):
         if config.get("decode") == "gpu":
             from asyncload import GpuImageDecoder
 
-            decode = GpuImageDecoder(224, train=True, seed=0, device=device or "cpu")
+            decode = GpuImageDecoder(224, train=True, seed=0, device=device)
         return AsyncLoader(source, batch_size=workload.batch_size, shuffle=True, seed=0,
                            decode=decode, storage_options=storage_options,
                            device=device, **settings)
 
 
-def _has_torchvision() -> bool:
-    """torchvision that loads with this torch (a CUDA-only build fails to import on a CPU one)."""
+def _has_nvjpeg() -> bool:
+    """A GPU and a torchvision that loads with this torch (a CUDA-only build fails to import on
+    a CPU one): without both, "gpu-decode" would only measure its CPU fallback."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
     try:
         import torchvision.io  # noqa: F401
     except Exception:  # noqa: BLE001 - any failure means no nvJPEG path here
