@@ -127,15 +127,17 @@ class Producer:
         finally:
             self.s.stats.level("producer_waiting", -1)
 
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Any) -> bool:
         """Runs ``coroutine`` as a task of this run; once the run is stopped nothing starts (a
-        late failure of a local read would otherwise leave a task the closing loop never runs)."""
+        late failure of a local read would otherwise leave a task the closing loop never runs)
+        and False says so: what the coroutine would have released, the caller releases."""
         if self.stopped:
             coroutine.close()
-            return
+            return False
         task = self.loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _learn_layout(self, number: int, positions: list[int]) -> tuple[Any, Any] | None:
         """Loads the epoch's first sample to learn the batch layout from it; returns its key and
@@ -202,7 +204,9 @@ class Producer:
                 else:
                     await self._read_slots.acquire()
                     self.jobs.hold(batch)  # released by _load
-                    self._spawn(self._load(batch, Row(row, key, label, index)))
+                    if not self._spawn(self._load(batch, Row(row, key, label, index))):
+                        self._read_slots.release()
+                        self.jobs.release(batch)
             if local:
                 self.jobs.add(batch, local)
         finally:
