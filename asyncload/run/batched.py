@@ -25,7 +25,7 @@ import torch
 from ..batch.buffers import Field, OnDevice
 from ..errors import SampleError
 from ..stats.figures import LoaderStats
-from .jobs import Batch, Row, read_plain_file
+from .jobs import Batch, Row, read_local
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
 
@@ -128,9 +128,7 @@ class BatchJobs:
             if data is None:
                 started = time.perf_counter()
                 try:
-                    data = read_plain_file(row.key)
-                    if data is None:
-                        data = self.read_other(row.key)
+                    data = read_local(row.key, self.read_other)
                 except Exception as error:
                     self.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue

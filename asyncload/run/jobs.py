@@ -71,6 +71,13 @@ def read_plain_file(key: Any) -> bytes | None:
     return read_file(path) if path is not None else None
 
 
+def read_local(key: Any, read_other: Callable[[str], bytes]) -> bytes:
+    """A local row's bytes: a plain regular file read here (``read_plain_file``), any other
+    local URL through ``read_other`` (the reader, with its timeout)."""
+    data = read_plain_file(key)
+    return read_other(key) if data is None else data
+
+
 def decodes_in_place(decode: Any) -> bool:
     """Whether ``decode`` declares its output (``field``) and writes it into a row itself."""
     return isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
@@ -130,9 +137,7 @@ class RowFiller:
             data = row.data
             if data is None:
                 try:
-                    data = read_plain_file(row.key)
-                    if data is None:
-                        data = self.read_other(row.key)
+                    data = read_local(row.key, self.read_other)
                 except Exception as error:
                     self.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue
