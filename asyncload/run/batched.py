@@ -24,8 +24,7 @@ import torch
 
 from ..batch.buffers import Field, OnDevice
 from ..errors import SampleError
-from ..stats.figures import LoaderStats
-from .jobs import Batch, Row, read_local
+from .jobs import Batch, Row, RowFiller, read_local
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
 
@@ -73,17 +72,11 @@ class BatchJobs:
     flight, and adds the rows whose bytes are here (local files: the job reads them). The last
     release sends what has gathered as one job through ``run_job``. A replacement submitted
     while other rows are still held joins their job; one submitted later makes its own.
-    ``read_other``, ``rows_done`` and ``row_failed`` are ``RowFiller``'s."""
+    The decoder, the epoch, the stats and how rows are read and reported are ``filler``'s: the
+    per-row jobs' own."""
 
-    def __init__(self, decode: Any, epoch: int, stats: LoaderStats, read_other: Callable[[str], bytes],
-                 rows_done: Callable[[Batch, int], None], row_failed: Callable[[Batch, int, SampleError], None],
-                 run_job: Callable[[Callable[[], None]], None]) -> None:
-        self.decode = decode
-        self.epoch = epoch
-        self.stats = stats
-        self.read_other = read_other
-        self.rows_done = rows_done
-        self.row_failed = row_failed
+    def __init__(self, filler: RowFiller, run_job: Callable[[Callable[[], None]], None]) -> None:
+        self.filler = filler  # the run's decoder, epoch, stats and reporting, shared with per-row jobs
         self.run_job = run_job
         self._gathering: dict[int, _Gathering] = {}  # batch number -> rows waiting; loop only
 
@@ -111,13 +104,13 @@ class BatchJobs:
     def fill(self, batch: Batch, rows: list[Row]) -> None:
         """A decode job: reads the local rows, decodes every row with one ``decode_batch`` call,
         writes the labels, then reports the rows done once and each failure on its own."""
-        self.stats.level("decodes_running", 1)
+        self.filler.stats.level("decodes_running", 1)
         try:
             rows, datas = self._read(batch, rows)
             if rows:
                 self._decode(batch, rows, datas)
         finally:
-            self.stats.level("decodes_running", -1)
+            self.filler.stats.level("decodes_running", -1)
 
     def _read(self, batch: Batch, rows: list[Row]) -> tuple[list[Row], list[Any]]:
         """The rows whose bytes are here, with their bytes: local files are read now."""
@@ -128,9 +121,9 @@ class BatchJobs:
             if data is None:
                 started = time.perf_counter()
                 try:
-                    data = read_local(row.key, self.read_other)
+                    data = read_local(row.key, self.filler.read_other)
                 except Exception as error:
-                    self.row_failed(batch, row.row, SampleError(row.key, "read", error))
+                    self.filler.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue
                 finally:
                     read_s += time.perf_counter() - started
@@ -139,7 +132,7 @@ class BatchJobs:
             ready.append(row)
             datas.append(data)
         if reads:
-            self.stats.add("read", read_s, nbytes, items=reads)
+            self.filler.stats.add("read", read_s, nbytes, items=reads)
         return ready, datas
 
     def _decode(self, batch: Batch, rows: list[Row], datas: list[Any]) -> None:
@@ -153,31 +146,31 @@ class BatchJobs:
         try:
             failures, event = self._call(buffer, rows, datas)
         except Exception as error:  # not one file's fault, but no row may be lost: each one fails
-            whole = RuntimeError(f"{type(self.decode).__name__}.decode_batch of {len(rows)} rows failed: "
+            whole = RuntimeError(f"{type(self.filler.decode).__name__}.decode_batch of {len(rows)} rows failed: "
                                  f"{type(error).__name__}: {error}")
             whole.__cause__ = error
             failures, event = dict.fromkeys(range(len(rows)), whole), None
-        self.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started,
+        self.filler.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started,
                        items=len(rows))
         if event is not None:
             buffer.writes.append(event)  # before the rows are done: the batch's copy waits on it
         for number, error in failures.items():
-            self.row_failed(batch, rows[number].row, SampleError(rows[number].key, "decode", error))
+            self.filler.row_failed(batch, rows[number].row, SampleError(rows[number].key, "decode", error))
         if len(rows) > len(failures):
-            self.rows_done(batch, len(rows) - len(failures))
+            self.filler.rows_done(batch, len(rows) - len(failures))
 
     def _call(self, buffer: Any, rows: list[Row], datas: list[Any]) -> tuple[dict[int, Exception], Any]:
         """``decode_batch`` into ``buffer``, its result checked, the labels written: (failures
         numbered as ``rows``, the event that ends its writes or None)."""
         stream = buffer.on_device.stream if buffer.on_device is not None else None
-        failures, event, on_cpu = self.decode.decode_batch(
-            datas, [(self.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
+        failures, event, on_cpu = self.filler.decode.decode_batch(
+            datas, [(self.filler.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
             rows=[row.row for row in rows])
         if not isinstance(failures, dict) or not set(failures) <= set(range(len(rows))):
             raise TypeError(f"its failures must be a dict keyed by positions in datas (0..{len(rows) - 1}), "
                             f"got {failures!r}")
         if on_cpu:
-            self.stats.add_decoded_on_cpu(len(on_cpu))
+            self.filler.stats.add_decoded_on_cpu(len(on_cpu))
         labels = buffer.arrays[IMAGE_FIELD + 1] if len(buffer.tensors) > 1 else None
         if labels is not None:
             for number, row in enumerate(rows):

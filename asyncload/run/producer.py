@@ -44,8 +44,7 @@ class Producer:
         self._undelivered = plan.undelivered() if isinstance(settings.source, ShardSource) else None
         self.workers = DecodeWorkers(settings.num_threads, settings.thread_gate)
         self.filler = RowFiller(settings.decode, epoch, settings.stats, self._read_other, self.rows_done, self._job_failed)
-        self.jobs = BatchJobs(settings.decode, epoch, settings.stats, self._read_other, self.rows_done, self._job_failed,
-                              self._run_job) if is_batched(settings.decode) else RowJobs(self.filler, self._run_job)
+        self.jobs = (BatchJobs if is_batched(settings.decode) else RowJobs)(self.filler, self._run_job)
         self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
         self.in_pipeline: list[Batch] = []  # batches taken from the ring and not handed out
         self.skipped_early: list[int] = []  # skipped while the layout was learnt: go with the first batch
