@@ -49,7 +49,6 @@ async def cpu_per_get(fs, paths: list[str], in_flight: int) -> tuple[float, floa
 
 async def compare(endpoint_url: str, paths: list[str], in_flight: int, runs: int) -> dict[str, dict[str, float]]:
     from asyncload.io import object_store
-    from asyncload.io.reader import _close_sessions
 
     loop = asyncio.get_running_loop()
     clients = {name: object_store.filesystem("s3", {**storage_options(endpoint_url), "client": name}, loop=loop,
@@ -63,7 +62,7 @@ async def compare(endpoint_url: str, paths: list[str], in_flight: int, runs: int
                 figures[name].append(await cpu_per_get(fs, [f"s3://{p}" for p in paths], in_flight))
     finally:
         for fs in clients.values():
-            await _close_sessions(fs)
+            await object_store.close_sessions(fs)
     return {("s3fs" if name == "fsspec" else name): {
         "cpu_ms_per_get": statistics.median(cpu for cpu, _ in values),
         "gets_per_s": statistics.median(rate for _, rate in values)} for name, values in figures.items()}

@@ -54,6 +54,7 @@ def source(s3_jpeg_bucket, s3_options):
 def test_obstore_reads_and_lists_s3_by_default(s3_options):
     assert isinstance(reader_filesystem(s3_options), obstore_fsspec.FsspecStore)
     fs, path = object_store.url_to_fs("s3://asyncload-test/jpegs", s3_options)
+    object_store.release(fs)
     assert isinstance(fs, obstore_fsspec.FsspecStore) and path == "asyncload-test/jpegs"
 
 
@@ -100,6 +101,7 @@ def test_s3fs_is_chosen_with_client_fsspec(s3_jpeg_bucket, s3_options):
     options = {**s3_options, "client": "fsspec"}
     assert isinstance(reader_filesystem(options), s3fs.S3FileSystem)
     fs, _ = object_store.url_to_fs(s3_jpeg_bucket, options)
+    object_store.release(fs)
     assert isinstance(fs, s3fs.S3FileSystem)
     seen, _ = read_epoch(image_folder(s3_jpeg_bucket, storage_options=options), options)
     assert sorted(seen) == ALL
@@ -234,19 +236,33 @@ def test_obstores_own_request_timeout_is_above_ours(s3_options):
     assert reader_filesystem(mine)._client_options == {"timeout": "5s", "allow_http": True}
 
 
-def connections_to(port: int) -> int:
-    return sum(1 for c in psutil.Process().net_connections("tcp")
-               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+def connections_to(port: int) -> set[int]:
+    """This process's open connections to ``port``, by local port."""
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
 
 
 def test_close_leaves_no_connection_open(s3_server, source, s3_options):
     """obstore keeps connections alive in a pool per bucket (SeaweedFS keeps them too); closing
-    the loader closes them."""
+    the loader closes them. Only the loader's own are counted: a filesystem another test dropped
+    keeps its connections until a GC."""
+    before = connections_to(s3_server.port)
     with AsyncLoader(source, batch_size=2, prefetch=1, decode=ImageDecoder(16), storage_options=s3_options) as loader:
         seen = []
         for number, (images, _) in enumerate(loader):
             seen += [identify(image) for image in images.numpy()]
             if number == 0:  # reads wait for free buffers: the pool is still open
-                assert connections_to(s3_server.port) > 0
+                assert connections_to(s3_server.port) - before
     assert sorted(seen) == ALL
-    assert wait_until(lambda: connections_to(s3_server.port) == 0, timeout=5), f"{connections_to(s3_server.port)} left open"
+    assert wait_until(lambda: not connections_to(s3_server.port) - before, timeout=5), \
+        f"{len(connections_to(s3_server.port) - before)} left open"
+
+
+@pytest.mark.parametrize("client", ["obstore", "fsspec"])
+def test_listing_a_bucket_leaves_no_connection_open(s3_server, s3_jpeg_bucket, s3_options, client):
+    """image_folder lists through obstore or s3fs; both keep connections alive until their
+    filesystem is collected unless the listing closes them."""
+    before = connections_to(s3_server.port)
+    assert len(image_folder(s3_jpeg_bucket, storage_options={**s3_options, "client": client})) == len(ALL)
+    assert wait_until(lambda: not connections_to(s3_server.port) - before, timeout=5), \
+        f"{len(connections_to(s3_server.port) - before)} left open"

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 from fsspec.core import split_protocol
 
 from .store_options import Unsupported, obstore_settings
@@ -190,20 +191,45 @@ async def cat(fs: Any, path: str, start: int | None = None, end: int | None = No
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """``fsspec.core.url_to_fs`` through ``filesystem``: the filesystem and the path in it."""
+    """``fsspec.core.url_to_fs`` through ``filesystem``: the filesystem and the path in it. The
+    instance is never fsspec's cached one (which a user may hold too), so ``release`` may close it."""
     protocol = split_protocol(url)[0] or "file"
     if protocol not in OBSTORE_SCHEMES:
-        return fsspec.core.url_to_fs(url, **{k: v for k, v in (storage_options or {}).items() if k != "client"})
+        options = {k: v for k, v in (storage_options or {}).items() if k != "client"}
+        return fsspec.core.url_to_fs(url, **{**options, "skip_instance_cache": True})
     fs = filesystem(protocol, storage_options)
     return fs, fs._strip_protocol(url)
 
 
 def release(fs: Any) -> None:
-    """Closes the connections an obstore filesystem keeps: it holds a store, with its pool, per
-    bucket in an lru_cache on the instance (a reference cycle, so dropping the instance would
-    free them only at a GC). Other filesystems are left as they are."""
+    """Closes the connections a filesystem made by ``url_to_fs`` keeps, once a listing or a
+    write is done with it. obstore holds a store, with its pool, per bucket in an lru_cache on
+    the instance (a reference cycle, so dropping the instance would free them only at a GC);
+    s3fs and fsspec's http keep an aiohttp session on fsspec's IO thread until theirs is
+    collected, and SeaweedFS or a bucket keeps those connections alive meanwhile."""
     if is_obstore(fs):
         fs._construct_store.cache_clear()
+    elif getattr(fs, "async_impl", False) and not getattr(fs, "asynchronous", False) and getattr(fs, "loop", None):
+        fsspec.asyn.sync(fs.loop, close_sessions, fs)
+
+
+async def close_sessions(fs: Any) -> None:
+    """Closes filesystem ``fs``'s connections on the loop its client runs on (obstore: any).
+    ``session = await fs.set_session(); await session.close()`` is how s3fs and fsspec's http
+    say to (gcsfs names it ``_set_session``). Errors while closing are of no use to anyone and
+    are ignored."""
+    try:
+        if is_obstore(fs):
+            fs._construct_store.cache_clear()
+            return
+        set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
+        if set_session is not None:
+            session = await set_session()
+            close = getattr(session, "close", None)
+            if close is not None and inspect.iscoroutinefunction(close):
+                await close()
+    except Exception:
+        pass
 
 
 def is_obstore(fs: Any) -> bool:

@@ -194,7 +194,7 @@ class Reader:
         try:
             for fs, _ in self._filesystems.values():
                 if fs.async_impl:
-                    await _close_sessions(fs)
+                    await object_store.close_sessions(fs)
         finally:
             self._filesystems.clear()
             self._blocking.shutdown(SHUTDOWN_WAIT_S)
@@ -212,25 +212,6 @@ def one_request_read(fs: Any) -> Callable[..., Awaitable[bytes]] | None:
         # s3fs sends a HEAD before the GET to split large objects; one request is enough.
         return functools.partial(fs._cat_file, max_concurrency=1)
     return fs._cat_file
-
-
-async def _close_sessions(fs: Any) -> None:
-    """Closes an async filesystem's HTTP client on this loop: ``session = await fs.set_session();
-    await session.close()`` is how s3fs and fsspec's http say to (gcsfs names it
-    ``_set_session``); obstore's pools go with ``object_store.release``. Errors while closing
-    are of no use to anyone and are ignored."""
-    try:
-        if object_store.is_obstore(fs):
-            object_store.release(fs)
-            return
-        set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
-        if set_session is not None:
-            session = await set_session()
-            close = getattr(session, "close", None)
-            if close is not None and inspect.iscoroutinefunction(close):
-                await close()
-    except Exception:
-        pass
 
 
 async def within(awaitable: Awaitable[Any], timeout: float) -> Any:
