@@ -59,16 +59,11 @@ def s3_servers(datasets: set[str], shard_sets: dict[str, tuple[str, int]], laten
             upload(server.endpoint_url, dataset)
         for name, (dataset, samples_per_shard) in sorted(shard_sets.items()):
             upload_shards(server.endpoint_url, name, dataset, samples_per_shard)
-        options: dict = {"s3": s3_options(server.endpoint_url, S3_POOL), "pids": [_pid(server)]}
+        options: dict = {"s3": s3_options(server.endpoint_url, S3_POOL), "pids": [server.pid]}
         if not latency:
             yield options
             return
         with LatencyProxy(server.port, S3_LATENCY) as proxy:
             options["s3-latency"] = s3_options(proxy.endpoint_url, S3_POOL)
-            options["pids"].append(_pid(proxy))
+            options["pids"].append(proxy.pid)
             yield options
-
-
-def _pid(server) -> int:
-    process = server._process  # noqa: SLF001 - our own helper class; no public accessor
-    return process.pid if process is not None else -1

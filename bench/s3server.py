@@ -90,6 +90,11 @@ class _ChildServer:
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The server process's id (-1 when stopped): the bench reports its CPU apart."""
+        return self._process.pid if self._process is not None else -1
+
     def _command(self) -> list[str]:
         raise NotImplementedError
 
