@@ -30,6 +30,7 @@ from .store_options import Unsupported, obstore_settings
 # fsspec protocol -> obstore's scheme for it.
 OBSTORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az"}
 CLIENTS = ("auto", "obstore", "fsspec")
+SESSION_CLOSE_TIMEOUT_S = 10.0  # closing a session waits on no server; this bounds a stuck one
 def client_for(protocol: str, storage_options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """``("obstore", FsspecStore keyword arguments)`` or ``("fsspec", that filesystem's options)``
     for ``protocol``. Raises ValueError naming an option neither client knows, or one that the
@@ -210,7 +211,10 @@ def release(fs: Any) -> None:
     if is_obstore(fs):
         fs._construct_store.cache_clear()
     elif getattr(fs, "async_impl", False) and not getattr(fs, "asynchronous", False) and getattr(fs, "loop", None):
-        fsspec.asyn.sync(fs.loop, close_sessions, fs)
+        try:  # the listing or write is done: a failure to close must not fail it
+            fsspec.asyn.sync(fs.loop, close_sessions, fs, timeout=SESSION_CLOSE_TIMEOUT_S)
+        except Exception:
+            pass
 
 
 async def close_sessions(fs: Any) -> None:
