@@ -38,7 +38,8 @@ from bench.workloads import S3_BUCKET, image_set
 EPOCHS = 3
 POLL_S = 0.02
 # thread name -> the group it is reported under (Python threads by their name, others by /proc comm)
-GROUPS = {"asyncload-decode": "decode threads", "asyncload-loop": "event loop",
+GROUPS = {"asyncload-decode": "decode threads", "asyncload-decode-starter": "decode threads",
+          "asyncload-loop": "event loop", "asyncload-read": "read threads",
           "tokio-runtime-w": "obstore (Rust) threads", "tokio-rt-worker": "obstore (Rust) threads"}
 
 
@@ -86,12 +87,12 @@ class Sampler(threading.Thread):
 
 
 def server_cpu(pid: int) -> float:
-    """CPU seconds of the server process and its children."""
+    """User + system CPU seconds of the server process and its live children."""
     total = 0.0
     root = psutil.Process(pid)
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += sum(process.cpu_times()[:4])
+            total += sum(process.cpu_times()[:2])
         except psutil.Error:
             continue
     return total
@@ -114,8 +115,9 @@ def measure(source: Any, options: dict | None, server_pid: int) -> dict[str, Any
         wall = time.perf_counter() - started
         sampler.done.set()
         sampler.join()
+        server = server_cpu(server_pid) - server0
     groups = sampler.per_group()
-    groups["S3 server"] = server_cpu(server_pid) - server0
+    groups["S3 server"] = server
     per_sample = {group: 1e3 * seconds / samples for group, seconds in sorted(groups.items())}
     return {"samples_per_s": samples / wall, "cpu_ms_per_sample": per_sample,
             "event_loop_core_share": groups.get("event loop", 0.0) / wall}

@@ -53,3 +53,37 @@ def test_image_folder_on_a_bucket_prefix(s3_jpeg_bucket, s3_options, jpeg_folder
     assert remote.classes == local.classes
     assert [label for _, label in remote] == [label for _, label in local]
     assert remote[0][0] == "s3://asyncload-test/jpegs/cat/0.jpg"
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """``tmp_path`` served over HTTP on 127.0.0.1 (fsspec's http filesystem: aiohttp sessions)."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="http-folder")
+    thread.start()
+    try:
+        yield tmp_path, f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_reading_a_manifest_leaves_the_users_own_filesystem_open(http_folder):
+    """A listing closes the session of the filesystem it made for itself, never one fsspec
+    caches for the user: a chained URL's inner filesystem is fsspec's cached instance."""
+    import fsspec
+
+    folder, url = http_folder
+    (folder / "m.txt").write_text("s3://b/0.jpg\t0\ns3://b/1.jpg\t1\n")
+    users = fsspec.filesystem("http")
+    assert users.cat_file(f"{url}/m.txt")
+    for listed in (f"{url}/m.txt", f"simplecache::{url}/m.txt", f"simplecache::{url}/m.txt"):
+        assert list(manifest(listed)) == [("s3://b/0.jpg", 0), ("s3://b/1.jpg", 1)], listed
+    assert users.cat_file(f"{url}/m.txt").startswith(b"s3://b/0.jpg")

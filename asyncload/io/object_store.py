@@ -31,6 +31,8 @@ from .store_options import Unsupported, obstore_settings
 OBSTORE_SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az"}
 CLIENTS = ("auto", "obstore", "fsspec")
 SESSION_CLOSE_TIMEOUT_S = 10.0  # closing a session waits on no server; this bounds a stuck one
+OWNED = "_asyncload_owned"  # set on the filesystems url_to_fs made for us alone
+SESSIONS = ("_s3", "_session")  # where s3fs, and fsspec's http and gcsfs, keep an open client
 def client_for(protocol: str, storage_options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """``("obstore", FsspecStore keyword arguments)`` or ``("fsspec", that filesystem's options)``
     for ``protocol``. Raises ValueError naming an option neither client knows, or one that the
@@ -192,14 +194,21 @@ async def cat(fs: Any, path: str, start: int | None = None, end: int | None = No
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """``fsspec.core.url_to_fs`` through ``filesystem``: the filesystem and the path in it. The
-    instance is never fsspec's cached one (which a user may hold too), so ``release`` may close it."""
+    """``fsspec.core.url_to_fs`` through ``filesystem``: the filesystem and the path in it. An
+    unchained URL's instance is our own, never fsspec's cached one (which a user may hold too),
+    and marked so: ``release`` closes only those. (A chained URL's inner filesystems come from
+    fsspec's cache, and ``simplecache::`` hands attribute lookups on to them.)"""
     protocol = split_protocol(url)[0] or "file"
     if protocol not in OBSTORE_SCHEMES:
         options = {k: v for k, v in (storage_options or {}).items() if k != "client"}
-        return fsspec.core.url_to_fs(url, **{**options, "skip_instance_cache": True})
-    fs = filesystem(protocol, storage_options)
-    return fs, fs._strip_protocol(url)
+        if "::" in url:
+            return fsspec.core.url_to_fs(url, **options)
+        fs, path = fsspec.core.url_to_fs(url, **{**options, "skip_instance_cache": True})
+    else:
+        fs = filesystem(protocol, storage_options)  # a fresh instance too
+        path = fs._strip_protocol(url)
+    vars(fs)[OWNED] = True
+    return fs, path
 
 
 def release(fs: Any) -> None:
@@ -210,7 +219,7 @@ def release(fs: Any) -> None:
     collected, and SeaweedFS or a bucket keeps those connections alive meanwhile."""
     if is_obstore(fs):
         fs._construct_store.cache_clear()
-    elif getattr(fs, "async_impl", False) and not getattr(fs, "asynchronous", False) and getattr(fs, "loop", None):
+    elif vars(fs).get(OWNED) and not getattr(fs, "asynchronous", False) and any(vars(fs).get(name) for name in SESSIONS):
         try:  # the listing or write is done: a failure to close must not fail it
             fsspec.asyn.sync(fs.loop, close_sessions, fs, timeout=SESSION_CLOSE_TIMEOUT_S)
         except Exception:
