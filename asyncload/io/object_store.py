@@ -227,13 +227,13 @@ def release(fs: Any) -> None:
 
 
 async def close_sessions(fs: Any) -> None:
-    """Closes filesystem ``fs``'s connections on the loop its client runs on (obstore: any).
-    ``session = await fs.set_session(); await session.close()`` is how s3fs and fsspec's http
-    say to (gcsfs names it ``_set_session``). Errors while closing are of no use to anyone and
-    are ignored."""
+    """Closes filesystem ``fs``'s connections on the loop its client runs on (obstore's pools
+    go with ``release``, on any thread). ``session = await fs.set_session(); await
+    session.close()`` is how s3fs and fsspec's http say to (gcsfs names it ``_set_session``).
+    Errors while closing are of no use to anyone and are ignored."""
     try:
         if is_obstore(fs):
-            fs._construct_store.cache_clear()
+            release(fs)
             return
         set_session = getattr(fs, "set_session", None) or getattr(fs, "_set_session", None)
         if set_session is not None:
