@@ -27,7 +27,7 @@ from ..batch.buffers import BatchBuffer, SampleLayout
 from ..errors import SampleError
 from ..io.cache import ShardCache
 from ..io.reader import Reader
-from ..io.shard_stream import ShardStream
+from ..sources.shard_stream import ShardStream
 from ..run.jobs import labelled
 from ..run.settings import split
 from ..sources.shards import ShardSource

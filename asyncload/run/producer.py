@@ -20,7 +20,7 @@ from ..autotune import AsyncGate
 from ..batch.buffers import SampleLayout
 from ..errors import SampleError
 from ..io.reader import Reader
-from ..io.shard_stream import ShardStream, reader_shard_stream
+from ..sources.shard_stream import ShardStream, reader_shard_stream
 from ..sources.shards import ShardSource
 from .batched import BatchJobs, is_batched
 from .board import Board

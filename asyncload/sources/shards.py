@@ -16,7 +16,7 @@ A shard set is described by an index (``index.json``, written by ``write_shards`
   shuffle buffer, as with a streaming shuffle buffer.
 
 This module holds the index and the source; the order is ``order/shard_order.py``, the reads
-``io/shard_stream.py``.
+``sources/shard_stream.py``.
 """
 
 from __future__ import annotations
@@ -130,6 +130,20 @@ class ShardSource(Sequence):
         """``(extension, offset, size)`` of each member of sample ``index``."""
         members = range(self.member_start[index], self.member_start[index + 1])
         return [(self.extensions[self.member_ext[m]], int(self.member_offset[m]), int(self.member_size[m])) for m in members]
+
+    def split_chunk(self, view: memoryview, base: int, indices: list[int]) -> dict[int, Any]:
+        """What each sample of ``indices`` reads as, cut from ``view``, the bytes of its shard
+        from offset ``base`` on (one ranged read): the image member's bytes, or with
+        ``members="all"`` a dict ``{extension: bytes}``. Each is a copy, so a sample that waits
+        long in the shuffle does not keep the whole read alive."""
+        if self.members == "image":
+            out = {}
+            for index in indices:
+                offset, size = self.image_member(index)
+                out[index] = bytes(view[offset - base : offset - base + size])
+            return out
+        return {index: {ext: bytes(view[offset - base : offset - base + size])
+                        for ext, offset, size in self.sample_members(index)} for index in indices}
 
     def image_member(self, index: int) -> tuple[int, int]:
         """``(offset, size)`` of sample ``index``'s image member."""

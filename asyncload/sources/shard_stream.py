@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..autotune import AsyncGate
-from ..sources.shards import ShardSample, ShardSource
-from .cache import ShardCache
+from ..io.cache import ShardCache
+from .shards import ShardSample, ShardSource
 
 if TYPE_CHECKING:
-    from .reader import Reader
+    from ..io.reader import Reader
 
 
 @dataclass
@@ -131,7 +131,7 @@ class ShardStream:
             self.slots.release()
         if len(data) < end - start:
             raise ShardTruncated(f"{url} ends at byte {start + len(data)}, its index has a sample up to byte {end}")
-        return self._members(memoryview(data), start, index)
+        return self.source.split_chunk(memoryview(data), start, [index])[index]
 
     def _take(self, index: int) -> Any:
         self.uses[index] -= 1
@@ -154,8 +154,7 @@ class ShardStream:
                 self.slots.release()
             if len(data) < chunk.end - chunk.start:
                 raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
-            view = memoryview(data)
-            samples = {index: self._members(view, chunk.start, index) for index in chunk.indices}
+            samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
         except asyncio.CancelledError:
             raise
         except BaseException as error:
@@ -164,12 +163,6 @@ class ShardStream:
             return
         for index, sample in samples.items():
             self._settle(index, sample)
-
-    def _members(self, view: memoryview, base: int, index: int) -> Any:
-        if self.source.members == "image":
-            offset, size = self.source.image_member(index)
-            return bytes(view[offset - base : offset - base + size])
-        return {ext: bytes(view[offset - base : offset - base + size]) for ext, offset, size in self.source.sample_members(index)}
 
     def _settle(self, index: int, sample: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
