@@ -1,6 +1,6 @@
 """AsyncLoader: the public object. It holds the settings, the sampler, the ring of batch
-buffers and the epoch's progress; each iteration runs an ``EpochRun`` (``run/epoch.py``)
-or, with ``processes=N``, a ``ProcessRun`` (``procs/run.py``).
+buffers and the epoch's progress; each iteration runs an ``EpochDriver`` (``run/driver.py``)
+over its pipelines: one in this process (``run/pipes.py``), or N child processes (``procs/``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .batch.buffers import BufferRing, Field, OnDevice, SampleLayout
 from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .order.positions import Positions
 from .order.sampler import EpochSampler, distributed_defaults, source_digest
 from .order.shard_order import ShardSampler
-from .procs.processes import Processes, process_count
-from .procs.run import ProcessRun
+from .procs.processes import process_count, start_processes, window
 from .run.batched import image_placement
-from .run.epoch import EpochRun
+from .run.driver import EpochDriver
+from .run.pipes import LocalPipes, Pipes
 from .run.settings import BatchQuota, Settings, is_labelled
+from .run.state import Progress
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
@@ -90,11 +90,9 @@ class AsyncLoader:
         self.epoch = 0
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
-        self._done = Positions()  # positions of this epoch's order delivered to the user
-        self._skipped = Positions()  # positions of this epoch that failed and were skipped, in delivered batches
-        self._batches_done = 0  # batches of this epoch delivered to the user
+        self._progress = Progress()  # what this epoch handed out to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
-        self._run: EpochRun | ProcessRun | None = None
+        self._run: EpochDriver | None = None
         self._closed = False
         self.progress = progress
         self._settings = Settings(
@@ -121,32 +119,23 @@ class AsyncLoader:
         )
         count = process_count(processes, isolate)
         self._configure_known_layout(image_placement(self._settings.decode, self.device, count))
-        self.tuner = self._make_tuner(auto_threads, auto_io, threads, io, cores)
-        self._processes: Processes | None = None
+        self._window = window(prefetch, count)
+        self._pipes: Pipes = LocalPipes(self._settings)
         if count:  # reads and decodes run in the children; the device stage and normalize here
-            self._processes = Processes(count, self._settings, self.device, auto_threads, auto_io, threads)
-            self.stats, self.tuner = self._processes.stats, self._processes.tuner
+            self._pipes = start_processes(count, self._settings, self.device, threads if auto_threads else None, threads)
+            self.stats = self._settings.stats
+        self.tuner = self._make_tuner(auto_threads, auto_io, threads, io, cores, count)
 
-    def _make_tuner(self, auto_threads: bool, auto_io: bool, threads: int, io: int, cores: int) -> AutoTuner | None:
-        """With ``"auto"`` settings, a tuner whose knobs act on the running epoch."""
+    def _make_tuner(self, auto_threads: bool, auto_io: bool, threads: int, io: int, cores: int,
+                    processes: int) -> AutoTuner | None:
+        """With ``"auto"`` settings, a tuner whose knobs act on the pipelines (totals over the
+        processes, each taking its share)."""
         if not (auto_threads or auto_io):
             return None
-        settings = self._settings
-
-        def set_threads(value: int) -> None:
-            assert settings.thread_gate is not None
-            settings.thread_gate.set_limit(value)
-
-        loader = weakref.ref(self)  # no cycle through the tuner: dropping the loader frees it at once
-
-        def set_io(value: int) -> None:
-            settings.io_concurrency = value
-            run = getattr(loader(), "_run", None)
-            if run is not None:
-                run.set_io_limit(value)
-
-        thread_knob = Knob("num_threads", threads, 1, max(2 * cores, threads), apply=set_threads) if auto_threads else None
-        io_knob = Knob("io_concurrency", io, 1, MAX_IO, apply=set_io) if auto_io else None
+        pipes, low = self._pipes, max(1, processes)
+        thread_knob = (Knob("num_threads", threads, low, self._settings.num_threads,
+                            apply=lambda value: pipes.set_limits(value, None)) if auto_threads else None)
+        io_knob = Knob("io_concurrency", io, low, MAX_IO, apply=lambda value: pipes.set_limits(None, value)) if auto_io else None
         return AutoTuner(self.stats, thread_knob, io_knob)
 
     def _configure_known_layout(self, on_device: OnDevice | None) -> None:
@@ -165,21 +154,18 @@ class AsyncLoader:
         """Selects the shuffle of ``epoch`` (as ``DistributedSampler.set_epoch``)."""
         if epoch != self.epoch:
             self.epoch = epoch
-            self._done, self._skipped, self._batches_done, self._resume = Positions(), Positions(), 0, False
+            self._progress, self._resume = Progress(), False
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         self._stop_run()  # a new iteration replaces an unfinished one
         if not self._resume:  # as with DataLoader, a new iteration starts the epoch afresh
-            self._done, self._skipped, self._batches_done = Positions(), Positions(), 0
+            self._progress = Progress()
         self._resume = False
-        run: EpochRun | ProcessRun
         order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
-        if self._processes is not None:  # child processes fill the batches
-            run = self._processes.run(self.epoch, order, self._done, self._batch_quota())
-        else:
-            run = EpochRun(self._settings, self.epoch, order, self._done, self._batch_quota(), self._skipped)
+        run = EpochDriver(self._pipes, self._settings, self.epoch, order, self._progress, self._batch_quota(),
+                          self._window)
         self._run = run
         iteration = self._iterate(run)
         # The threads start now (the first batch is under way before the first next()), but a
@@ -196,35 +182,30 @@ class AsyncLoader:
             return None
         batches, size = len(self.sampler), self.sampler.batch_size
         last = size if self.sampler.drop_last else self.sampler.samples_per_rank - (batches - 1) * size
-        return BatchQuota(batches - self._batches_done, last)
+        return BatchQuota(batches - self._progress.batches, last)
 
-    def _iterate(self, run: EpochRun | ProcessRun) -> Iterator[Any]:
+    def _iterate(self, run: EpochDriver) -> Iterator[Any]:
         bar = ProgressBar(self.stats, self.sampler.samples_per_rank, self.epoch) if self.progress else None
         try:
-            for positions, batch in run:
-                self._done.add(positions)
-                skipped = getattr(run, "skipped_delivered", None)  # the isolated child keeps its own
-                if skipped:
-                    self._skipped.add(skipped)
-                    skipped.clear()
-                self._batches_done += 1
+            for positions, batch in run:  # the driver records what was handed out in self._progress
                 if self.tuner is not None:
                     self.tuner.observe()
                 if bar is not None:
                     bar.advance(len(positions))
                 yield batch
                 del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
-            self._done, self._skipped, self._batches_done = Positions(), Positions(), 0  # the epoch is complete
+            self._progress = Progress()  # the epoch is complete
         finally:
             run.stop()
-            if self._run is run and getattr(run, "_stop_done", True):  # else close() finishes the stop
+            if self._run is run and run._stop_done:  # else close() finishes the stop
                 self._run = None
             if bar is not None:
                 bar.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this epoch stands: which positions of its order were delivered, as a few
-        intervals (one, ``[0, n)``, unless samples were skipped or batches came out of order)."""
+        """Where this epoch stands: which positions of its order were handed out (as a few
+        intervals: one, ``[0, n)``, unless samples were skipped or batches came out of order),
+        which failed and were skipped, which were repeated as DDP padding."""
         return {
             "epoch": self.epoch,
             "seed": self.sampler.seed,
@@ -232,9 +213,7 @@ class AsyncLoader:
             "batch_size": self.sampler.batch_size,
             "rank": self.sampler.rank,
             "world_size": self.sampler.world_size,
-            "delivered": self._done.intervals(),
-            "batches": self._batches_done,
-            "skipped": self._skipped.intervals(),  # failed, skipped: not retried, and on the failure budget
+            **self._progress.as_state(),
             "order": dict(self._order_identity),
         }
 
@@ -250,15 +229,13 @@ class AsyncLoader:
                 raise ValueError(f"state_dict was saved with {key}={value!r}, this loader has "
                                  f"{mine['order'].get(key)!r}: resuming would follow another order")
         self.epoch = state["epoch"]
-        self._done, self._resume = Positions(state["delivered"]), True
-        self._skipped = Positions(state.get("skipped", []))
-        self._batches_done = state.get("batches", len(self._done) // self.sampler.batch_size)
+        self._progress, self._resume = Progress.from_state(state, self.sampler.batch_size), True
 
     def _stop_run(self) -> None:
         run = self._run
         if run is not None:
             run.stop()  # a Ctrl-C here leaves self._run set: the next close() finishes the stop
-            if getattr(run, "_stop_done", True):
+            if run._stop_done:
                 self._run = None
 
     def close(self) -> None:
@@ -267,8 +244,9 @@ class AsyncLoader:
         self._closed = True
         self._stop_run()
         self._settings.ring.clear()
-        if self._processes is not None:
-            self._processes.close()
+        close = getattr(self._pipes, "close", None)  # the child processes
+        if close is not None:
+            close()
 
     def __enter__(self) -> "AsyncLoader":
         return self

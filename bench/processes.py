@@ -58,8 +58,8 @@ def equal_priority(loaders: Any) -> str:
     machine's other users, every child thread is put back to this process's niceness (which needs
     the privilege to raise a priority); failing that, this process goes down to the children's."""
     mine = os.nice(0)
-    threads = [int(task) for loader in loaders if loader._processes is not None
-               for process in loader._processes.pool.processes
+    threads = [int(task) for loader in loaders
+               for process in getattr(loader._pipes, "processes", [])
                for task in os.listdir(f"/proc/{process.pid}/task")]
     try:
         for thread in threads:

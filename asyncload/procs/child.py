@@ -1,10 +1,11 @@
-"""A child process of ``processes=N``: maps the parent's shared segments and fills their rows.
+"""A child process of ``processes=N``: maps the parent's shared segments and runs the pipeline
+(``run/pipeline.py``, the same code as in-process) on them.
 
-The child builds no ``AsyncLoader``: the parent owns the epoch (order, cursor, failure budget,
-resume state) and sends plain instructions (``protocol.py``); this side is a ``Filler`` and a
-control loop. Three kinds of thread: the main thread reads the parent's messages; the filler's
-event loop and decode threads do the work and send the answers; and a lifeline thread that does
-nothing but exit the process when the parent is gone.
+The child builds no ``AsyncLoader``: the parent's driver owns the epoch (order, cursor, failure
+budget, resume state) and sends the pipeline's messages (``protocol.py``). Three kinds of
+thread: the main thread reads the parent's messages; the pipeline's event loop and decode
+threads do the work and send the answers; and a lifeline thread that does nothing but exit the
+process when the parent is gone.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import os
 import signal
 import sys
 import threading
+import time
 from multiprocessing import reduction
 from typing import Any
 
+from ..batch.buffers import BatchBuffer
+from ..run.pipeline import Pipeline
+from ..run.settings import PipelineSettings
 from ..stats.figures import LoaderStats
 from . import shm
-from .fill import Filler
-from .protocol import Broken, Close, Fill, Limits, Map, Probe, Stop, Unmap, portable, unpickle
+from .protocol import Broken, Close, Done, Limits, Map, Probed, Start, Stop, Unmap, portable, unpickle
+
+CLOSE_WAIT_S = 1.5  # Close: how long the pipeline's threads may take to end (the parent kills at 2 s)
 
 CHILD_NICENESS = 10  # at least: the child yields the CPU to the training process (see _lower_priority)
 
@@ -34,9 +40,9 @@ def child_main(conn: Any, payload: dict[str, bytes]) -> None:
     threading.Thread(target=_exit_with_parent, name="asyncload-lifeline", daemon=True).start()
     child = _Child(conn)
     try:
-        settings = {name: unpickle(name, data) for name, data in payload.items()}
-        child.stats.limits.update(io_concurrency=settings["io_concurrency"], num_threads=settings["num_threads"])
-        child.filler = Filler(settings, child.send, child.stats)
+        settings = PipelineSettings(**{name: unpickle(name, data) for name, data in payload.items()})
+        child.stats.limits.update(io_concurrency=settings.io_concurrency, num_threads=settings.num_threads)
+        child.pipeline = Pipeline(settings, child.segments.__getitem__, child.send, child.stats)
     except BaseException as error:
         child.send(Broken(portable(error)))
         _wait_for_close(conn)  # exiting now could break the pipe before the parent reads why
@@ -91,50 +97,62 @@ def _exit(code: int) -> None:
 
 
 class _Child:
-    """The control thread's state: the pipe, the stats, the filler."""
+    """The control thread's state: the pipe, the stats, the segments, the pipeline."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.stats = LoaderStats()
-        self.filler: Filler | None = None
+        self.segments: dict[int, BatchBuffer] = {}
+        self.pipeline: Pipeline | None = None
         self.send_lock = threading.Lock()
+        self.started: set[int] = set()  # runs whose active time the stats count
 
     def serve(self) -> None:
         """Handles the parent's messages until it closes the loader or dies."""
-        filler = self.filler
-        assert filler is not None
+        pipeline = self.pipeline
+        assert pipeline is not None
         while True:
             try:
                 message = self.conn.recv()
                 if isinstance(message, Map):
                     fd = reduction.recv_handle(self.conn)
                     try:
-                        filler.segments[message.segment] = shm.buffer_on(fd, message.layout, message.capacity)
+                        self.segments[message.segment] = shm.buffer_on(fd, message.layout, message.capacity)
                     finally:
                         os.close(fd)
             except (EOFError, OSError):
                 _exit(0)  # the parent died: nobody is left to clean up for
-            if isinstance(message, Fill):
-                filler.fill(message)
-            elif isinstance(message, Unmap):
+            if isinstance(message, Unmap):
                 for segment in message.segments:
-                    filler.segments.pop(segment, None)  # a write still running keeps its views
-            elif isinstance(message, Probe):
-                filler.probe(message)
-            elif isinstance(message, Stop):
-                filler.stop(message.run)
+                    self.segments.pop(segment, None)  # a write still running keeps its views
             elif isinstance(message, Limits):
-                filler.set_limits(message.num_threads, message.io_concurrency)
+                pipeline.set_limits(message.num_threads, message.io_concurrency)
             elif isinstance(message, Close):
                 try:
-                    filler.close()
+                    pipeline.close(time.monotonic() + CLOSE_WAIT_S)
                 finally:
                     self.conn.close()
                     _exit(0)
+            elif not isinstance(message, Map):
+                self._count_active(message)
+                pipeline.handle(message)
+
+    def _count_active(self, message: Any) -> None:
+        """The stats' active time runs from a run's start to its stop."""
+        if isinstance(message, Start):
+            self.started.add(message.run)
+            self.stats.run_started()
+        elif isinstance(message, Stop) and message.run in self.started:
+            self.started.discard(message.run)
+            self.stats.run_stopped()
 
     def send(self, message: Any) -> None:
-        """Sends ``message`` with the current stats (any thread). A broken pipe means the
-        parent is gone: the lifeline thread ends the process."""
+        """Sends ``message`` with the current stats (any thread); errors go as they can cross.
+        A broken pipe means the parent is gone: the lifeline thread ends the process."""
+        if isinstance(message, Done) and message.failures:
+            message.failures = [(row, portable(error)) for row, error in message.failures]  # type: ignore[misc]
+        elif isinstance(message, Probed) and message.error is not None:
+            message.error = portable(message.error)  # type: ignore[assignment]
         message.figures = self.stats.as_dict()
         try:
             with self.send_lock:

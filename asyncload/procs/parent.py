@@ -27,7 +27,8 @@ import torch
 from . import shm
 from .child import child_main
 from .merged import ProcessStats
-from .protocol import MAIN_GUARD_EXIT, Broken, Close, Map, Stop, Stopped, Unmap, pickled_arguments
+from ..run.settings import share
+from .protocol import MAIN_GUARD_EXIT, Broken, Close, Limits, Map, Stop, Stopped, Unmap, pickled_arguments
 from .segments import SegmentRing
 
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
@@ -52,7 +53,8 @@ def _guard_advice() -> str:
 
 
 class ProcessPool:
-    """The children, their pipes and the segment ring they share with this process."""
+    """The children, their pipes and the segment ring they share with this process: the
+    driver's pipelines (``run/pipes.py``'s ``Pipes``), one per child."""
 
     def __init__(self, count: int, arguments: dict[str, Any], stats: ProcessStats, keep: int,
                  device: torch.device | None) -> None:
@@ -87,10 +89,20 @@ class ProcessPool:
         self._closed = False
         self._runs = 0
 
+    @property
+    def count(self) -> int:
+        return len(self.conns)
+
     def new_run(self) -> int:
         self.check()
         self._runs += 1
         return self._runs
+
+    def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None:
+        """The tuner's totals, shared among the children."""
+        count = self.count
+        self.broadcast(Limits(None if num_threads is None else share(num_threads, count),
+                              None if io_concurrency is None else share(io_concurrency, count)))
 
     # ----- sending -----
 
@@ -113,16 +125,18 @@ class ProcessPool:
         if not self._closed and self._broken is None:
             self.broadcast(Unmap(segments))
 
-    def stop_run(self, run: int, buffers: list[Any]) -> None:
+    def stop_run(self, run: int, buffers: list[Any], timeout: float | None = None) -> bool:
         """Tells every child that ``run`` is over; ``buffers`` (segments it may still write)
-        go back to the ring once every child has answered ``Stopped``."""
-        if self._closed or self._broken is not None:
-            return
+        go back to the ring once every child has answered ``Stopped``. Waits for nothing: no
+        thread of this process is involved."""
+        if self._closed or self._broken is not None or run in self._stopping:
+            return True
         self._stopping[run] = (set(range(len(self.conns))), buffers)
         try:
             self.broadcast(Stop(run))
         except RuntimeError:
             pass  # a child is gone: the next wait says so
+        return True
 
     # ----- receiving -----
 

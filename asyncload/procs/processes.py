@@ -13,18 +13,12 @@ its choices to the children.
 
 from __future__ import annotations
 
-import math
-import numpy as np
 import torch
 
-from ..autotune import MAX_IO, AutoTuner, Knob
-from ..order.positions import Positions
-from ..run.settings import BatchQuota, Settings
+from ..run.settings import Settings
 from ..stats.machine import usable_cores
 from .merged import ProcessStats
 from .parent import ProcessPool
-from .protocol import Limits
-from .run import ProcessRun
 
 CORES_PER_PROCESS = 3  # "auto": the 16-core measurements put the best at one process per 2-4 cores
 
@@ -42,52 +36,19 @@ def process_count(processes: int | str | None, isolate: bool) -> int:
     return processes
 
 
-class Processes:
-    """The children of one loader, its merged stats and (with "auto" settings) its tuner."""
-
-    def __init__(self, count: int, settings: Settings, device: torch.device | None, auto_threads: bool,
-                 auto_io: bool, threads: int) -> None:
-        self.count = count
-        self.settings = settings
-        self.window = max(settings.prefetch, 2 * count)  # every child has a batch queued behind its current one
-        self.stats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, count)
-        settings.stats = self.stats
-        arguments = dict(
-            source=settings.source, read=settings.read, decode=settings.decode, labelled=settings.labelled,
-            num_threads=_share(settings.num_threads, count), io_concurrency=_share(settings.io_concurrency, count),
-            thread_limit=_share(threads, count) if auto_threads else None,
-            storage_options=settings.storage_options, read_timeout=settings.read_timeout,
-            read_retries=settings.read_retries,
-        )
-        self.pool = ProcessPool(count, arguments, self.stats, keep=self.window + 2, device=device)
-        if settings.ring.layout is not None:  # a decoder that declares its output
-            self.pool.ring.configure(settings.ring.layout, settings.ring.capacity)
-        self.tuner = self._make_tuner(auto_threads, auto_io, threads, settings.num_threads)
-
-    def run(self, epoch: int, order: np.ndarray, done: Positions, quota: BatchQuota | None) -> ProcessRun:
-        return ProcessRun(self.pool, self.settings, epoch, order, done, quota, self.window)
-
-    def _make_tuner(self, auto_threads: bool, auto_io: bool, threads: int, most_threads: int) -> AutoTuner | None:
-        """The in-process tuner on the merged stats; its knobs count totals over the children."""
-        if not (auto_threads or auto_io):
-            return None
-        pool, count = self.pool, self.count
-
-        def set_threads(value: int) -> None:
-            pool.broadcast(Limits(_share(value, count), None))
-
-        def set_io(value: int) -> None:
-            pool.broadcast(Limits(None, _share(value, count)))
-
-        io = self.settings.io_concurrency
-        thread_knob = Knob("num_threads", threads, count, most_threads, apply=set_threads) if auto_threads else None
-        io_knob = Knob("io_concurrency", io, count, MAX_IO, apply=set_io) if auto_io else None
-        return AutoTuner(self.stats, thread_knob, io_knob)
-
-    def close(self) -> None:
-        self.pool.close()
+def start_processes(count: int, settings: Settings, device: torch.device | None, thread_limit: int | None,
+                    threads: int) -> ProcessPool:
+    """``count`` children, each running the pipeline on its share of the threads and reads, and
+    the merged stats (which become ``settings.stats``: the driver counts there)."""
+    settings.stats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, count)
+    arguments = vars(settings.pipeline(count, thread_limit))
+    pool = ProcessPool(count, arguments, settings.stats, keep=window(settings.prefetch, count) + 2, device=device)
+    if settings.ring.layout is not None:  # a decoder that declares its output
+        pool.ring.configure(settings.ring.layout, settings.ring.capacity)
+    return pool
 
 
-def _share(total: int, count: int) -> int:
-    """One process's part of a total (rounded up: none gets zero)."""
-    return max(1, math.ceil(total / count))
+def window(prefetch: int, processes: int) -> int:
+    """Batches the driver keeps under way: ``prefetch``, and with processes enough that every
+    child has a batch queued behind its current one."""
+    return max(prefetch, 2 * processes)

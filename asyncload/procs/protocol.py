@@ -1,9 +1,10 @@
 """The messages between the parent and its child processes, and how values cross the pipe.
 
-Only control data crosses: which segment, which rows, which source indices, which rows failed,
-a stats snapshot. Samples never do: a child writes them into the shared segment's rows, and the
-parent hands views of that segment to the user. A batch costs one ``Fill`` message out and one
-``Done`` back, whatever its size (its indices travel as one NumPy array).
+The driver speaks to a child's pipeline with ``run/messages.py``'s messages (``Start``, ``Fill``,
+``Probe``, ``Stop``; ``Done``, ``Probed``, ``Stopped``), as it does to the pipeline in its own
+process; this module adds what only processes need: shared segments (``Map``, ``Unmap``), the
+tuner's ``Limits``, ``Close``, a child that could not start (``Broken``), and pickling.
+Samples never cross: a child writes them into the shared segment's rows.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..batch.buffers import SampleLayout
 from ..errors import SampleError, TooManyFailures
+from ..run.messages import Done, Fill, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
 
 # A child that finds itself created while spawn imports the user's script again (a script with
 # no ``if __name__ == "__main__":`` guard) exits with this code; the parent then says why.
@@ -43,37 +43,6 @@ class Unmap:
 
 
 @dataclass
-class Fill:
-    """Write the samples ``indices`` (source indices) of epoch ``epoch`` into ``rows`` of
-    ``segment``; answer with one ``Done`` for ``fill`` once every row succeeded or failed."""
-
-    run: int
-    fill: int
-    segment: int
-    rows: list[int]
-    indices: np.ndarray
-    epoch: int
-
-
-@dataclass
-class Probe:
-    """Load the sample at source index ``index`` and answer with its layout (``Probed``): the
-    batch buffers cannot be allocated before the first sample's shape is known."""
-
-    run: int
-    index: int
-    epoch: int
-
-
-@dataclass
-class Stop:
-    """Run ``run`` is over: drop its queued work and answer ``Stopped`` once none is running,
-    so the parent knows the segments it used are written no more."""
-
-    run: int
-
-
-@dataclass
 class Limits:
     """The tuner's new per-process settings (None: unchanged)."""
 
@@ -87,32 +56,6 @@ class Close:
 
 
 # ----- child -> parent -----
-
-
-@dataclass
-class Done:
-    """Fill ``fill`` of run ``run`` is complete; ``failures`` are its rows that failed."""
-
-    run: int
-    fill: int
-    failures: list[tuple[int, SampleError]]
-    figures: dict[str, Any] | None = None
-
-
-@dataclass
-class Probed:
-    """The answer to ``Probe``: the layout of the labelled sample, or the ``SampleError``."""
-
-    run: int
-    layout: SampleLayout | None
-    error: SampleError | None
-    figures: dict[str, Any] | None = None
-
-
-@dataclass
-class Stopped:
-    run: int
-    figures: dict[str, Any] | None = None
 
 
 @dataclass

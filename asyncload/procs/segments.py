@@ -48,17 +48,17 @@ class SegmentRing:
         self.layout, self.capacity = layout, capacity
         self._drop([i for i, buffer in self.segments.items() if buffer.is_free()])
 
-    def take(self) -> tuple[int, BatchBuffer]:
-        """A free segment (marked in use by the pipeline), or a new one."""
+    def take(self) -> BatchBuffer:
+        """A free segment (marked in use by the pipeline), or a new one; ``number`` names it."""
         assert self.layout is not None, "configure() the ring first"
         self.sweep()
-        for number, buffer in self.segments.items():
+        for buffer in self.segments.values():
             if buffer.layout is self.layout and buffer.capacity == self.capacity and buffer.is_free():
                 buffer.in_pipeline = True
-                return number, buffer
-        number, buffer = self._allocate(self.layout, self.capacity)
+                return buffer
+        buffer = self._allocate(self.layout, self.capacity)
         buffer.in_pipeline = True
-        return number, buffer
+        return buffer
 
     def sweep(self) -> None:
         """Drops free segments beyond ``keep``, and free ones of an old layout."""
@@ -67,19 +67,20 @@ class SegmentRing:
         excess = max(0, len(self.segments) - len(stale) - self.keep)
         self._drop(stale + [i for i in free if i not in stale][:excess])
 
-    def _allocate(self, layout: SampleLayout, capacity: int) -> tuple[int, BatchBuffer]:
+    def _allocate(self, layout: SampleLayout, capacity: int) -> BatchBuffer:
         number = next(self._ids)
         _, size = shm.field_offsets(layout, capacity)
         fd = shm.create(f"{self.name}-{number}", size)
         try:
             buffer = shm.buffer_on(fd, layout, capacity)
+            buffer.number = number
             if self.device is not None:
                 shm.pin(buffer, self.device)
             self.segments[number] = buffer
             self.announce(Map(number, layout, capacity), fd)
         finally:
             os.close(fd)
-        return number, buffer
+        return buffer
 
     def _drop(self, numbers: list[int]) -> None:
         if not numbers:

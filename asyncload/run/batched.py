@@ -24,7 +24,7 @@ import torch
 
 from ..batch.buffers import Field, OnDevice
 from ..errors import SampleError
-from .jobs import Batch, Row, RowFiller, read_local
+from .jobs import Row, RowFiller, Work, read_local
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
 
@@ -82,15 +82,15 @@ class BatchJobs:
 
     # ----- the event loop -----
 
-    def hold(self, batch: Batch) -> None:
+    def hold(self, batch: Work) -> None:
         """A row of ``batch`` may still come: do not send its job yet."""
         self._gathering.setdefault(batch.number, _Gathering()).holds += 1
 
-    def add(self, batch: Batch, rows: Sequence[Row]) -> None:
+    def add(self, batch: Work, rows: Sequence[Row]) -> None:
         """Rows ready to decode (bytes read, or a local file the job reads); under a hold."""
         self._gathering[batch.number].rows.extend(rows)
 
-    def release(self, batch: Batch) -> None:
+    def release(self, batch: Work) -> None:
         """Ends a hold; the last one sends the gathered rows as one decode job."""
         gathering = self._gathering[batch.number]
         gathering.holds -= 1
@@ -101,9 +101,12 @@ class BatchJobs:
 
     # ----- a decode thread -----
 
-    def fill(self, batch: Batch, rows: list[Row]) -> None:
+    def fill(self, batch: Work, rows: list[Row]) -> None:
         """A decode job: reads the local rows, decodes every row with one ``decode_batch`` call,
         writes the labels, then reports the rows done once and each failure on its own."""
+        if batch.cancelled:
+            self.filler.rows_done(batch, len(rows))
+            return
         self.filler.stats.level("decodes_running", 1)
         try:
             rows, datas = self._read(batch, rows)
@@ -112,7 +115,7 @@ class BatchJobs:
         finally:
             self.filler.stats.level("decodes_running", -1)
 
-    def _read(self, batch: Batch, rows: list[Row]) -> tuple[list[Row], list[Any]]:
+    def _read(self, batch: Work, rows: list[Row]) -> tuple[list[Row], list[Any]]:
         """The rows whose bytes are here, with their bytes: local files are read now."""
         ready, datas = [], []
         read_s, nbytes, reads = 0.0, 0, 0
@@ -135,12 +138,11 @@ class BatchJobs:
             self.filler.stats.add("read", read_s, nbytes, items=reads)
         return ready, datas
 
-    def _decode(self, batch: Batch, rows: list[Row], datas: list[Any]) -> None:
+    def _decode(self, batch: Work, rows: list[Row], datas: list[Any]) -> None:
         """One ``decode_batch`` call for ``rows``, then every row reported exactly once: done, or
         failed with its error. Whatever goes wrong between (the call raises, returns failures
         numbered otherwise than ``datas``, a label does not fit) fails every row rather than
         leaving the batch incomplete for ever."""
-        assert batch.buffer is not None
         buffer = batch.buffer
         started, cpu_started = time.perf_counter(), time.thread_time()
         try:

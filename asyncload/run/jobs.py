@@ -25,19 +25,18 @@ O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass
-class Batch:
-    """One batch being filled: its number in this run, the epoch positions in its rows, its buffer."""
+class Work:
+    """One fill being worked on in a pipeline: the rows the driver asked for of one batch buffer.
+    Every row ends exactly once, done or failed (``failures``); the last one sends the fill's
+    answer. ``cancelled``: its run was stopped, so jobs that have not started end their rows
+    without reading or decoding."""
 
-    number: int
-    positions: list[int]
-    buffer: BatchBuffer | None
+    number: int  # the fill's id, unique within its run
+    buffer: BatchBuffer
     remaining: int
-    errors: dict[int, SampleError] = field(default_factory=dict)
-    holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
-    skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
-
-    def first_error(self) -> SampleError | None:
-        return self.errors[min(self.errors)] if self.errors else None
+    run: Any = None  # the pipeline's state of the run the fill belongs to
+    failures: list[tuple[int, SampleError]] = field(default_factory=list)
+    cancelled: bool = False
 
 
 @dataclass
@@ -114,8 +113,8 @@ class RowFiller:
     and its ``SampleError`` (the row is then not done: the failure policy completes it)."""
 
     def __init__(self, decode: Callable[[Any], Any], epoch: int, stats: LoaderStats,
-                 read_other: Callable[[str], bytes], rows_done: Callable[[Batch, int], None],
-                 row_failed: Callable[[Batch, int, SampleError], None]) -> None:
+                 read_other: Callable[[str], bytes], rows_done: Callable[[Work, int], None],
+                 row_failed: Callable[[Work, int, SampleError], None]) -> None:
         self.decode = decode
         self.in_place = decodes_in_place(decode)
         self.epoch = epoch
@@ -124,10 +123,12 @@ class RowFiller:
         self.rows_done = rows_done
         self.row_failed = row_failed
 
-    def fill(self, batch: Batch, rows: Sequence[Row]) -> None:
+    def fill(self, batch: Work, rows: Sequence[Row]) -> None:
         """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
-        ``batch``'s buffer, then reports."""
-        assert batch.buffer is not None
+        ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread."""
+        if batch.cancelled:
+            self.rows_done(batch, len(rows))
+            return
         buffer, stats = batch.buffer, self.stats
         stats.level("decodes_running", 1)
         read_s = decode_s = cpu = 0.0
@@ -186,9 +187,11 @@ class RowFiller:
             raise SampleError(key, "decode", error) from error
         self.stats.add("write", time.perf_counter() - started)
 
-    def write_job(self, batch: Batch, row: int, sample: Any, key: Any) -> None:
-        """A decode job for a sample decoded elsewhere (the epoch's first, which taught the layout)."""
-        assert batch.buffer is not None
+    def write_job(self, batch: Work, row: int, sample: Any, key: Any) -> None:
+        """A decode job for a sample decoded elsewhere (the probe's, which taught the layout)."""
+        if batch.cancelled:
+            self.rows_done(batch, 1)
+            return
         try:
             self.write(batch.buffer, row, sample, key)
         except SampleError as error:
@@ -205,20 +208,20 @@ class RowFiller:
 
 
 class RowJobs:
-    """How the producer hands rows of a per-row decoder to the decode threads: each chunk is a
+    """How the pipeline hands rows of a per-row decoder to the decode threads: each chunk is a
     job at once (``hold`` and ``release`` matter only to a batched decoder's ``BatchJobs``)."""
 
     def __init__(self, filler: RowFiller, run_job: Callable[[Callable[[], None]], None]) -> None:
         self.filler = filler
         self.run_job = run_job
 
-    def hold(self, batch: Batch) -> None:
+    def hold(self, batch: Work) -> None:
         pass
 
-    def release(self, batch: Batch) -> None:
+    def release(self, batch: Work) -> None:
         pass
 
-    def add(self, batch: Batch, rows: list[Row]) -> None:
+    def add(self, batch: Work, rows: list[Row]) -> None:
         self.run_job(lambda: self.filler.fill(batch, rows))
 
 

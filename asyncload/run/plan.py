@@ -1,6 +1,6 @@
 """The plan of one epoch run: which positions go into which batch, the replacements for skipped
-samples, DDP's batch quota, and the failure budget. Shared by the in-process run and the
-child-process parent, kept apart from the code that moves samples (the children need none of it).
+samples, DDP's batch quota, and the failure budget. The driver's (``driver.py``), in this
+process whatever the number of processes, kept apart from the code that moves samples.
 
 A batch takes the cursor's next positions; a failed sample either fails its batch or is replaced
 by the cursor's next position (padding from the start of the order once it runs out, with a
@@ -25,11 +25,13 @@ class EpochPlan:
     """Positions of ``order`` not in ``done``, handed out batch by batch.
 
     ``skipped``: positions an earlier run of this epoch skipped (a resume): they are not read
-    again, not used as padding, and count against the failure budget, which spans the epoch."""
+    again, not used as padding, and count against the failure budget, which spans the epoch.
+    ``padded``: positions an earlier run delivered as padding: padding goes on past them, as
+    the uninterrupted run's would. ``padding_given`` lists the padding this run took, in order."""
 
     def __init__(self, order: np.ndarray, done: Positions, quota: BatchQuota | None, batch_size: int,
                  drop_last: bool, skip_errors: bool, max_failures: int | float, stats: LoaderStats,
-                 skipped: Positions | None = None) -> None:
+                 skipped: Positions | None = None, padded: Positions | None = None) -> None:
         self.order = order
         self.quota = quota
         self.batch_size = batch_size
@@ -47,7 +49,9 @@ class EpochPlan:
         self.cursor = Cursor(len(order), done)
         self.failure_limit = failure_limit(max_failures, len(order))
         self.failures: list[SampleError] = []
+        self._padded = padded if padded is not None else Positions()
         self._next_padding = 0  # the next position to repeat, with a quota
+        self.padding_given: list[int] = []
 
     def undelivered(self) -> np.ndarray:
         """The source indices of the order at positions not done, in order."""
@@ -83,12 +87,15 @@ class EpochPlan:
 
     def _padding(self, count: int) -> list[int]:
         """Up to ``count`` positions repeated from the start of the order, passing over the
-        ones that failed; one pass, so a run whose samples all fail still ends."""
+        ones that failed and those an earlier run of the epoch padded with; one pass, so a run
+        whose samples all fail still ends."""
         taken: list[int] = []
         while len(taken) < count and self._next_padding < len(self.order):
-            if self._next_padding not in self._failed:
-                taken.append(self._next_padding)
+            position = self._next_padding
+            if position not in self._failed and position not in self._padded:
+                taken.append(position)
             self._next_padding += 1
+        self.padding_given += taken
         return taken
 
     def record(self, position: int, error: SampleError) -> SampleError | None:

@@ -2,11 +2,13 @@
 resources (threads, reads in flight, the buffer ring, the device stage) and the shared stats.
 
 A run holds these settings, never the loader, so that dropping the loader is never delayed by
-a running thread holding it; the child processes rebuild theirs from the same values.
+a running thread holding it. ``PipelineSettings`` is the part that moves samples: what a
+pipeline needs, in this process or (pickled) in a child process.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -67,6 +69,41 @@ class Settings:
     ring: BufferRing
     device_stage: DeviceStage | None
     stats: LoaderStats
+
+
+    def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
+        """What one pipeline needs; with ``processes`` children, its share of the totals."""
+        return PipelineSettings(
+            source=self.source, read=self.read, decode=self.decode, labelled=self.labelled,
+            batch_size=self.batch_size, num_threads=share(self.num_threads, processes),
+            io_concurrency=share(self.io_concurrency, processes),
+            thread_limit=None if thread_limit is None else share(thread_limit, processes),
+            storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
+        )
+
+
+@dataclass
+class PipelineSettings:
+    """What moves samples: the source, how to read and decode it, and the resources for it
+    (a child process gets its share of ``num_threads`` and ``io_concurrency``). No policy: which
+    samples go where, and what a failure means, are the driver's (``driver.py``)."""
+
+    source: Sequence[Any]
+    read: Callable[[Any], Any] | bool | None
+    decode: Callable[[Any], Any]
+    labelled: bool
+    batch_size: int
+    num_threads: int
+    io_concurrency: int
+    thread_limit: int | None  # with num_threads="auto": decode threads that may work at once
+    storage_options: dict[str, Any] | None
+    read_timeout: float
+    read_retries: int
+
+
+def share(total: int, processes: int) -> int:
+    """One process's part of a total (rounded up: none gets zero); the total in-process."""
+    return total if processes <= 1 else max(1, math.ceil(total / processes))
 
 
 @dataclass(frozen=True)

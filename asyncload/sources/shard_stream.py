@@ -2,6 +2,10 @@
 into runs of neighbouring samples of a shard, each run one ranged read of up to ``chunk_bytes``,
 fetched from the event loop a few at once; what is read ahead of the consumer is bounded by the
 shuffle buffer.
+
+The driver plans a run's reads once (``plan_reads``); with ``processes=N`` each chunk is owned
+by one process (``ChunkPlan.owned``) and the driver sends every sample to its chunk's owner, so
+a run makes the same ranged reads whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -49,6 +53,39 @@ def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> li
     return chunks
 
 
+@dataclass
+class ChunkPlan:
+    """The ranged reads of one epoch run, in the order it needs them, and the samples it wants
+    more than once (DDP's padding inside the order), with how often."""
+
+    chunks: list[Chunk]
+    repeats: dict[int, int]
+
+    def owned(self, owner: int, owners: int) -> "ChunkPlan":
+        """The chunks process ``owner`` of ``owners`` reads: every ``owners``-th, so each process
+        reads its part in the epoch's order and a batch's rows spread over the processes."""
+        if owners == 1:
+            return self
+        chunks = [Chunk(c.url, c.start, c.end, c.indices) for c in self.chunks[owner::owners]]
+        mine = {index for chunk in chunks for index in chunk.indices}
+        return ChunkPlan(chunks, {index: count for index, count in self.repeats.items() if index in mine})
+
+    def owner_of(self, samples: int, owners: int) -> np.ndarray:
+        """The process that reads each sample (``owners`` processes), -1 for a sample no chunk
+        holds (padding repeats it after its chunk was read: any process reads it alone)."""
+        owner = np.full(samples, -1, dtype=np.int16)
+        for number, chunk in enumerate(self.chunks):
+            owner[chunk.indices] = number % owners
+        return owner
+
+
+def plan_reads(source: ShardSource, wanted: np.ndarray) -> ChunkPlan:
+    """The chunk plan of a run that wants the samples ``wanted``, in that order."""
+    counts = np.bincount(wanted, minlength=len(source))
+    repeated = np.flatnonzero(counts > 1)
+    return ChunkPlan(plan_chunks(source, wanted, source.chunk_bytes), dict(zip(repeated.tolist(), counts[repeated].tolist())))
+
+
 def _split_run(source: ShardSource, shard: int, run: np.ndarray, chunk_bytes: int) -> list[Chunk]:
     chunks = []
     begin, end = source.sample_begin[run], source.sample_end[run]
@@ -82,16 +119,16 @@ class ShardStream:
     planned use, or, after a resume, for one delivered before and so left out of the plan.
     """
 
-    def __init__(self, source: ShardSource, wanted: np.ndarray, read_range: Any, concurrent_reads: int = 4,
+    def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
                  cache: Any = None) -> None:
         self.source = source
         self.read_range = read_range  # async (url, start, end) -> bytes
         self.cache = cache  # the ShardCache behind read_range, if any: its downloads end with us
-        self.chunks = plan_chunks(source, wanted, source.chunk_bytes)
-        self.chunk_of = np.full(len(source), -1, dtype=np.int64)
+        self.chunks = plan.chunks
+        self.chunk_of = np.full(len(source), -1, dtype=np.int32)
         for number, chunk in enumerate(self.chunks):
             self.chunk_of[chunk.indices] = number
-        self.uses = np.bincount(wanted, minlength=len(source)).astype(np.int32)  # padding may repeat one
+        self.repeats = dict(plan.repeats)  # samples wanted again after their first use: how often more
         self.started = 0
         self.slots = AsyncGate(concurrent_reads)
         self.ready: dict[int, Any] = {}  # sample -> bytes (or members), read and not yet taken
@@ -134,9 +171,11 @@ class ShardStream:
         return self.source.split_chunk(memoryview(data), start, [index])[index]
 
     def _take(self, index: int) -> Any:
-        self.uses[index] -= 1
-        if self.uses[index] == 0:
+        more = self.repeats.get(index, 1) - 1
+        if more <= 0:
+            self.repeats.pop(index, None)
             return self.ready.pop(index)
+        self.repeats[index] = more
         return self.ready[index]
 
     def _start_through(self, number: int) -> None:
@@ -187,8 +226,8 @@ class ShardStream:
             await self.cache.aclose()
 
 
-def reader_shard_stream(source: ShardSource, wanted: np.ndarray, reader: Reader, concurrent_reads: int) -> ShardStream:
-    """A ``ShardStream`` of ``wanted`` through ``reader``'s ranged reads, and through the disk
+def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int) -> ShardStream:
+    """A ``ShardStream`` of ``plan`` through ``reader``'s ranged reads, and through the disk
     cache for remote shards when the source has one."""
     read_range = reader.read_range
     cache = None
@@ -202,4 +241,4 @@ def reader_shard_stream(source: ShardSource, wanted: np.ndarray, reader: Reader,
                 return await reader.read_range(url, start, end)
             return await cache.read_range(url, start, end, sizes[url])
 
-    return ShardStream(source, wanted, read_range, concurrent_reads, cache=cache)
+    return ShardStream(source, plan, read_range, concurrent_reads, cache=cache)

@@ -1,0 +1,324 @@
+"""The driver: one iteration over an epoch, deciding every policy on the user's thread, whatever
+moves the samples (one pipeline in this process, or N in child processes: ``pipes.py``).
+
+It takes batches from the plan (``plan.py``) at most ``window`` ahead of the user, gives each a
+buffer from the ring and sends its rows to the pipelines (tar shards: each row to the process
+that owns its chunk); on each answer it applies the failure policy (raise, or skip with the
+plan's replacement, or a hole when the epoch has none left); it hands complete batches out in
+order (``handout.py``), drops those ``drop_last`` or an empty batch calls for, and records
+what the user got in the epoch's ``Progress`` (``state.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..batch.buffers import BatchBuffer
+from ..errors import SampleError
+from ..sources.shard_stream import plan_reads
+from ..sources.shards import ShardSource
+from .handout import HandOut
+from .messages import Done, Fill, Probe, Probed, Start
+from .pipes import ENDED, Pipes
+from .plan import EpochPlan
+from .settings import BatchQuota, Settings
+from .state import Progress
+
+
+@dataclass
+class Batch:
+    """A batch being filled: its positions, its buffer, the fills not yet answered."""
+
+    number: int
+    positions: list[int]
+    buffer: BatchBuffer | None
+    pending: int = 0
+    errors: dict[int, SampleError] = field(default_factory=dict)
+    holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
+    skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
+    padded: list[int] = field(default_factory=list)  # positions the plan gave it as DDP padding
+
+    def first_error(self) -> SampleError | None:
+        return self.errors[min(self.errors)] if self.errors else None
+
+
+class EpochDriver:
+    """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run."""
+
+    def __init__(self, pipes: Pipes, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
+                 quota: BatchQuota | None, window: int) -> None:
+        self.pipes = pipes
+        self.s = settings
+        self.order = order
+        self.progress = progress
+        self.window = window
+        self.plan = EpochPlan(order, progress.done, quota, settings.batch_size, settings.drop_last,
+                              settings.skip_errors, settings.max_failures, settings.stats, progress.skipped,
+                              progress.padded)
+        self.batches: dict[int, Batch] = {}  # assigned and not yet taken for the hand-out
+        self.fills: dict[int, tuple[Batch, int]] = {}  # fill id -> its batch and pipeline
+        self.load = [0] * pipes.count  # fills in progress per pipeline
+        self._fill_ids = itertools.count()
+        self.assigned = 0
+        self.taken = 0  # batches handed out, dropped or raised
+        self.exhausted = False
+        self.handout = HandOut(settings)
+        self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
+        self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
+        self._lock = threading.Lock()  # the bookkeeping above, against stop() from another thread
+        self._stopped = False  # stop() was called (it may not have finished)
+        self._stop_done = False  # every thread has ended and the buffers are accounted for
+        self._unfinished: list[BatchBuffer] = []
+        self._stats_stopped = False
+        self._full = False  # the window is full: the plan waits for the user
+        self.run = pipes.new_run()
+        settings.stats.run_started()
+        try:
+            self._owner = self._start(epoch)
+            if self.pipes.ring.layout is not None:
+                self._assign()  # the first batches are under way before the first next()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, epoch: int) -> np.ndarray | None:
+        """Starts the run in every pipeline. Tar shards: the run's reads are planned here, once,
+        and each chunk is owned by one pipeline; returns which pipeline reads each sample."""
+        count = self.pipes.count
+        if not isinstance(self.s.source, ShardSource):
+            for index in range(count):
+                self.pipes.send(index, Start(self.run, epoch, None))
+            return None
+        reads = plan_reads(self.s.source, self.plan.undelivered())
+        for index in range(count):
+            self.pipes.send(index, Start(self.run, epoch, reads.owned(index, count)))
+        return reads.owner_of(len(self.s.source), count) if count > 1 else None
+
+    # ----- planning -----
+
+    def _assign(self) -> None:
+        """Sends new batches to the pipelines while fewer than ``window`` are ahead of the user."""
+        while not self.exhausted and self.assigned - self.taken < self.window:
+            padding_before = len(self.plan.padding_given)
+            positions = self.plan.take_batch(self.assigned)
+            if positions and self.pipes.ring.layout is None:
+                positions = self._learn_layout(positions)
+            if not positions:
+                self.exhausted = True
+                return
+            if self.pipes.ring.layout is None:  # the first sample failed the batch
+                return
+            with self._lock:
+                if self._stopped:
+                    raise RuntimeError(ENDED)
+                batch = Batch(self.assigned, positions, self.pipes.ring.take(),
+                              padded=self.plan.padding_given[padding_before:], skipped=self._early_skips)
+                self._early_skips = []
+                self.batches[batch.number] = batch
+                self.assigned += 1
+                self._send_rows(batch, list(range(len(positions))))
+        self._window_full(not self.exhausted)
+
+    def _window_full(self, full: bool) -> None:
+        """The stats' level of time spent with the window full (the verdict's "memory")."""
+        if full != self._full:
+            self._full = full
+            self.s.stats.level("producer_waiting", 1 if full else -1)
+
+    def _send_rows(self, batch: Batch, rows: list[int]) -> None:
+        """Sends ``rows`` of ``batch`` to be filled: to the pipeline that owns each row's shard
+        chunk, else all to the least busy one."""
+        indices = self.order[[batch.positions[row] for row in rows]]
+        if self._owner is None:
+            groups = {min(range(len(self.load)), key=self.load.__getitem__): rows}
+        else:
+            owners = self._owner[indices].tolist()
+            idle = min(range(len(self.load)), key=self.load.__getitem__)
+            groups = {}
+            for row, owner in zip(rows, owners):
+                groups.setdefault(owner if owner >= 0 else idle, []).append(row)
+        assert batch.buffer is not None
+        for pipe, pipe_rows in groups.items():
+            fill = next(self._fill_ids)
+            self.fills[fill] = (batch, pipe)
+            batch.pending += 1
+            self.load[pipe] += 1
+            pipe_indices = indices if len(groups) == 1 else self.order[[batch.positions[row] for row in pipe_rows]]
+            self.pipes.send(pipe, Fill(self.run, fill, batch.buffer.number, pipe_rows, pipe_indices))
+
+    def _learn_layout(self, positions: list[int]) -> list[int]:
+        """Asks a pipeline for the first sample's layout, to allocate buffers; a sample that fails
+        is skipped (replaced) or fails the first batch, as any other."""
+        while positions:
+            index = int(self.order[positions[0]])
+            pipe = 0 if self._owner is None or self._owner[index] < 0 else int(self._owner[index])
+            self.pipes.send(pipe, Probe(self.run, index))
+            answer = self.pipes.receive(self.run)
+            while not isinstance(answer, Probed):
+                answer = self.pipes.receive(self.run)
+            if answer.layout is not None:
+                self.pipes.ring.configure(answer.layout, self.s.batch_size)
+                return positions
+            assert answer.error is not None
+            failure = self.plan.record(positions[0], answer.error)
+            if failure is not None:
+                batch = Batch(self.assigned, positions, None, errors={0: failure})
+                self.s.stats.level("batches_ready", 1)
+                with self._lock:
+                    self.batches[batch.number] = batch
+                    self.assigned += 1
+                self.exhausted = True
+                return positions
+            self._early_skips.append(positions[0])
+            replacement = self.plan.replacement()
+            positions = [replacement, *positions[1:]] if replacement is not None else positions[1:]
+        return positions
+
+    # ----- the pipelines' answers -----
+
+    def _answer(self, message: Any) -> None:
+        if not isinstance(message, Done):
+            return
+        with self._lock:
+            if self._stopped:  # stop() from another thread (close()) while this one waited
+                raise RuntimeError(ENDED)
+            batch, pipe = self.fills.pop(message.fill)
+            batch.pending -= 1
+            self.load[pipe] -= 1
+            for row, error in message.failures:
+                self._failed(batch, row, error)
+            if batch.pending == 0:
+                self.s.stats.level("batches_ready", 1)
+
+    def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
+        """The policy for a failed row: its batch raises, or the row gets the epoch's next
+        position, or (none left) becomes a hole."""
+        failure = self.plan.record(batch.positions[row], error)
+        if failure is not None:
+            batch.errors[row] = failure
+            return
+        batch.skipped.append(batch.positions[row])
+        padding_before = len(self.plan.padding_given)
+        replacement = self.plan.replacement()
+        if replacement is None:
+            batch.holes.add(row)
+            return
+        batch.padded += self.plan.padding_given[padding_before:]
+        batch.positions[row] = replacement
+        self._send_rows(batch, [row])
+
+    def _take_answers(self) -> None:
+        """Takes in the answers that have arrived, without waiting."""
+        while (message := self.pipes.receive(self.run, block=False)) is not None:
+            self._answer(message)
+
+    def _ready(self, number: int) -> bool:
+        batch = self.batches.get(number)
+        return batch is not None and batch.pending == 0
+
+    # ----- the user's thread -----
+
+    def __iter__(self) -> Iterator[tuple[list[int], Any]]:
+        number = 0
+        while True:
+            if self._stopped:
+                raise RuntimeError(ENDED)
+            self._assign()
+            batch = self._wait_for(number if self.s.in_order else None)
+            if batch is None:
+                return
+            number += 1
+            error = batch.first_error()
+            if error is not None:
+                if batch.buffer is not None:  # complete (no pipeline writes it): the ring may reuse it
+                    batch.buffer.give_back()
+                raise error
+            delivered = [p for row, p in enumerate(batch.positions) if row not in batch.holes]
+            if batch.holes and (not delivered or (self.s.drop_last and self.plan.quota is None)):
+                self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
+                continue
+            assert batch.buffer is not None
+            out = self.handout.hand_out(batch.number, batch.buffer, len(batch.positions), batch.holes)
+            self.progress.handed_out(delivered, batch.skipped, batch.padded)
+            self.progress.batches += 1
+            self._assign()
+            if self.s.device_stage is not None:
+                self._take_answers()  # so that batch k+1, if done, is copied now
+            self._prefetch_copy(number)
+            try:
+                yield delivered, out
+            finally:
+                del out
+                self.handout.release()  # the user asked for the next batch, or ended the loop
+
+    def _wait_for(self, number: int | None) -> Batch | None:
+        """Blocks until batch ``number`` (or, with None, any batch) is complete and takes it;
+        None once the epoch has no more batches."""
+        started = time.perf_counter()
+        while True:
+            ready = number if number is not None else next((n for n in self.batches if self._ready(n)), None)
+            if ready is not None and self._ready(ready):
+                with self._lock:
+                    batch = self.batches.pop(ready)
+                    self.taken += 1
+                self.s.stats.level("batches_ready", -1)
+                break
+            if self.exhausted and self.taken >= self.assigned:
+                return None
+            self._answer(self.pipes.receive(self.run))
+        self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started)
+        return batch
+
+    def _drop(self, batch: Batch) -> None:
+        """A batch that is not delivered: its buffer goes back, its skips stay on the record."""
+        assert batch.buffer is not None
+        batch.buffer.give_back()
+        self.progress.handed_out((), batch.skipped, batch.padded)
+
+    def _prefetch_copy(self, number: int) -> None:
+        """With a device stage: if batch ``number`` is already complete, start its copy now."""
+        if not self.handout.wants_copy(number):
+            return
+        batch = self.batches.get(number)
+        if batch is not None and batch.pending == 0 and not batch.errors and not batch.holes:
+            assert batch.buffer is not None
+            self.handout.prefetch_copy(number, batch.buffer, len(batch.positions))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the run: complete batches go back to the ring now, the others once no pipeline
+        writes them any more. Safe to call more than once, from any thread; a stop cut short (a
+        thread stuck past the timeout: then a ``RuntimeWarning``) is finished by the next call."""
+        if self._stop_done:
+            return
+        with self._lock:
+            first = not self._stopped
+            self._stopped = True
+            if first:
+                for batch in self.batches.values():
+                    if batch.pending == 0:
+                        self.s.stats.level("batches_ready", -1)
+                    if batch.buffer is None or batch.number in self.pending_copies:
+                        continue
+                    if batch.pending:
+                        self._unfinished.append(batch.buffer)
+                    else:
+                        batch.buffer.give_back()
+                self.batches.clear()
+                self.fills.clear()
+                self.pending_copies.clear()
+        if first:
+            self.handout.release()
+            self._window_full(False)
+        finished = self.pipes.stop_run(self.run, self._unfinished, timeout)
+        if not self._stats_stopped:  # once, whether or not a stuck thread is left: not the run's figures
+            self._stats_stopped = True
+            self.s.stats.run_stopped()
+        if finished:
+            self._unfinished = []  # the pipes hold them until they are free: the run keeps no buffer
+        self._stop_done = finished

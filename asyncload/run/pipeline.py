@@ -1,0 +1,342 @@
+"""The pipeline: moves samples and decides nothing. The same code runs in this process and in
+each child process of ``processes=N``.
+
+It takes the driver's messages (``messages.py``): ``Start`` a run, ``Fill`` rows of a batch
+buffer with given source indices, ``Probe`` the first sample's layout, ``Stop`` a run. For each
+fill it reads (local files on the decode threads, by chunks of rows; other items on the event
+loop, at most ``io_concurrency`` in flight; tar shards through the run's one ``ShardStream``),
+decodes straight into the rows (``jobs.py``, ``batched.py`` on ``workers.py``'s threads), counts
+the rows, and answers one ``Done`` with the rows that failed. What a failure means (raise, skip,
+a replacement, the budget) is the driver's: a row that fails is reported, nothing more.
+
+A row ends exactly once: the loop task that reads it (failed, or cancelled before its decode was
+queued) or the decode job (which, for a stopped run, ends its rows without decoding). So the
+``Stopped`` answer goes out only once no thread can still write into the run's buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..autotune import AsyncGate, Gate
+from ..batch.buffers import BatchBuffer, SampleLayout
+from ..errors import SampleError
+from ..io.reader import Reader
+from ..sources.shard_stream import ShardStream, reader_shard_stream
+from .batched import BatchJobs, is_batched
+from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
+from .messages import Done, Fill, Probe, Probed, Start, Stop, Stopped
+from .settings import PipelineSettings, split
+from .threads import wait_ended
+from .workers import DecodeWorkers
+
+
+@dataclass
+class RunState:
+    """One run's part of the pipeline: its decoder jobs, its shard stream, its fills and tasks."""
+
+    run: int
+    filler: RowFiller
+    jobs: RowJobs | BatchJobs
+    stream: ShardStream | None
+    active: int = 0  # fills not yet complete
+    stopped: bool = False  # no job of the run starts (set on the driver's thread)
+    closed: bool = False  # its reads are cancelled and its stream closed (on the loop)
+    confirmed: bool = False  # Stopped was sent
+    by_id: dict[int, Work] = field(default_factory=dict)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    probed: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # index -> (key, labelled sample)
+
+
+class Pipeline:
+    """Reads and decodes into batch buffers it is given by number (``buffers``); answers through
+    ``send`` (thread-safe). ``handle`` takes messages from one thread; ``close`` ends its threads."""
+
+    def __init__(self, settings: PipelineSettings, buffers: Callable[[int], BatchBuffer],
+                 send: Callable[[Any], None], stats: Any, gate: Gate | None = None) -> None:
+        self.s = settings
+        self.buffers = buffers
+        self.send = send
+        self.stats = stats
+        self.gate = gate if gate is not None else (Gate(settings.thread_limit) if settings.thread_limit else None)
+        self.workers = DecodeWorkers(settings.num_threads, self.gate)
+        self.io_limit = settings.io_concurrency
+        self.read_slots = AsyncGate(settings.io_concurrency)
+        self.runs: dict[int, RunState] = {}
+        self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
+        self._lock = threading.Lock()  # row counts and run states, shared by the loop and decode threads
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
+        self.thread.start()
+        self.reader: Reader = asyncio.run_coroutine_threadsafe(self._make_reader(), self.loop).result()
+
+    async def _make_reader(self) -> Reader:
+        user_read = self.s.read if callable(self.s.read) else None
+        return Reader(self.loop, storage_options=self.s.storage_options, timeout=self.s.read_timeout,
+                      retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.stats,
+                      user_read=user_read)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    # ----- the driver's thread (or a child's control thread) -----
+
+    def handle(self, message: Any) -> None:
+        """Takes one message of the driver; the work happens on the loop and decode threads."""
+        if isinstance(message, Stop):
+            self._mark_stopped(message.run)
+        self._call_soon(self._on_loop, message)
+
+    def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None:
+        """The tuner's new settings for this pipeline (None: unchanged)."""
+        if num_threads is not None and self.gate is not None:
+            self.gate.set_limit(num_threads)
+        if io_concurrency is not None:
+            self._call_soon(self._set_io, io_concurrency)
+
+    def close(self, deadline: float | None = None) -> list[threading.Thread]:
+        """Stops every run, the loop and the decode threads; returns the threads still running
+        at ``deadline`` (``time.monotonic()``; None: wait for them)."""
+        for run in list(self.runs):
+            self._mark_stopped(run)
+        shut = self._shut()
+        try:
+            asyncio.run_coroutine_threadsafe(shut, self.loop)
+        except RuntimeError:
+            shut.close()  # the loop has ended already
+        wait_ended([self.thread], deadline)
+        self.workers.stop()  # no queued job starts; the threads end after the one they run
+        wait_ended(self.workers.all_threads()[:1], deadline)  # the starter: then the list is whole
+        return wait_ended([self.thread, *self.workers.all_threads()], deadline)
+
+    def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # the loop has ended: the pipeline is closed
+
+    def _mark_stopped(self, run: int) -> None:
+        """No job of ``run`` starts any more (the decode threads look at this)."""
+        with self._lock:
+            state = self.runs.get(run)
+            if state is not None:
+                state.stopped = True
+                for work in state.by_id.values():
+                    work.cancelled = True
+
+    # ----- the event loop -----
+
+    def _on_loop(self, message: Any) -> None:
+        if isinstance(message, Start):
+            self._start(message)
+        elif isinstance(message, Fill):
+            self._spawn(self.runs[message.run], self._fill(message))
+        elif isinstance(message, Probe):
+            self._spawn(self.runs[message.run], self._probe(message))
+        elif isinstance(message, Stop):
+            self.loop.create_task(self._stop(message.run))
+
+    def _start(self, message: Start) -> None:
+        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done, self._row_failed)
+        jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
+        stream = None
+        if message.chunks is not None:
+            stream = reader_shard_stream(self.s.source, message.chunks, self.reader, self.io_limit)  # type: ignore[arg-type]
+        self.runs[message.run] = RunState(message.run, filler, jobs, stream)
+
+    def _spawn(self, state: RunState, coroutine: Any) -> asyncio.Task | None:
+        if state.stopped:
+            coroutine.close()
+            return None
+        task = self.loop.create_task(coroutine)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+        return task
+
+    async def _fill(self, message: Fill) -> None:
+        """Starts the loads of a fill's rows: local files by chunks of rows, each a decode job that
+        reads them itself; others read here, one decode job each. A batched decoder's rows are
+        held until none of the fill is still being read, then make one job."""
+        state = self.runs[message.run]
+        work = Work(message.fill, self.buffers(message.segment), len(message.rows), state)
+        with self._lock:
+            state.active += 1
+            state.by_id[work.number] = work
+        jobs = state.jobs
+        jobs.hold(work)
+        handed = 0  # rows whose end is someone else's now (a job, a read task, a failure)
+        try:
+            local: list[Row] = []
+            for row, index in zip(message.rows, message.indices.tolist()):
+                try:
+                    key, label = split(self.s.source, self.s.labelled, index)
+                except SampleError as error:
+                    handed += 1
+                    self._row_failed(work, row, error)
+                    continue
+                kept = state.probed.pop(index, None)
+                if kept is not None:  # the probe's sample: decoded already
+                    handed += 1
+                    self.workers.submit(lambda r=row, k=kept: state.filler.write_job(work, r, k[1], k[0]))
+                elif self._is_local(state, key):
+                    local.append(Row(row, key, label, index, key if self.s.read is False else None))
+                    if len(local) == self._chunk:
+                        handed += len(local)
+                        jobs.add(work, local)
+                        local = []
+                else:
+                    await self.read_slots.acquire()
+                    handed += 1
+                    jobs.hold(work)  # released by _load
+                    if self._spawn(state, self._load(state, work, Row(row, key, label, index))) is None:
+                        self.read_slots.release()
+                        jobs.release(work)
+                        self._rows_done(work, 1)
+            if local:
+                handed += len(local)
+                jobs.add(work, local)
+        except asyncio.CancelledError:  # stopped: the rows not handed on end here
+            self._rows_done(work, len(message.rows) - handed)
+            raise
+        finally:
+            jobs.release(work)
+
+    def _is_local(self, state: RunState, key: Any) -> bool:
+        """Whether a decode thread takes ``key`` itself: local files with the loader's own read,
+        or the item itself with ``read=False``."""
+        if self.s.read is False:
+            return True
+        if self.s.read is not None or state.stream is not None:
+            return False
+        return local_path(key) is not None or self.reader.is_local(key)
+
+    async def _fetch(self, state: RunState, key: Any) -> Any:
+        if self.s.read is False:
+            return key
+        try:
+            if state.stream is not None:
+                return await state.stream.get(key)
+            return await self.reader.read(key)
+        except Exception as error:
+            raise SampleError(key, "read", error) from error
+
+    async def _load(self, state: RunState, work: Work, row: Row) -> None:
+        """Reads a sample on the loop, then hands it to a decode job; a failed read is reported,
+        a cancelled one ends its row, so the row always ends once."""
+        try:
+            try:
+                row.data = await self._fetch(state, row.key)
+            finally:
+                self.read_slots.release()
+        except asyncio.CancelledError:
+            self._rows_done(work, 1)
+            raise
+        except SampleError as error:
+            self._row_failed(work, row.row, error)
+        except Exception as error:  # not the sample's fault, but it must not be lost either
+            self._row_failed(work, row.row, SampleError(f"source[{row.index}]", "load", error))
+        else:
+            state.jobs.add(work, [row])
+        finally:
+            state.jobs.release(work)
+
+    async def _probe(self, message: Probe) -> None:
+        """Loads and decodes one sample for its layout; keeps it for the fill that names it."""
+        state = self.runs[message.run]
+        key: Any = f"source[{message.index}]"
+        try:
+            key, label = split(self.s.source, self.s.labelled, message.index)
+            data = await self._fetch(state, key)
+            try:
+                sample = await self.workers.run_async(self.loop, state.filler.timed_decode, data)
+                sample = labelled(sample, label)
+                layout = SampleLayout.of(sample)
+            except Exception as error:
+                raise SampleError(key, "decode", error) from error
+        except SampleError as error:
+            self.send(Probed(message.run, None, error))
+            return
+        state.probed[message.index] = (key, sample)
+        self.send(Probed(message.run, layout, None))
+
+    async def _stop(self, run: int) -> None:
+        """Cancels the run's reads and closes its shard stream; ``Stopped`` once no row is under way."""
+        state = self.runs.get(run)
+        if state is None:
+            self.send(Stopped(run))
+            return
+        tasks = list(state.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if state.stream is not None:
+            await state.stream.aclose()
+        state.probed.clear()
+        with self._lock:
+            state.closed = True
+            confirm = self._confirms(state)
+        if confirm:
+            self.runs.pop(run, None)
+            self.send(Stopped(run))
+
+    async def _shut(self) -> None:
+        for run in list(self.runs):
+            await self._stop(run)
+        await self.reader.aclose()
+        self.loop.stop()
+
+    def _set_io(self, limit: int) -> None:
+        self.io_limit = limit
+        self.read_slots.set_limit(limit)
+        for state in self.runs.values():
+            if state.stream is not None:
+                state.stream.set_limit(limit)
+
+    # ----- any thread -----
+
+    def _read_other(self, key: str) -> bytes:
+        """On a decode thread: a local URL that is not a plain path to a regular file (e.g.
+        ``memory://``, a FIFO), read with the reader's timeout."""
+        self.reader.is_local(key)  # finds (and caches) the URL's filesystem, which read_local uses
+        return self.reader.read_local(key)
+
+    def _row_failed(self, work: Work, row: int, error: SampleError) -> None:
+        with self._lock:
+            work.failures.append((row, error))
+        self._rows_done(work, 1)
+
+    def _rows_done(self, work: Work, count: int) -> None:
+        """``count`` rows of ``work`` ended; the last one answers (or, once the run is stopped,
+        lets the stop be confirmed)."""
+        state: RunState = work.run
+        with self._lock:
+            work.remaining -= count
+            if work.remaining:
+                return
+            state.active -= 1
+            del state.by_id[work.number]
+            confirm = state.stopped and self._confirms(state)
+        if not state.stopped:
+            self.send(Done(state.run, work.number, work.failures))
+        elif confirm:
+            self._call_soon(self.runs.pop, state.run, None)
+            self.send(Stopped(state.run))
+
+    @staticmethod
+    def _confirms(state: RunState) -> bool:
+        """Under the lock: whether this is the moment to confirm the run's stop (its reads are
+        cancelled, no row is under way, and it was not confirmed yet)."""
+        if state.closed and state.active == 0 and not state.confirmed:
+            state.confirmed = True
+            return True
+        return False
+
+

@@ -1,0 +1,115 @@
+"""What the driver talks to: its pipelines. ``LocalPipes`` is the one pipeline in this process;
+``procs/parent.py``'s ``ProcessPool`` is N of them in child processes. Both take the same
+messages (``messages.py``) and hand out buffers from one kind of ring (``take``, ``configure``,
+numbered buffers), so the driver cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import warnings
+from typing import Any, Protocol
+
+from ..batch.buffers import BatchBuffer
+from .messages import Stop, Stopped
+from .pipeline import Pipeline
+from .settings import Settings
+
+ENDED = "this iteration has ended: the loader was closed or iterated anew"
+STOP_TIMEOUT_S = 20.0  # how long a stop waits for the threads: a read's timeout is on its own threads
+POLL_S = 0.1  # how often a wait for an answer looks whether the run was stopped from another thread
+
+
+class Pipes(Protocol):
+    """The driver's pipelines: ``count`` of them, and the ring their buffers come from."""
+
+    count: int
+    ring: Any  # take() -> BatchBuffer, configure(layout, capacity), layout
+
+    def new_run(self) -> int: ...
+
+    def send(self, index: int, message: Any) -> None: ...
+
+    def receive(self, run: int, block: bool = True) -> Any: ...
+
+    def stop_run(self, run: int, buffers: list[BatchBuffer], timeout: float | None) -> bool: ...
+
+    def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None: ...
+
+
+class LocalPipes:
+    """The pipeline in this process: one per run, so that leaving the loop leaves no thread
+    running. Its answers come through a queue the user's thread reads."""
+
+    count = 1
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.ring = settings.ring
+        self._pipelines: dict[int, Pipeline] = {}  # by run: a stop cut short is finished later
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._runs = 0
+        self._ended: set[int] = set()  # runs stopped: a wait for their answers ends
+
+    def new_run(self) -> int:
+        self._runs += 1
+        self._answers = queue.SimpleQueue()
+        self._pipelines[self._runs] = Pipeline(self.settings.pipeline(), self.ring.buffer, self._answers.put,
+                                               self.settings.stats, gate=self.settings.thread_gate)
+        return self._runs
+
+    def send(self, index: int, message: Any) -> None:
+        pipeline = self._pipelines.get(message.run)
+        if pipeline is None or message.run in self._ended:
+            raise RuntimeError(ENDED)  # stopped from another thread (close()) meanwhile
+        pipeline.handle(message)
+
+    def receive(self, run: int, block: bool = True) -> Any:
+        """The next answer about ``run`` (None at once without ``block`` if there is none)."""
+        answers = self._answers
+        while True:
+            if run in self._ended:
+                raise RuntimeError(ENDED)
+            try:
+                message = answers.get(timeout=POLL_S) if block else answers.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return None
+                pipeline = self._pipelines.get(run)
+                if pipeline is not None and not pipeline.thread.is_alive() and answers.empty():
+                    raise RuntimeError("the loader's event loop stopped unexpectedly")
+                continue
+            if not isinstance(message, Stopped) and message.run == run:
+                return message
+
+    def stop_run(self, run: int, buffers: list[BatchBuffer], timeout: float | None) -> bool:
+        """Stops the run's pipeline and waits (at most ``timeout``) for its threads; then the
+        buffers it may have written go back. False, with a warning, if threads are still
+        running: a later call finishes the job."""
+        self._ended.add(run)
+        pipeline = self._pipelines.get(run)
+        if pipeline is None:
+            return True
+        pipeline.handle(Stop(run))
+        timeout = STOP_TIMEOUT_S if timeout is None else timeout
+        alive = [thread.name for thread in pipeline.close(time.monotonic() + timeout)]
+        if alive:
+            warnings.warn(f"asyncload: {len(alive)} threads still running {timeout:g} s after stop() "
+                          f"({', '.join(alive)}); a later stop() or close() finishes the job", RuntimeWarning)
+            return False
+        for buffer in buffers:
+            buffer.give_back()
+        self._pipelines.pop(run, None)  # another thread may have finished the same stop
+        return True
+
+    def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None:
+        """The tuner's settings: threads through the shared gate, reads in flight for this run
+        and the next ones."""
+        if num_threads is not None and self.settings.thread_gate is not None:
+            self.settings.thread_gate.set_limit(num_threads)
+        if io_concurrency is not None:
+            self.settings.io_concurrency = io_concurrency
+            pipeline = self._pipelines.get(self._runs)
+            if pipeline is not None:
+                pipeline.set_limits(None, io_concurrency)

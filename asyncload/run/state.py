@@ -1,0 +1,41 @@
+"""Where an epoch stands for the user: what was handed out, what was skipped, what was padded.
+
+The driver updates it as each batch is handed out (never for a batch still in the pipeline), so
+``state_dict()`` taken at any point describes exactly the batches the user has seen, and a resume
+delivers the rest as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..order.positions import Positions
+
+
+@dataclass
+class Progress:
+    """The epoch's positions handed out, skipped (failed and not retried: on the failure budget)
+    and delivered as DDP padding (a resumed rank pads on past them), and the batches handed out."""
+
+    done: Positions = field(default_factory=Positions)
+    skipped: Positions = field(default_factory=Positions)
+    padded: Positions = field(default_factory=Positions)
+    batches: int = 0
+
+    def handed_out(self, positions: Iterable[int], skipped: Iterable[int], padded: Iterable[int]) -> None:
+        """A batch reached the user (``positions``), or was dropped (no ``positions``)."""
+        self.done.add(positions)
+        self.skipped.add(skipped)
+        self.padded.add(padded)
+
+    def as_state(self) -> dict[str, Any]:
+        return {"delivered": self.done.intervals(), "batches": self.batches, "skipped": self.skipped.intervals(),
+                "padded": self.padded.intervals()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], batch_size: int) -> "Progress":
+        """From ``as_state()`` (older states lack ``skipped``, ``padded`` or ``batches``)."""
+        done = Positions(state["delivered"])
+        return cls(done, Positions(state.get("skipped", [])), Positions(state.get("padded", [])),
+                   state.get("batches", len(done) // batch_size))
