@@ -39,6 +39,20 @@ def test_split_sends_what_nvjpeg_cannot_decode_to_the_cpu():
     assert cpu_rows == [4, 5, 6, 7, 9, 10]
 
 
+def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
+    """nvJPEG may decode a truncated file's first rows without an error, as libjpeg does unless
+    strict: a JPEG that does not end with its EOI marker is the CPU path's, and fails there."""
+    whole = encoded("china", "jpeg_q90_420")
+    truncated = whole[: len(whole) * 2 // 3]
+    padded = whole + b"\0" * 8  # zeros after EOI, as some writers leave: still whole
+    gpu_rows, cpu_rows = GpuImageDecoder.split([whole, truncated, padded])
+    assert gpu_rows == [0, 2] and cpu_rows == [1]
+    decoder = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
+    out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
+    failures, _, on_cpu = decoder.decode_batch([whole, truncated], [None, None], out)
+    assert on_cpu == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
+
+
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("decode_jpegs", BATCH_DECODERS)
 def test_batch_equals_image_decoder_row_by_row(decode_jpegs, train):

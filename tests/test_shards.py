@@ -271,6 +271,42 @@ def test_the_disk_cache_downloads_each_shard_once(shard_dir, s3_shards, s3_optio
     assert again[0] == (sorted(ALL), 0)  # all from disk
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_remote_shards_through_the_disk_cache_give_the_local_epoch_in_one_read_per_shard(
+        shard_dir, s3_server, s3_shards, tmp_path, processes):
+    """With processes=2 a fill's stream closed the cache the others were downloading through, and
+    the epoch hung (slow storage makes the downloads overlap). The run's reads are planned once,
+    each chunk read by one process: one ranged read per shard whatever the number of processes,
+    and the same batches as from local disk."""
+    local = tar_shards(str(shard_dir), shuffle_buffer=5)
+    with AsyncLoader(local, batch_size=2, decode=DECODE) as loader:
+        expected = delivered(loader)
+    with LatencyProxy(s3_server.port, (0.1, 0.3)) as proxy:
+        options = storage_options(proxy.endpoint_url)
+        remote = tar_shards(s3_shards, storage_options=options, shuffle_buffer=5, cache_dir=str(tmp_path / "cache"),
+                            chunk_bytes=1 << 30)
+        with AsyncLoader(remote, batch_size=2, decode=DECODE, storage_options=options, processes=processes,
+                         prefetch=4) as loader:
+            assert delivered(loader) == expected
+            assert loader.stats.as_dict()["read/items"] == 5, "each shard downloaded once, in one read"
+            loader.set_epoch(1)
+            assert sorted(flat(delivered(loader))) == sorted(ALL)
+            assert loader.stats.as_dict()["read/items"] == 5, "epoch 1: from disk"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_run_makes_the_same_ranged_reads_whatever_the_number_of_processes(shard_dir, processes):
+    """Each batch in its own stream made a read per batch and shard (88,285 reads for 100k
+    samples where in-process made 600); now a run reads each chunk once."""
+    source = tar_shards(str(shard_dir), shuffle_buffer=8, chunk_bytes=6000)
+    wanted = ShardSampler(source, 4, shuffle=True, seed=0, drop_last=False, rank=0, world_size=1).order(0)
+    chunks = len(plan_chunks(source, wanted, source.chunk_bytes))
+    assert chunks > 5, "several chunks per shard"
+    with AsyncLoader(source, batch_size=4, decode=DECODE, processes=processes) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+        assert loader.stats.as_dict()["read/items"] == chunks
+
+
 def test_a_cache_smaller_than_a_shard_still_serves_every_sample(s3_shards, s3_options, tmp_path):
     """Each download evicts the others; a shard this process is reading must not go with them."""
     source = tar_shards(s3_shards, storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1)
@@ -448,15 +484,17 @@ def s3_shard_copy(s3_options, shard_dir, request):
     return fs, prefix
 
 
-def test_the_disk_cache_notices_a_rewritten_shard(s3_shard_copy, s3_options, shard_dir, tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_the_disk_cache_notices_a_rewritten_shard(s3_shard_copy, s3_options, shard_dir, tmp_path, processes):
     """A kept shard whose object was rewritten since (same size: the index still fits) must not
-    be served: the new content is downloaded."""
+    be served: the new content is downloaded (with processes=2 it was served for ever)."""
     fs, prefix = s3_shard_copy
     cache = tmp_path / "cache"
 
     def epoch(**kwargs):
         source = tar_shards(f"s3://{prefix}", storage_options=s3_options, cache_dir=str(cache))
-        with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, **kwargs) as loader:
+        with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes,
+                         **kwargs) as loader:
             return sorted(flat(delivered(loader)))
 
     assert epoch() == sorted(ALL)

@@ -32,6 +32,7 @@ from .resize import centre_crop_offsets, resized_shape
 
 Key = tuple[int, ...] | None
 JpegBatchDecode = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+JPEG_END = b"\xff\xd9"  # the EOI marker: a JPEG without it at its end is truncated
 NVJPEG_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
 
 
@@ -113,10 +114,12 @@ class GpuImageDecoder:
 
     @staticmethod
     def split(datas: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs) and the others."""
+        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs) and the others. A
+        JPEG that does not end with its EOI marker is truncated: nvJPEG may decode what is there
+        without a word, so it goes to the CPU path, whose strict libjpeg raises the clear error."""
         gpu_rows, cpu_rows = [], []
         for row, data in enumerate(datas):
-            if bytes(data[:3]) != JPEG_MAGIC:
+            if bytes(data[:3]) != JPEG_MAGIC or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END):
                 cpu_rows.append(row)
                 continue
             try:

@@ -23,7 +23,7 @@ from . import object_store
 from .blocking import BlockingCalls
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
-SHUTDOWN_WAIT_S = 10.0  # how long closing waits for reads still running (stuck ones are left)
+SHUTDOWN_WAIT_S = 1.0  # how long closing waits for reads still running: their callers are gone, stuck ones are left to end by themselves
 
 # Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
 PERMANENT_ERRORS = (

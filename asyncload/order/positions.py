@@ -68,6 +68,14 @@ class Cursor:
         self._next = 0
         self._interval = 0
 
+    def peek(self, count: int) -> list[int]:
+        """The next ``count`` positions ``take`` would give, without taking them."""
+        saved = self._next, self._interval
+        try:
+            return self.take(count)
+        finally:
+            self._next, self._interval = saved
+
     def take(self, count: int, whole: bool = False) -> list[int]:
         """Up to ``count`` next positions (fewer at the end, none once exhausted). ``whole``:
         ``count`` or none, leaving a shorter rest in place (``drop_last`` keeps it to replace

@@ -43,6 +43,8 @@ class Batch:
     holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
     skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
     padded: list[int] = field(default_factory=list)  # positions the plan gave it as DDP padding
+    settling: int = 0  # rows that failed in the probe, their policy not yet applied
+    counted: bool = False  # counted in the stats' batches_ready
 
     def first_error(self) -> SampleError | None:
         return self.errors[min(self.errors)] if self.errors else None
@@ -71,6 +73,8 @@ class EpochDriver:
         self.handout = HandOut(settings)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
+        self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
+        self._failing: list[tuple[Batch, int, SampleError]] = []  # their rows, policy to apply
         self._lock = threading.Lock()  # the bookkeeping above, against stop() from another thread
         self._stopped = False  # stop() was called (it may not have finished)
         self._stop_done = False  # every thread has ended and the buffers are accounted for
@@ -107,13 +111,12 @@ class EpochDriver:
         while not self.exhausted and self.assigned - self.taken < self.window:
             padding_before = len(self.plan.padding_given)
             positions = self.plan.take_batch(self.assigned)
-            if positions and self.pipes.ring.layout is None:
-                positions = self._learn_layout(positions)
-            if not positions:
+            if positions and self.pipes.ring.layout is None and not self._learn_layout(positions):
                 self.exhausted = True
                 return
-            if self.pipes.ring.layout is None:  # the first sample failed the batch
-                return
+            if not positions:
+                self.exhausted = True
+                break
             with self._lock:
                 if self._stopped:
                     raise RuntimeError(ENDED)
@@ -123,6 +126,8 @@ class EpochDriver:
                 self.batches[batch.number] = batch
                 self.assigned += 1
                 self._send_rows(batch, list(range(len(positions))))
+        with self._lock:
+            self._settle_known()
         self._window_full(not self.exhausted)
 
     def _window_full(self, full: bool) -> None:
@@ -133,15 +138,22 @@ class EpochDriver:
 
     def _send_rows(self, batch: Batch, rows: list[int]) -> None:
         """Sends ``rows`` of ``batch`` to be filled: to the pipeline that owns each row's shard
-        chunk, else all to the least busy one."""
+        chunk, else all to the least busy one. Rows whose sample the probe saw fail are not
+        sent: they take the failure policy in ``_settle_known``."""
+        known = [row for row in rows if batch.positions[row] in self._known]
+        for row in known:
+            self._failing.append((batch, row, self._known.pop(batch.positions[row])))
+        batch.settling += len(known)
+        rows = [row for row in rows if row not in known] if known else rows
+        if not rows:
+            return
         indices = self.order[[batch.positions[row] for row in rows]]
         if self._owner is None:
             groups = {min(range(len(self.load)), key=self.load.__getitem__): rows}
         else:
-            owners = self._owner[indices].tolist()
             idle = min(range(len(self.load)), key=self.load.__getitem__)
             groups = {}
-            for row, owner in zip(rows, owners):
+            for row, owner in zip(rows, self._owner[indices].tolist()):
                 groups.setdefault(owner if owner >= 0 else idle, []).append(row)
         assert batch.buffer is not None
         for pipe, pipe_rows in groups.items():
@@ -152,11 +164,32 @@ class EpochDriver:
             pipe_indices = indices if len(groups) == 1 else self.order[[batch.positions[row] for row in pipe_rows]]
             self.pipes.send(pipe, Fill(self.run, fill, batch.buffer.number, pipe_rows, pipe_indices))
 
-    def _learn_layout(self, positions: list[int]) -> list[int]:
-        """Asks a pipeline for the first sample's layout, to allocate buffers; a sample that fails
-        is skipped (replaced) or fails the first batch, as any other."""
-        while positions:
-            index = int(self.order[positions[0]])
+    def _settle_known(self) -> None:
+        """Under the lock: rows whose sample failed in the probe take the failure policy now,
+        once the window's batches are planned, when a fill's failures would have."""
+        while self._failing:
+            batch, row, error = self._failing.pop(0)
+            batch.settling -= 1
+            self._failed(batch, row, error)
+            self._count_ready(batch)
+
+    def _learn_layout(self, positions: list[int]) -> bool:
+        """Probes the epoch's next samples in order (the first batch's, then the cursor's next)
+        until one teaches the layout, to allocate buffers. A sample that fails is remembered and
+        fails its row when its batch is filled, so probing changes nothing the epoch delivers.
+        False when none can teach it: raising, the first batch carries the error; skipping, the
+        epoch delivers nothing (every sample failed)."""
+        ahead = 0
+        while True:
+            if ahead < len(positions):
+                position = positions[ahead]
+            else:
+                peeked = self.plan.cursor.peek(ahead - len(positions) + 1)
+                if len(peeked) <= ahead - len(positions):
+                    break
+                position = peeked[-1]
+            ahead += 1
+            index = int(self.order[position])
             pipe = 0 if self._owner is None or self._owner[index] < 0 else int(self._owner[index])
             self.pipes.send(pipe, Probe(self.run, index))
             answer = self.pipes.receive(self.run)
@@ -164,21 +197,23 @@ class EpochDriver:
                 answer = self.pipes.receive(self.run)
             if answer.layout is not None:
                 self.pipes.ring.configure(answer.layout, self.s.batch_size)
-                return positions
+                return True
             assert answer.error is not None
-            failure = self.plan.record(positions[0], answer.error)
+            self._known[position] = answer.error
+            if not self.s.skip_errors:
+                break
+        # Nothing taught the layout: the failures are the policy's now, in the epoch's order.
+        for position in sorted(self._known):
+            failure = self.plan.record(position, self._known.pop(position))
             if failure is not None:
-                batch = Batch(self.assigned, positions, None, errors={0: failure})
+                batch = Batch(self.assigned, positions, None, errors={0: failure}, counted=True)
                 self.s.stats.level("batches_ready", 1)
                 with self._lock:
                     self.batches[batch.number] = batch
                     self.assigned += 1
-                self.exhausted = True
-                return positions
-            self._early_skips.append(positions[0])
-            replacement = self.plan.replacement()
-            positions = [replacement, *positions[1:]] if replacement is not None else positions[1:]
-        return positions
+                return False
+            self._early_skips.append(position)
+        return False
 
     # ----- the pipelines' answers -----
 
@@ -193,8 +228,18 @@ class EpochDriver:
             self.load[pipe] -= 1
             for row, error in message.failures:
                 self._failed(batch, row, error)
-            if batch.pending == 0:
-                self.s.stats.level("batches_ready", 1)
+            self._settle_known()
+            self._count_ready(batch)
+
+    def _count_ready(self, batch: Batch) -> None:
+        """The stats' level of batches complete and not yet handed out."""
+        if not batch.counted and self._complete(batch):
+            batch.counted = True
+            self.s.stats.level("batches_ready", 1)
+
+    @staticmethod
+    def _complete(batch: Batch) -> bool:
+        return batch.pending == 0 and batch.settling == 0
 
     def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """The policy for a failed row: its batch raises, or the row gets the epoch's next
@@ -220,7 +265,7 @@ class EpochDriver:
 
     def _ready(self, number: int) -> bool:
         batch = self.batches.get(number)
-        return batch is not None and batch.pending == 0
+        return batch is not None and self._complete(batch)
 
     # ----- the user's thread -----
 
@@ -286,7 +331,7 @@ class EpochDriver:
         if not self.handout.wants_copy(number):
             return
         batch = self.batches.get(number)
-        if batch is not None and batch.pending == 0 and not batch.errors and not batch.holes:
+        if batch is not None and self._complete(batch) and not batch.errors and not batch.holes:
             assert batch.buffer is not None
             self.handout.prefetch_copy(number, batch.buffer, len(batch.positions))
 
@@ -301,7 +346,7 @@ class EpochDriver:
             self._stopped = True
             if first:
                 for batch in self.batches.values():
-                    if batch.pending == 0:
+                    if batch.counted:
                         self.s.stats.level("batches_ready", -1)
                     if batch.buffer is None or batch.number in self.pending_copies:
                         continue

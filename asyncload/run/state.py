@@ -15,8 +15,9 @@ from ..order.positions import Positions
 
 @dataclass
 class Progress:
-    """The epoch's positions handed out, skipped (failed and not retried: on the failure budget)
-    and delivered as DDP padding (a resumed rank pads on past them), and the batches handed out."""
+    """The epoch's positions handed out as themselves (``done``), skipped (failed and not retried:
+    on the failure budget) and delivered as DDP padding (a resumed rank pads on past them), and
+    the batches handed out."""
 
     done: Positions = field(default_factory=Positions)
     skipped: Positions = field(default_factory=Positions)
@@ -24,8 +25,14 @@ class Progress:
     batches: int = 0
 
     def handed_out(self, positions: Iterable[int], skipped: Iterable[int], padded: Iterable[int]) -> None:
-        """A batch reached the user (``positions``), or was dropped (no ``positions``)."""
-        self.done.add(positions)
+        """A batch reached the user (``positions``, of which ``padded`` came as padding), or was
+        dropped (no ``positions``). A position delivered as padding is not done as itself: a
+        rank that pads early (samples failed) still owes it, as the uninterrupted run would."""
+        as_itself = list(positions)
+        for position in padded:
+            if position in as_itself:
+                as_itself.remove(position)
+        self.done.add(as_itself)
         self.skipped.add(skipped)
         self.padded.add(padded)
 

@@ -1,0 +1,215 @@
+"""The loader's contract, the same with ``processes=0`` and ``processes=2``: one driver decides
+every rule and one pipeline moves the samples, so no behaviour may differ by mode.
+
+Samples here are their own source index (``read=False``, a decode that returns the index), so a
+batch says exactly which samples it holds. What the children run is defined at module level:
+spawn finds it by name. Each case with ``processes=2`` starts two children (a few seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncload import AsyncLoader, TooManyFailures
+from asyncload.order.positions import Positions
+from tests.conftest import asyncload_threads, wait_until
+
+MODES = [0, 2]
+
+
+# ----- what the pipelines run -----
+
+
+def as_array(index):
+    return np.full(2, index, np.int64)
+
+
+class FailsOn:
+    """A decode that fails for the given indices (a corrupt file, as the pipeline sees it)."""
+
+    def __init__(self, bad):
+        self.bad = set(bad)
+
+    def __call__(self, index):
+        if index in self.bad:
+            raise ValueError(f"sample {index} is corrupt")
+        return np.full(2, index, np.int64)
+
+
+class LoggedRead:
+    """A read that appends each index it is asked for to a file (from any process)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __call__(self, index):
+        with open(self.path, "a") as log:
+            log.write(f"{index}\n")
+        return index
+
+
+class StallsFrom:
+    """A synchronous read that hangs from index ``first`` on (a stuck mount, a dead server)."""
+
+    def __init__(self, first, seconds=60):
+        self.first = first
+        self.seconds = seconds
+
+    def __call__(self, index):
+        if index >= self.first:
+            time.sleep(self.seconds)
+        return index
+
+
+def reads(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def intervals(positions: list[int]) -> list[list[int]]:
+    done = Positions()
+    done.add(positions)
+    return done.intervals()
+
+
+def batches(loader) -> list[list[int]]:
+    return [batch[:, 0].tolist() for batch in loader]
+
+
+def loader_for(n, processes, **kwargs):
+    kwargs = {"batch_size": 4, "read": False, "decode": as_array, "num_threads": 2, **kwargs}
+    return AsyncLoader(list(range(n)), processes=processes, **kwargs)
+
+
+# ----- the contract -----
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_batches_follow_the_order_and_deliver_every_sample_once(processes):
+    with loader_for(50, processes, batch_size=8, seed=5) as loader:
+        expected = loader.sampler.order(0).tolist()
+        got = batches(loader)
+        assert [len(b) for b in got] == [8] * 6 + [2]
+        assert sum(got, []) == expected, "in the sampler's order, each sample once"
+        second = batches(loader)
+        assert sorted(sum(second, [])) == list(range(50))
+        figures = loader.stats.as_dict()
+        assert figures["samples"] == 100 and figures["batches"] == 14
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_drop_last_with_a_skip_hands_out_only_full_batches(processes):
+    """A skipped sample the epoch has no replacement for leaves its batch short: with drop_last
+    that batch is dropped, as a short last batch is (it was handed out with processes=2)."""
+    with loader_for(16, processes, batch_size=8, shuffle=False, drop_last=True, on_error="skip",
+                    decode=FailsOn({5}), max_failures=3) as loader:
+        got = batches(loader)
+    assert got == [list(range(8, 16))]
+    assert [str(failure.item) for failure in loader.stats.failures] == ["5"]
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_batch_whose_every_row_fails_is_not_handed_out_empty(processes):
+    with loader_for(10, processes, shuffle=False, on_error="skip", decode=FailsOn({8, 9}), max_failures=5) as loader:
+        got = batches(loader)
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]], "no batch of 0 rows"
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_skips_are_in_the_state_and_a_resume_neither_rereads_them_nor_restarts_the_budget(processes, tmp_path):
+    log = tmp_path / "reads.log"
+    options = dict(shuffle=False, on_error="skip", decode=FailsOn({2, 13}), read=LoggedRead(log), prefetch=1)
+    with loader_for(24, processes, max_failures=1, **options) as loader:
+        iterator = iter(loader)
+        first = next(iterator)[:, 0].tolist()
+        state = loader.state_dict()
+    replacement = first[2]  # the plan's next position: after the window's batches
+    assert first == [0, 1, replacement, 3] and replacement >= 4, "sample 2 skipped, its row given the next"
+    assert state["skipped"] == [[2, 3]] and state["delivered"] == intervals([0, 1, 3, replacement])
+    log.unlink()
+    with loader_for(24, processes, max_failures=1, **options) as resumed:
+        resumed.load_state_dict(state)
+        with pytest.raises(TooManyFailures):  # 13 is the epoch's second failure: over a budget of one
+            batches(resumed)
+    assert 2 not in reads(log), "a skipped sample is not read again"
+    with loader_for(24, processes, max_failures=2, **options) as resumed:
+        resumed.load_state_dict(state)
+        rest = batches(resumed)
+    assert sorted(first + sum(rest, [])) == [i for i in range(24) if i not in (2, 13)], "the rest, each once"
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_resumed_rank_pads_as_the_uninterrupted_run(processes):
+    """DDP: ranks deliver equal batch counts, so a rank that skipped samples pads with repeats.
+    Resuming at any batch gives the same batches as the run that was never interrupted."""
+    options = dict(batch_size=2, shuffle=True, seed=1, rank=0, world_size=2, on_error="skip", max_failures=5)
+    with loader_for(16, processes, **options) as probe:
+        order = probe.sampler.order(0)[:8].tolist()
+    options["decode"] = FailsOn(order[:2])  # the rank's first batch fails whole: padding comes early
+    with loader_for(16, processes, **options) as loader:
+        whole = batches(loader)
+        assert len(whole) == 4 and all(len(b) == 2 for b in whole)
+        for cut in (1, 2, 3):
+            iterator = iter(loader)
+            head = [next(iterator)[:, 0].tolist() for _ in range(cut)]
+            state = loader.state_dict()
+            del iterator
+            with loader_for(16, processes, **options) as resumed:
+                resumed.load_state_dict(state)
+                assert head + batches(resumed) == whole, f"resumed after batch {cut}"
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_the_probed_first_sample_is_read_and_decoded_once(processes, tmp_path):
+    """A decoder that does not declare its output teaches the layout with the epoch's first
+    sample: that sample is then written from the probe, not read again."""
+    log = tmp_path / "reads.log"
+    with loader_for(12, processes, shuffle=False, read=LoggedRead(log)) as loader:
+        assert sum(batches(loader), []) == list(range(12))
+    assert sorted(reads(log)) == list(range(12))
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_leaving_the_loop_during_stalled_reads_returns_within_seconds(processes):
+    """A synchronous read stuck in the user's code cannot be interrupted: closing must not wait
+    for it (it took 10 s). Its thread, abandoned, ends by itself when the call returns."""
+    loader = loader_for(10_000, processes, batch_size=8, shuffle=False, read=StallsFrom(8, seconds=8),
+                        decode=np.asarray, read_timeout=120)
+    iterator = iter(loader)
+    assert next(iterator).tolist() == list(range(8))
+    started = time.monotonic()
+    iterator.close()  # leaving the loop (a break) must not wait for the stuck reads either
+    loader.close()
+    assert time.monotonic() - started < 5.0
+    left = asyncload_threads()
+    assert all(thread.name.startswith("asyncload-read") for thread in left), [t.name for t in left]
+    assert wait_until(lambda: not asyncload_threads(), timeout=12), "the stuck reads' threads end with their calls"
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_close_from_another_thread_ends_the_iteration(processes):
+    loader = loader_for(10_000, processes, batch_size=8, shuffle=False, read=StallsFrom(8, seconds=3),
+                        decode=np.asarray)
+    outcome: list = []
+
+    def consume():
+        try:
+            for _ in loader:
+                pass
+        except RuntimeError as error:
+            outcome.append(error)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    time.sleep(1.0 if processes else 0.3)
+    started = time.monotonic()
+    loader.close()
+    consumer.join(timeout=10)
+    assert time.monotonic() - started < 5.0
+    assert not consumer.is_alive() and "ended" in str(outcome[0])
+    assert wait_until(lambda: not asyncload_threads(), timeout=10)
