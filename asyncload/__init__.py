@@ -15,6 +15,7 @@ _PUBLIC = {
     "AsyncLoader": "asyncload.loader",
     "SampleError": "asyncload.errors",
     "TooManyFailures": "asyncload.errors",
+    "StorageError": "asyncload.errors",
     "ImageDecoder": "asyncload.decode.image",
     "GpuImageDecoder": "asyncload.decode.gpu",
     "Source": "asyncload.sources.items",
@@ -31,7 +32,7 @@ __all__ = sorted(_PUBLIC)
 if TYPE_CHECKING:
     from .decode.gpu import GpuImageDecoder
     from .decode.image import ImageDecoder
-    from .errors import SampleError, TooManyFailures
+    from .errors import SampleError, StorageError, TooManyFailures
     from .loader import AsyncLoader
     from .sources.items import Source, image_folder, list_files, manifest
     from .sources.shards import tar_shards

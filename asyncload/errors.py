@@ -1,4 +1,4 @@
-"""The one error type a user needs to catch: a sample that could not be loaded."""
+"""The errors a user catches: a sample that could not be loaded, storage that could not be listed."""
 
 from __future__ import annotations
 
@@ -40,3 +40,24 @@ class TooManyFailures(SampleError):
 
     def __reduce__(self):
         return (type(self), (self.failures, self.max_failures))
+
+
+class StorageError(OSError):
+    """A request to storage that is not a sample's read (listing a folder or bucket prefix,
+    reading an index) failed after its retries. The message names the URL, what was asked and
+    how many attempts were made, in a line; the client's own exception is ``__cause__``."""
+
+    def __init__(self, url: str, action: str, attempts: int, cause: BaseException) -> None:
+        self.url = url
+        self.action = action
+        self.attempts = attempts
+        self.cause = cause
+        detail = str(cause).splitlines()[0] if str(cause) else ""
+        if len(detail) > 160:
+            detail = detail[:157] + "..."
+        super().__init__(f"{action} {url} failed after {attempts} attempt{'s' if attempts != 1 else ''}: "
+                         f"{type(cause).__name__}{': ' + detail if detail else ''}")
+        self.__cause__ = cause
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.action, self.attempts, self.cause))

@@ -4,7 +4,8 @@
 
 The decode runs about ``--ms`` milliseconds of pure Python per sample (calibrated on this
 machine first), so decode threads in one process take turns on one GIL; N processes have N
-GILs. Every loader is built and warmed up once (its processes' start is not timed); then each
+GILs. Every loader is built and warmed up once (the time to its first batch, processes' start
+included, is printed; the rounds do not count it); then each
 round times one epoch of each, in a rotating order so that the machine's drift (other users,
 a neighbour VM) spreads over all of them, and checks that every loader delivered the same
 samples in the same order. Prints the machine, each round's samples/s, the medians and their
@@ -58,8 +59,7 @@ def equal_priority(loaders: Any) -> str:
     machine's other users, every child thread is put back to this process's niceness (which needs
     the privilege to raise a priority); failing that, this process goes down to the children's."""
     mine = os.nice(0)
-    threads = [int(task) for loader in loaders
-               for process in getattr(loader._pipes, "processes", [])
+    threads = [int(task) for process in psutil.Process().children(recursive=True)  # the loaders' children
                for task in os.listdir(f"/proc/{process.pid}/task")]
     try:
         for thread in threads:
@@ -108,11 +108,20 @@ def main() -> None:
     print(f"decode: {loops} Python loops = {args.ms} ms per sample here; {args.samples} samples, "
           f"batch {args.batch_size}, default num_threads ({cores} in all)")
     names = {"in-process": None, "processes=1": 1, "processes=2": 2}
-    loaders = {name: AsyncLoader(list(range(args.samples)), batch_size=args.batch_size, seed=0, read=False,
-                                 decode=GilDecode(loops), processes=count) for name, count in names.items()}
+    loaders: dict[str, AsyncLoader] = {}
     try:
-        for loader in loaders.values():
-            epoch(loader, 0)  # warm-up: processes started, threads and buffers created
+        first = {}
+        for name, count in names.items():  # warm-up: processes started, threads and buffers created
+            started = time.perf_counter()
+            loaders[name] = AsyncLoader(list(range(args.samples)), batch_size=args.batch_size, seed=0, read=False,
+                                        decode=GilDecode(loops), processes=count)
+            batches = iter(loaders[name])
+            next(batches)
+            first[name] = time.perf_counter() - started
+            for _ in batches:
+                pass
+        print("first batch, from AsyncLoader(...) (processes started): "
+              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in first.items()))
         print(equal_priority(loaders.values()))
         rates: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}

@@ -8,7 +8,6 @@ spawn finds it by name. Each case with ``processes=2`` starts two children (a fe
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path

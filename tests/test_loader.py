@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
-from tests.conftest import CLASSES, PER_CLASS, asyncload_threads, identify, make_jpeg, wait_until
+from tests.conftest import CLASSES, PER_CLASS, asyncload_threads, identify, make_jpeg
 
 
 def index_loader(n=23, **kwargs) -> AsyncLoader:

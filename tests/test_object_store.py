@@ -3,12 +3,16 @@ builds a store without sending a request)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import timedelta
 
 import pytest
 
 from asyncload.io import object_store
 from asyncload.io.object_store import client_for
+from asyncload.io.reader import Reader
+from asyncload.stats.figures import LoaderStats
 
 pytest.importorskip("obstore")
 
@@ -90,13 +94,14 @@ def test_no_aws_files_no_boto3_provider(tmp_path, monkeypatch):
 class RegionServer:
     """Answers every HEAD as S3 does for a bucket in another region: 301 with its region."""
 
-    def __init__(self, region: str) -> None:
+    def __init__(self, region: str, delay: float = 0.0) -> None:
         import http.server
         import threading
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
                 self.server.paths.append(self.path)
+                time.sleep(delay)
                 self.send_response(301)
                 self.send_header("x-amz-bucket-region", region)
                 self.end_headers()
@@ -118,14 +123,18 @@ class RegionServer:
         self.thread.join()
 
 
-def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
-    """object_store assumes us-east-1 where s3fs finds the bucket's region: asked once per bucket,
-    only when no option, variable or profile names a region or an endpoint."""
+def no_region_anywhere(monkeypatch, tmp_path) -> None:
     for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    object_store._bucket_region.cache_clear()
+
+
+def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
+    """object_store assumes us-east-1 where s3fs finds the bucket's region: asked once per bucket,
+    only when no option, variable or profile names a region or an endpoint."""
+    no_region_anywhere(monkeypatch, tmp_path)
+    object_store._regions.clear()
     with RegionServer("eu-west-3") as server:
         monkeypatch.setattr(object_store, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
         fs = object_store.filesystem("s3", {"anon": True})
@@ -138,4 +147,44 @@ def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
         monkeypatch.setenv("AWS_REGION", "ap-south-1")  # object_store reads it itself
         assert "region" not in object_store.filesystem("s3", {"anon": True})._construct_store("third").config
         assert server.server.paths == ["/far-bucket"]
-    object_store._bucket_region.cache_clear()
+    object_store._regions.clear()
+
+
+def test_the_region_lookup_never_stalls_the_event_loop(monkeypatch, tmp_path):
+    """The store's constructor asked S3 for the region in a blocking HEAD (up to 5 s) from the
+    reader's event loop, where every other read waited meanwhile. The reader now asks on an
+    I/O thread first: the loop keeps turning (a 10 ms ticker beside the read shows it)."""
+    no_region_anywhere(monkeypatch, tmp_path)
+    object_store._regions.clear()
+
+    async def read_beside_a_ticker() -> tuple[float, BaseException | None]:
+        reader = Reader(asyncio.get_running_loop(), storage_options={"anon": True}, timeout=3.0, retries=0,
+                        io_concurrency=4, stats=LoaderStats())
+        gaps = [0.0]
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.05)  # ticking before the read starts
+        try:
+            await reader.read("s3://slow-region-bucket/key")  # the GET itself cannot reach AWS here
+            error = None
+        except Exception as failure:  # whatever the network says; the loop is what is checked
+            error = failure
+        ticker.cancel()
+        await reader.aclose()
+        return max(gaps), error
+
+    with RegionServer("eu-west-3", delay=1.5) as server:
+        monkeypatch.setattr(object_store, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
+        longest_gap, _ = asyncio.run(read_beside_a_ticker())
+        assert server.server.paths == ["/slow-region-bucket"], "asked once"
+    assert object_store._regions["slow-region-bucket"] == "eu-west-3"
+    assert longest_gap < 0.5, f"the event loop stood still for {longest_gap:.2f} s"
+    object_store._regions.clear()

@@ -74,7 +74,9 @@ def _store_class(protocol: str) -> type:
     def construct_store(self: Any, bucket: str) -> Any:
         config = self._config or {}
         if OBSTORE_SCHEMES[protocol] == "s3" and not _region_known(config, self._credential_provider):
-            region = _bucket_region(bucket)
+            # An asynchronous instance runs on the reader's event loop, which must not block: the
+            # reader asked first, off the loop (a lookup that timed out leaves the default).
+            region = _regions.get(bucket) if self.asynchronous else bucket_region(bucket)
             if region is not None:
                 config = {**config, "region": region}
         return from_url(f"{OBSTORE_SCHEMES[protocol]}://{bucket}", config=config, client_options=self._client_options,
@@ -100,20 +102,38 @@ def _region_known(config: dict[str, Any], provider: Any) -> bool:
     return bool(keys & REGION_KEYS or env)
 
 
-@functools.lru_cache(maxsize=256)
-def _bucket_region(bucket: str, timeout: float = 5.0) -> str | None:
-    """The region S3 names for ``bucket`` in one unsigned HEAD; None if it names none."""
+_regions: dict[str, str | None] = {}  # bucket -> the region S3 named for it (None: it named none)
+
+
+def region_to_find(fs: Any, path: str) -> str | None:
+    """The bucket of ``path`` whose region ``fs`` (obstore's S3) would ask S3 for when it first
+    serves it, if not asked yet; else None."""
+    if not hasattr(fs, "_credential_provider") or OBSTORE_SCHEMES.get(fs.protocol) != "s3":
+        return None  # not obstore's S3 (s3fs finds regions itself)
+    bucket = path.split("://", 1)[-1].split("/", 1)[0]
+    if bucket in _regions or _region_known(fs._config or {}, fs._credential_provider):
+        return None
+    return bucket
+
+
+def bucket_region(bucket: str, timeout: float = 5.0) -> str | None:
+    """The region S3 names for ``bucket`` in one unsigned HEAD (None if it names none), asked
+    once per bucket. Blocks up to ``timeout``: never call it on an event loop."""
+    if bucket in _regions:
+        return _regions[bucket]
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(AWS_BUCKET_REGION_URL.format(bucket=bucket), method="HEAD")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.headers.get("x-amz-bucket-region")
+            region = response.headers.get("x-amz-bucket-region")
     except urllib.error.HTTPError as answer:  # 301, 403: still an answer with the header
-        return answer.headers.get("x-amz-bucket-region")
+        region = answer.headers.get("x-amz-bucket-region")
     except OSError:
-        return None
+        region = None
+    _regions[bucket] = region  # one dict store: atomic; two threads asking at once both ask
+    return region
 
 
 def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: Any = None,

@@ -166,7 +166,7 @@ class ProcessPool:
         if not waiting[0]:
             for buffer in waiting[1]:
                 buffer.give_back()
-            del self._stopping[run]
+            self._stopping.pop(run, None)  # close() on another thread may have cleared it
 
     def _next(self, timeout: float | None) -> tuple[int, Any] | None:
         self.check()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -24,30 +23,13 @@ from ..errors import SampleError
 from ..sources.shard_stream import plan_reads
 from ..sources.shards import ShardSource
 from .handout import HandOut
-from .messages import Done, Fill, Probe, Probed, Start
+from .in_flight import Batch
+from .messages import Done, Fill, Start
 from .pipes import ENDED, Pipes
 from .plan import EpochPlan
+from .probe import probe_layout
 from .settings import BatchQuota, Settings
 from .state import Progress
-
-
-@dataclass
-class Batch:
-    """A batch being filled: its positions, its buffer, the fills not yet answered."""
-
-    number: int
-    positions: list[int]
-    buffer: BatchBuffer | None
-    pending: int = 0
-    errors: dict[int, SampleError] = field(default_factory=dict)
-    holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
-    skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
-    padded: list[int] = field(default_factory=list)  # positions the plan gave it as DDP padding
-    settling: int = 0  # rows that failed in the probe, their policy not yet applied
-    counted: bool = False  # counted in the stats' batches_ready
-
-    def first_error(self) -> SampleError | None:
-        return self.errors[min(self.errors)] if self.errors else None
 
 
 class EpochDriver:
@@ -174,34 +156,14 @@ class EpochDriver:
             self._count_ready(batch)
 
     def _learn_layout(self, positions: list[int]) -> bool:
-        """Probes the epoch's next samples in order (the first batch's, then the cursor's next)
-        until one teaches the layout, to allocate buffers. A sample that fails is remembered and
-        fails its row when its batch is filled, so probing changes nothing the epoch delivers.
-        False when none can teach it: raising, the first batch carries the error; skipping, the
-        epoch delivers nothing (every sample failed)."""
-        ahead = 0
-        while True:
-            if ahead < len(positions):
-                position = positions[ahead]
-            else:
-                peeked = self.plan.cursor.peek(ahead - len(positions) + 1)
-                if len(peeked) <= ahead - len(positions):
-                    break
-                position = peeked[-1]
-            ahead += 1
-            index = int(self.order[position])
-            pipe = 0 if self._owner is None or self._owner[index] < 0 else int(self._owner[index])
-            self.pipes.send(pipe, Probe(self.run, index))
-            answer = self.pipes.receive(self.run)
-            while not isinstance(answer, Probed):
-                answer = self.pipes.receive(self.run)
-            if answer.layout is not None:
-                self.pipes.ring.configure(answer.layout, self.s.batch_size)
-                return True
-            assert answer.error is not None
-            self._known[position] = answer.error
-            if not self.s.skip_errors:
-                break
+        """Allocates the ring from the first sample that loads (``probe.py``): the first batch's,
+        then the cursor's next. False when none can: raising, the first batch carries the
+        error; skipping, the epoch delivers nothing (every sample failed)."""
+        layout, self._known = probe_layout(self.pipes, self.run, self._epoch_ahead(positions), self.order,
+                                           self._owner, self.s.skip_errors)
+        if layout is not None:
+            self.pipes.ring.configure(layout, self.s.batch_size)
+            return True
         # Nothing taught the layout: the failures are the policy's now, in the epoch's order.
         for position in sorted(self._known):
             failure = self.plan.record(position, self._known.pop(position))
@@ -214,6 +176,14 @@ class EpochDriver:
                 return False
             self._early_skips.append(position)
         return False
+
+    def _epoch_ahead(self, positions: list[int]) -> Iterator[int]:
+        """``positions``, then the epoch's next positions after the cursor, one at a time."""
+        yield from positions
+        ahead = 0
+        while len(peeked := self.plan.cursor.peek(ahead + 1)) > ahead:
+            yield peeked[-1]
+            ahead += 1
 
     # ----- the pipelines' answers -----
 
@@ -233,13 +203,9 @@ class EpochDriver:
 
     def _count_ready(self, batch: Batch) -> None:
         """The stats' level of batches complete and not yet handed out."""
-        if not batch.counted and self._complete(batch):
+        if not batch.counted and batch.complete():
             batch.counted = True
             self.s.stats.level("batches_ready", 1)
-
-    @staticmethod
-    def _complete(batch: Batch) -> bool:
-        return batch.pending == 0 and batch.settling == 0
 
     def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """The policy for a failed row: its batch raises, or the row gets the epoch's next
@@ -265,7 +231,7 @@ class EpochDriver:
 
     def _ready(self, number: int) -> bool:
         batch = self.batches.get(number)
-        return batch is not None and self._complete(batch)
+        return batch is not None and batch.complete()
 
     # ----- the user's thread -----
 
@@ -331,7 +297,7 @@ class EpochDriver:
         if not self.handout.wants_copy(number):
             return
         batch = self.batches.get(number)
-        if batch is not None and self._complete(batch) and not batch.errors and not batch.holes:
+        if batch is not None and batch.complete() and not batch.errors and not batch.holes:
             assert batch.buffer is not None
             self.handout.prefetch_copy(number, batch.buffer, len(batch.positions))
 

@@ -18,37 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..autotune import AsyncGate, Gate
 from ..batch.buffers import BatchBuffer, SampleLayout
 from ..errors import SampleError
 from ..io.reader import Reader
-from ..sources.shard_stream import ShardStream, reader_shard_stream
+from ..sources.shard_stream import reader_shard_stream
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
 from .messages import Done, Fill, Probe, Probed, Start, Stop, Stopped
+from .run_state import RunState
 from .settings import PipelineSettings, split
 from .threads import wait_ended
 from .workers import DecodeWorkers
-
-
-@dataclass
-class RunState:
-    """One run's part of the pipeline: its decoder jobs, its shard stream, its fills and tasks."""
-
-    run: int
-    filler: RowFiller
-    jobs: RowJobs | BatchJobs
-    stream: ShardStream | None
-    active: int = 0  # fills not yet complete
-    stopped: bool = False  # no job of the run starts (set on the driver's thread)
-    closed: bool = False  # its reads are cancelled and its stream closed (on the loop)
-    confirmed: bool = False  # Stopped was sent
-    by_id: dict[int, Work] = field(default_factory=dict)
-    tasks: set[asyncio.Task] = field(default_factory=set)
-    probed: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # index -> (key, labelled sample)
 
 
 class Pipeline:
@@ -68,6 +51,7 @@ class Pipeline:
         self.runs: dict[int, RunState] = {}
         self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
         self._lock = threading.Lock()  # row counts and run states, shared by the loop and decode threads
+        self._closing = False  # close() has scheduled the loop's shutdown
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
         self.thread.start()
@@ -107,11 +91,14 @@ class Pipeline:
         at ``deadline`` (``time.monotonic()``; None: wait for them)."""
         for run in list(self.runs):
             self._mark_stopped(run)
-        shut = self._shut()
-        try:
-            asyncio.run_coroutine_threadsafe(shut, self.loop)
-        except RuntimeError:
-            shut.close()  # the loop has ended already
+        with self._lock:
+            first, self._closing = not self._closing, True
+        if first:  # a second close (another thread) only waits: its shutdown would never run
+            shut = self._shut()
+            try:
+                asyncio.run_coroutine_threadsafe(shut, self.loop)
+            except RuntimeError:
+                shut.close()  # the loop has ended already
         wait_ended([self.thread], deadline)
         self.workers.stop()  # no queued job starts; the threads end after the one they run
         wait_ended(self.workers.all_threads()[:1], deadline)  # the starter: then the list is whole
@@ -128,9 +115,7 @@ class Pipeline:
         with self._lock:
             state = self.runs.get(run)
             if state is not None:
-                state.stopped = True
-                for work in state.by_id.values():
-                    work.cancelled = True
+                state.stop_jobs()
 
     # ----- the event loop -----
 
@@ -282,7 +267,7 @@ class Pipeline:
         state.probed.clear()
         with self._lock:
             state.closed = True
-            confirm = self._confirms(state)
+            confirm = state.confirms()
         if confirm:
             self.runs.pop(run, None)
             self.send(Stopped(run))
@@ -323,20 +308,9 @@ class Pipeline:
                 return
             state.active -= 1
             del state.by_id[work.number]
-            confirm = state.stopped and self._confirms(state)
+            confirm = state.stopped and state.confirms()
         if not state.stopped:
             self.send(Done(state.run, work.number, work.failures))
         elif confirm:
             self._call_soon(self.runs.pop, state.run, None)
             self.send(Stopped(state.run))
-
-    @staticmethod
-    def _confirms(state: RunState) -> bool:
-        """Under the lock: whether this is the moment to confirm the run's stop (its reads are
-        cancelled, no row is under way, and it was not confirmed yet)."""
-        if state.closed and state.active == 0 and not state.confirmed:
-            state.confirmed = True
-            return True
-        return False
-
-

@@ -1,0 +1,43 @@
+"""Learning the batch layout before the first buffer exists.
+
+Buffers are preallocated, so the shape and dtype of a sample must be known before any fill
+starts. The driver asks a pipeline to load the epoch's next samples one at a time, in the
+epoch's order, until one loads: its layout allocates the ring. The pipeline keeps that sample
+and writes it when its batch is filled, so it is read and decoded once; a sample that fails is
+returned with its error, so its row takes the failure policy when its batch is filled, as it
+would have without the probe.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from ..batch.buffers import SampleLayout
+from ..errors import SampleError
+from .messages import Probe, Probed
+from .pipes import Pipes
+
+
+def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.ndarray, owner: np.ndarray | None,
+                 keep_going: bool) -> tuple[SampleLayout | None, dict[int, SampleError]]:
+    """Probes ``positions`` (epoch positions, in order) until one sample gives its layout.
+    Returns the layout (None when none did) and the positions whose sample failed. Without
+    ``keep_going`` (errors raise) the first failure ends the probing: its batch raises anyway.
+    ``owner``: the pipeline that reads each source index (tar shards), else pipeline 0."""
+    failed: dict[int, SampleError] = {}
+    for position in positions:
+        index = int(order[position])
+        pipe = 0 if owner is None or owner[index] < 0 else int(owner[index])
+        pipes.send(pipe, Probe(run, index))
+        answer = pipes.receive(run)
+        while not isinstance(answer, Probed):
+            answer = pipes.receive(run)
+        if answer.layout is not None:
+            return answer.layout, failed
+        assert answer.error is not None
+        failed[position] = answer.error
+        if not keep_going:
+            break
+    return None, failed

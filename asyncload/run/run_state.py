@@ -1,0 +1,49 @@
+"""One run's part of a pipeline, and when its stop may be confirmed.
+
+A run (one iteration over an epoch) has its own decode jobs, shard stream, fills and read
+tasks in the pipeline; runs overlap only while an old one is stopping. ``Stopped`` goes back
+to the driver exactly once, when the run's reads are cancelled and no row of it is under way:
+only then may its buffers be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sources.shard_stream import ShardStream
+from .batched import BatchJobs
+from .jobs import RowFiller, RowJobs, Work
+
+
+@dataclass
+class RunState:
+    """One run's part of the pipeline: its decoder jobs, its shard stream, its fills and tasks."""
+
+    run: int
+    filler: RowFiller
+    jobs: RowJobs | BatchJobs
+    stream: ShardStream | None
+    active: int = 0  # fills not yet complete
+    stopped: bool = False  # no job of the run starts (set on the driver's thread)
+    closed: bool = False  # its reads are cancelled and its stream closed (on the loop)
+    confirmed: bool = False  # Stopped was sent
+    by_id: dict[int, Work] = field(default_factory=dict)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    probed: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # index -> (key, labelled sample)
+
+    def stop_jobs(self) -> None:
+        """Under the pipeline's lock: no job of the run starts any more (the decode threads look
+        at ``cancelled``)."""
+        self.stopped = True
+        for work in self.by_id.values():
+            work.cancelled = True
+
+    def confirms(self) -> bool:
+        """Under the pipeline's lock: whether this is the moment to confirm the run's stop (its
+        reads are cancelled, no row is under way, and it was not confirmed yet)."""
+        if self.closed and self.active == 0 and not self.confirmed:
+            self.confirmed = True
+            return True
+        return False
