@@ -13,7 +13,8 @@ import torch
 
 from .arguments import check_arguments, check_shard_arguments, initial_reads
 from .autotune import MAX_IO, AutoTuner, Gate, Knob
-from .batch.buffers import BufferRing, Field, OnDevice, SampleLayout
+from .batch.buffers import BufferRing, OnDevice
+from .batch.layout import Field, SampleLayout
 from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
 from .order.sampler import EpochSampler, distributed_defaults, source_digest

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from asyncload import AsyncLoader
-from asyncload.batch.buffers import Field
+from asyncload.batch.layout import Field
 from bench.machine import machine_info
 
 SLEEP_S = 0.002

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncload.batch.buffers import BufferRing, SampleLayout
+from asyncload.batch.buffers import BufferRing
+from asyncload.batch.layout import SampleLayout
 
 
 def test_layout_round_trips_nested_samples():

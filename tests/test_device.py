@@ -117,7 +117,8 @@ def test_pinned_buffers_are_still_reused_once_the_gpu_is_done():
 def test_start_copy_with_normalize_does_not_wait_for_the_gpu():
     """Issuing a batch's copy returns at once, normalize or not: nothing in it waits for the
     side stream (here kept busy for about 0.1 s) to finish the copy."""
-    from asyncload.batch.buffers import BatchBuffer, SampleLayout
+    from asyncload.batch.buffers import BatchBuffer
+    from asyncload.batch.layout import SampleLayout
     from asyncload.device import DeviceStage
 
     stage = DeviceStage(torch.device("cuda", torch.cuda.current_device()), ((0.5, 0.4, 0.3), (0.2, 0.2, 0.2)))

@@ -26,7 +26,7 @@ import numpy as np
 import simplejpeg
 import torch
 
-from ..batch.buffers import Field
+from ..batch.layout import Field
 from .image import JPEG_MAGIC, ImageDecoder, Plan
 from .resize import centre_crop_offsets, resized_shape
 

@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from ..batch.buffers import Field
+from ..batch.layout import Field
 from .resize import resize_aa_into, resize_centre_crop_into
 
 JPEG_MAGIC = b"\xff\xd8\xff"

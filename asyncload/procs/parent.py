@@ -24,10 +24,10 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..run.settings import share
 from . import shm
 from .child import child_main
 from .merged import ProcessStats
-from ..run.settings import share
 from .protocol import MAIN_GUARD_EXIT, Broken, Close, Limits, Map, Stop, Stopped, Unmap, pickled_arguments
 from .segments import SegmentRing
 

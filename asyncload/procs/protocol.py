@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batch.buffers import SampleLayout
+from ..batch.layout import SampleLayout
 from ..errors import SampleError, TooManyFailures
 from ..run.messages import Done, Fill, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
 

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from ..batch.buffers import BatchBuffer, SampleLayout
+from ..batch.buffers import BatchBuffer
+from ..batch.layout import SampleLayout
 from . import shm
 from .protocol import Map
 

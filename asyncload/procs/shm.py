@@ -18,7 +18,8 @@ import sys
 import numpy as np
 import torch
 
-from ..batch.buffers import BatchBuffer, SampleLayout, _torch_dtype
+from ..batch.buffers import BatchBuffer
+from ..batch.layout import SampleLayout, torch_dtype
 
 ALIGN = 64  # field offsets: cache lines, and any dtype's alignment
 
@@ -68,7 +69,7 @@ def _field_views(fd: int, layout: SampleLayout, capacity: int) -> list[torch.Ten
     views = []
     for field, offset in zip(layout.fields, offsets):
         length = capacity * int(np.prod(field.shape, dtype=np.int64)) * field.dtype.itemsize
-        views.append(whole[offset : offset + length].view(_torch_dtype(field.dtype)).view(capacity, *field.shape))
+        views.append(whole[offset : offset + length].view(torch_dtype(field.dtype)).view(capacity, *field.shape))
     return views
 
 

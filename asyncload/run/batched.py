@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..batch.buffers import Field, OnDevice
+from ..batch.buffers import OnDevice
+from ..batch.layout import Field
 from ..errors import SampleError
 from .jobs import Row, RowFiller, Work, read_local
 

@@ -2,8 +2,8 @@
 moves the samples (one pipeline in this process, or N in child processes: ``pipes.py``).
 
 It takes batches from the plan (``plan.py``) at most ``window`` ahead of the user, gives each a
-buffer from the ring and sends its rows to the pipelines (tar shards: each row to the process
-that owns its chunk); on each answer it applies the failure policy (raise, or skip with the
+buffer from the ring and sends its rows to the pipelines (``dispatch.py``: which pipeline fills
+which rows); on each answer it applies the failure policy (raise, or skip with the
 plan's replacement, or a hole when the epoch has none left); it hands complete batches out in
 order (``handout.py``), drops those ``drop_last`` or an empty batch calls for, and records
 what the user got in the epoch's ``Progress`` (``state.py``).
@@ -11,7 +11,6 @@ what the user got in the epoch's ``Progress`` (``state.py``).
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any, Iterator
@@ -20,11 +19,10 @@ import numpy as np
 
 from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
-from ..sources.shard_stream import plan_reads
-from ..sources.shards import ShardSource
+from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import Batch
-from .messages import Done, Fill, Start
+from .messages import Done
 from .pipes import ENDED, Pipes
 from .plan import EpochPlan
 from .probe import probe_layout
@@ -46,9 +44,6 @@ class EpochDriver:
                               settings.skip_errors, settings.max_failures, settings.stats, progress.skipped,
                               progress.padded)
         self.batches: dict[int, Batch] = {}  # assigned and not yet taken for the hand-out
-        self.fills: dict[int, tuple[Batch, int]] = {}  # fill id -> its batch and pipeline
-        self.load = [0] * pipes.count  # fills in progress per pipeline
-        self._fill_ids = itertools.count()
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
@@ -64,27 +59,15 @@ class EpochDriver:
         self._stats_stopped = False
         self._full = False  # the window is full: the plan waits for the user
         self.run = pipes.new_run()
+        self.dispatch = Dispatch(pipes, self.run, order)
         settings.stats.run_started()
         try:
-            self._owner = self._start(epoch)
+            self.dispatch.start(epoch, settings.source, self.plan.undelivered())
             if self.pipes.ring.layout is not None:
                 self._assign()  # the first batches are under way before the first next()
         except BaseException:
             self.stop()
             raise
-
-    def _start(self, epoch: int) -> np.ndarray | None:
-        """Starts the run in every pipeline. Tar shards: the run's reads are planned here, once,
-        and each chunk is owned by one pipeline; returns which pipeline reads each sample."""
-        count = self.pipes.count
-        if not isinstance(self.s.source, ShardSource):
-            for index in range(count):
-                self.pipes.send(index, Start(self.run, epoch, None))
-            return None
-        reads = plan_reads(self.s.source, self.plan.undelivered())
-        for index in range(count):
-            self.pipes.send(index, Start(self.run, epoch, reads.owned(index, count)))
-        return reads.owner_of(len(self.s.source), count) if count > 1 else None
 
     # ----- planning -----
 
@@ -119,32 +102,15 @@ class EpochDriver:
             self.s.stats.level("producer_waiting", 1 if full else -1)
 
     def _send_rows(self, batch: Batch, rows: list[int]) -> None:
-        """Sends ``rows`` of ``batch`` to be filled: to the pipeline that owns each row's shard
-        chunk, else all to the least busy one. Rows whose sample the probe saw fail are not
-        sent: they take the failure policy in ``_settle_known``."""
+        """Sends ``rows`` of ``batch`` to be filled (``dispatch.py``). Rows whose sample the probe
+        saw fail are not sent: they take the failure policy in ``_settle_known``."""
         known = [row for row in rows if batch.positions[row] in self._known]
         for row in known:
             self._failing.append((batch, row, self._known.pop(batch.positions[row])))
         batch.settling += len(known)
         rows = [row for row in rows if row not in known] if known else rows
-        if not rows:
-            return
-        indices = self.order[[batch.positions[row] for row in rows]]
-        if self._owner is None:
-            groups = {min(range(len(self.load)), key=self.load.__getitem__): rows}
-        else:
-            idle = min(range(len(self.load)), key=self.load.__getitem__)
-            groups = {}
-            for row, owner in zip(rows, self._owner[indices].tolist()):
-                groups.setdefault(owner if owner >= 0 else idle, []).append(row)
-        assert batch.buffer is not None
-        for pipe, pipe_rows in groups.items():
-            fill = next(self._fill_ids)
-            self.fills[fill] = (batch, pipe)
-            batch.pending += 1
-            self.load[pipe] += 1
-            pipe_indices = indices if len(groups) == 1 else self.order[[batch.positions[row] for row in pipe_rows]]
-            self.pipes.send(pipe, Fill(self.run, fill, batch.buffer.number, pipe_rows, pipe_indices))
+        if rows:
+            self.dispatch.send(batch, rows)
 
     def _settle_known(self) -> None:
         """Under the lock: rows whose sample failed in the probe take the failure policy now,
@@ -160,7 +126,7 @@ class EpochDriver:
         then the cursor's next. False when none can: raising, the first batch carries the
         error; skipping, the epoch delivers nothing (every sample failed)."""
         layout, self._known = probe_layout(self.pipes, self.run, self._epoch_ahead(positions), self.order,
-                                           self._owner, self.s.skip_errors)
+                                           self.dispatch.pipe_for, self.s.skip_errors)
         if layout is not None:
             self.pipes.ring.configure(layout, self.s.batch_size)
             return True
@@ -193,9 +159,7 @@ class EpochDriver:
         with self._lock:
             if self._stopped:  # stop() from another thread (close()) while this one waited
                 raise RuntimeError(ENDED)
-            batch, pipe = self.fills.pop(message.fill)
-            batch.pending -= 1
-            self.load[pipe] -= 1
+            batch = self.dispatch.answered(message.fill)
             for row, error in message.failures:
                 self._failed(batch, row, error)
             self._settle_known()
@@ -321,7 +285,7 @@ class EpochDriver:
                     else:
                         batch.buffer.give_back()
                 self.batches.clear()
-                self.fills.clear()
+                self.dispatch.fills.clear()
                 self.pending_copies.clear()
         if first:
             self.handout.release()

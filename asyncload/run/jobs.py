@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..batch.buffers import BatchBuffer, Field
+from ..batch.buffers import BatchBuffer
+from ..batch.layout import Field
 from ..errors import SampleError
 from ..stats.figures import LoaderStats
 

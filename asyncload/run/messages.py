@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..batch.buffers import SampleLayout
+from ..batch.layout import SampleLayout
 from ..errors import SampleError
 from ..sources.shard_stream import ChunkPlan
 

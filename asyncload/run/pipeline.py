@@ -21,7 +21,8 @@ import threading
 from typing import Any, Callable
 
 from ..autotune import AsyncGate, Gate
-from ..batch.buffers import BatchBuffer, SampleLayout
+from ..batch.buffers import BatchBuffer
+from ..batch.layout import SampleLayout
 from ..errors import SampleError
 from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
@@ -30,7 +31,7 @@ from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_pat
 from .messages import Done, Fill, Probe, Probed, Start, Stop, Stopped
 from .run_state import RunState
 from .settings import PipelineSettings, split
-from .threads import wait_ended
+from .threads import LoopThread, wait_ended
 from .workers import DecodeWorkers
 
 
@@ -52,9 +53,9 @@ class Pipeline:
         self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
         self._lock = threading.Lock()  # row counts and run states, shared by the loop and decode threads
         self._closing = False  # close() has scheduled the loop's shutdown
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run_loop, name="asyncload-loop", daemon=True)
-        self.thread.start()
+        self.loop_thread = LoopThread()
+        self.loop = self.loop_thread.loop
+        self.thread = self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(self._make_reader(), self.loop).result()
 
     async def _make_reader(self) -> Reader:
@@ -63,28 +64,20 @@ class Pipeline:
                       retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.stats,
                       user_read=user_read)
 
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
     # ----- the driver's thread (or a child's control thread) -----
 
     def handle(self, message: Any) -> None:
         """Takes one message of the driver; the work happens on the loop and decode threads."""
         if isinstance(message, Stop):
             self._mark_stopped(message.run)
-        self._call_soon(self._on_loop, message)
+        self.loop_thread.call_soon(self._on_loop, message)
 
     def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None:
         """The tuner's new settings for this pipeline (None: unchanged)."""
         if num_threads is not None and self.gate is not None:
             self.gate.set_limit(num_threads)
         if io_concurrency is not None:
-            self._call_soon(self._set_io, io_concurrency)
+            self.loop_thread.call_soon(self._set_io, io_concurrency)
 
     def close(self, deadline: float | None = None) -> list[threading.Thread]:
         """Stops every run, the loop and the decode threads; returns the threads still running
@@ -94,21 +87,11 @@ class Pipeline:
         with self._lock:
             first, self._closing = not self._closing, True
         if first:  # a second close (another thread) only waits: its shutdown would never run
-            shut = self._shut()
-            try:
-                asyncio.run_coroutine_threadsafe(shut, self.loop)
-            except RuntimeError:
-                shut.close()  # the loop has ended already
+            self.loop_thread.submit(self._shut())
         wait_ended([self.thread], deadline)
         self.workers.stop()  # no queued job starts; the threads end after the one they run
         wait_ended(self.workers.all_threads()[:1], deadline)  # the starter: then the list is whole
         return wait_ended([self.thread, *self.workers.all_threads()], deadline)
-
-    def _call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:
-            pass  # the loop has ended: the pipeline is closed
 
     def _mark_stopped(self, run: int) -> None:
         """No job of ``run`` starts any more (the decode threads look at this)."""
@@ -312,5 +295,5 @@ class Pipeline:
         if not state.stopped:
             self.send(Done(state.run, work.number, work.failures))
         elif confirm:
-            self._call_soon(self.runs.pop, state.run, None)
+            self.loop_thread.call_soon(self.runs.pop, state.run, None)
             self.send(Stopped(state.run))

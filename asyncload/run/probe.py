@@ -10,27 +10,26 @@ would have without the probe.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
-from ..batch.buffers import SampleLayout
+from ..batch.layout import SampleLayout
 from ..errors import SampleError
 from .messages import Probe, Probed
 from .pipes import Pipes
 
 
-def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.ndarray, owner: np.ndarray | None,
-                 keep_going: bool) -> tuple[SampleLayout | None, dict[int, SampleError]]:
+def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.ndarray,
+                 pipe_for: Callable[[int], int], keep_going: bool) -> tuple[SampleLayout | None, dict[int, SampleError]]:
     """Probes ``positions`` (epoch positions, in order) until one sample gives its layout.
     Returns the layout (None when none did) and the positions whose sample failed. Without
     ``keep_going`` (errors raise) the first failure ends the probing: its batch raises anyway.
-    ``owner``: the pipeline that reads each source index (tar shards), else pipeline 0."""
+    ``pipe_for``: which pipeline probes a source index (tar shards: the one that reads it)."""
     failed: dict[int, SampleError] = {}
     for position in positions:
         index = int(order[position])
-        pipe = 0 if owner is None or owner[index] < 0 else int(owner[index])
-        pipes.send(pipe, Probe(run, index))
+        pipes.send(pipe_for(index), Probe(run, index))
         answer = pipes.receive(run)
         while not isinstance(answer, Probed):
             answer = pipes.receive(run)

@@ -1,10 +1,13 @@
-"""Waiting for threads to end, bounded: a thread stuck in a read or a user's decode cannot be
-stopped, so every stop waits until a deadline and says which threads are still running."""
+"""The pipeline's threads: its event loop's, and waiting for threads to end, bounded (a thread
+stuck in a read or a user's decode cannot be stopped, so every stop waits until a deadline and
+says which threads are still running)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from typing import Any, Callable, Coroutine
 
 
 def wait_ended(threads: list[threading.Thread], deadline: float | None) -> list[threading.Thread]:
@@ -22,3 +25,37 @@ def wait_ended(threads: list[threading.Thread], deadline: float | None) -> list[
         pending[0].join(min(left, 0.05))
         if time.monotonic() - started < 0.005:  # a join that no longer waits: poll instead
             time.sleep(min(left, 0.01))
+
+
+class LoopThread:
+    """An asyncio event loop running on a daemon thread of its own (the pipeline's reads), and
+    the two ways other threads reach it."""
+
+    def __init__(self, name: str = "asyncload-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
+        """Runs ``callback(*args)`` on the loop; nothing once the loop has ended."""
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # the loop has ended: its owner is closed
+
+    def submit(self, coroutine: Coroutine[Any, Any, Any]) -> bool:
+        """Runs ``coroutine`` on the loop; False (the coroutine closed) once the loop has ended."""
+        try:
+            asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        except RuntimeError:
+            coroutine.close()
+            return False
+        return True
