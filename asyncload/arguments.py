@@ -4,9 +4,14 @@ class reads as what it does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+from .autotune import MAX_IO, AutoTuner, Knob
+from .order.sampler import EpochSampler
+from .order.shard_order import ShardSampler
+from .run.pipes import Pipes
 from .sources.shards import ShardSource
+from .stats.figures import LoaderStats
 
 OBJECT_READS = 64  # default reads in flight, of single objects
 SHARD_READS = 4  # default reads in flight for tar shards: ranged reads of up to chunk_bytes each
@@ -45,3 +50,25 @@ def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
         raise ValueError("a shard source is read by the loader itself: leave read=None")
     if source.members == "all" and decode is None:
         raise ValueError("tar_shards(..., members='all') gives each sample as {extension: bytes}: pass a decode= for it")
+
+
+def make_sampler(source: Sequence[Any], batch_size: int, read: Any, decode: Any, **order: Any) -> EpochSampler:
+    """The epoch's order over ``source``: a tar shard source's keeps each rank on a few shards."""
+    if isinstance(source, ShardSource):
+        check_shard_arguments(source, read, decode)
+        return ShardSampler(source, batch_size, **order)
+    return EpochSampler(len(source), batch_size, **order)
+
+
+def make_tuner(stats: LoaderStats, pipes: Pipes, most_threads: int, auto_threads: bool, auto_io: bool,
+               threads: int, io: int, processes: int) -> AutoTuner | None:
+    """With ``"auto"`` settings, a tuner whose knobs act on the pipelines (totals over the
+    processes, each taking its share): threads from ``threads`` up to the ``most_threads`` started,
+    reads in flight from ``io``."""
+    if not (auto_threads or auto_io):
+        return None
+    low = max(1, processes)
+    thread_knob = (Knob("num_threads", threads, low, most_threads, apply=lambda value: pipes.set_limits(value, None))
+                   if auto_threads else None)
+    io_knob = Knob("io_concurrency", io, low, MAX_IO, apply=lambda value: pipes.set_limits(None, value)) if auto_io else None
+    return AutoTuner(stats, thread_knob, io_knob)

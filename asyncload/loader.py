@@ -8,44 +8,112 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
-from .arguments import check_arguments, check_shard_arguments, initial_reads
-from .autotune import MAX_IO, AutoTuner, Gate, Knob
-from .batch.buffers import BufferRing, OnDevice
-from .batch.layout import Field, SampleLayout
+from .arguments import check_arguments, initial_reads, make_sampler, make_tuner
+from .autotune import Gate
+from .batch.buffers import BufferRing
 from .decode.image import ImageDecoder
 from .device import DeviceStage, resolve_device
-from .order.sampler import EpochSampler, distributed_defaults, source_digest
-from .order.shard_order import ShardSampler
+from .order.sampler import distributed_defaults, source_digest
 from .procs.processes import process_count, start_processes, window
 from .run.batched import image_placement
 from .run.driver import EpochDriver
 from .run.pipes import LocalPipes, Pipes
-from .run.settings import BatchQuota, Settings, is_labelled
-from .run.state import Progress
+from .run.settings import Settings, batch_quota, configure_known_layout, is_labelled
+from .run.state import Progress, check_resumable
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
 from .stats.machine import usable_cores
 
-LABEL_FIELD = Field((), np.dtype(np.int64))
-
 
 class AsyncLoader:
-    """Batches from a source of URLs, ``(url, label)`` pairs, or keys, without worker processes.
+    """Batches from a sequence of URLs, ``(url, label)`` pairs or keys: reads on an asyncio event
+    loop, decodes on threads (native code that releases the GIL) straight into preallocated,
+    pinned batch buffers; no worker processes unless ``processes`` asks for them.
 
-    Beyond the design's contract: ``num_threads`` and ``io_concurrency`` also take ``"auto"``
-    (see ``autotune.py``); ``max_failures`` (with ``on_error="skip"``: a count, or a fraction of
-    the epoch, of samples that may fail before ``TooManyFailures`` is raised); ``progress``
-    shows a tqdm bar; ``normalize=(mean, std)`` turns uint8 NHWC image fields into normalised
-    float32 NCHW (on the GPU with a CUDA ``device``); ``read_timeout`` and ``read_retries``
-    bound each read; ``processes=N`` runs the pipeline in N child processes (``procs/``), and
-    ``isolate=True`` is ``processes=1``. A batched ``decode`` (``GpuImageDecoder``) decodes each
-    batch with one call, in this process (``run/batched.py``).
-    ``io_concurrency`` counts requests in flight: for tar shards each is a ranged read of up to
-    ``chunk_bytes`` (16 MiB), so its default there is 4 rather than 64.
+    ``for images, labels in loader`` is one pass over an epoch: ``len(loader)`` batches, as
+    tensors shaped like the decoded sample with a leading batch dimension (the default decoder:
+    uint8 ``[B, 224, 224, 3]`` images and int64 ``[B]`` labels; items without labels give the
+    images alone). Each new pass is the next epoch, a new shuffle and new random augmentations,
+    as with ``DataLoader(shuffle=True)``; ``set_epoch(k)`` chooses the next pass's epoch instead.
+
+    Args:
+        source: a sized, indexable sequence of items: URLs or paths (any fsspec protocol:
+            ``s3://``, ``gs://``, ``az://``, local files), ``(url, int label)`` pairs, or keys that
+            your ``read`` understands; or ``tar_shards(url)``. ``image_folder``, ``list_files``
+            and ``manifest`` build one.
+        batch_size (int, default 256): samples per batch. With ``drop_last=False`` the epoch's
+            last batch may be smaller. Memory: ``prefetch + 2`` batches are kept allocated.
+        shuffle (bool, default True): a new permutation each epoch, from ``(seed, epoch)`` alone
+            (the same on every machine); False keeps the source's order, e.g. for evaluation.
+        seed (int, default 0): the shuffle's seed; every rank of a job must use the same. Change it
+            for another sequence of orders (augmentations follow ``ImageDecoder(seed=...)``).
+        drop_last (bool, default False): True drops the epoch's last batch when it would be short,
+            so every batch has ``batch_size`` samples, and, with several ranks, the tail that does
+            not divide among them instead of padding it with repeats (``DistributedSampler``'s).
+        read (default None): how an item becomes what ``decode`` takes. None: the item is a URL
+            read whole (object stores through obstore, anything else through fsspec), with
+            retries and a timeout. A callable ``read(key)``, plain or ``async``, replaces it (a
+            database, an API). False: the item itself goes to ``decode`` (data already in memory,
+            or a ``decode`` that reads). Not with ``tar_shards``: the loader reads those.
+        decode (default None): what ``read`` returned -> one sample: an array, or a tuple or dict
+            of arrays, each of one shape for every sample. None is ``ImageDecoder()`` (JPEG, PNG,
+            ... -> uint8 224x224x3, torchvision's Resize + CenterCrop); ``ImageDecoder(size,
+            train=True)`` for RandomResizedCrop + flip, ``GpuImageDecoder`` to decode a batch on
+            the GPU. It runs on the decode threads: native code that releases the GIL scales with
+            them, Python code does not (use ``processes``).
+        num_threads (int or "auto", default None): decode threads; None is one per CPU this
+            process may use. With several ranks on a node, set it to the cores per rank. "auto"
+            starts there and lets the tuner (``loader.tuner``) change how many work.
+        io_concurrency (int or "auto", default None): reads in flight. None is 64 for single
+            objects and 4 for ``tar_shards`` (ranged reads of up to 16 MiB each). Raise it when
+            storage latency is high and the bottleneck is storage; "auto" lets the tuner do so.
+        prefetch (int, default 2): batches prepared ahead of the one your loop holds. Raise it
+            when read or decode times are uneven; each costs a batch of memory.
+        in_order (bool, default True): batches come out in the sampler's order. False lets a
+            finished batch pass one that a slow read holds up; ``state_dict`` stays exact.
+        device (str or torch.device, default None): None gives tensors in pinned CPU memory;
+            ``"cuda"`` (or a CUDA device) gives them on the GPU, copied on a side stream while your
+            step works on the previous batch.
+        on_error ("raise" or "skip", default "raise"): a sample that cannot be read or decoded
+            raises ``SampleError`` at its batch, naming the item, the stage and the cause. "skip"
+            gives its row to the epoch's next sample, records it in ``loader.stats.failures``,
+            and raises ``TooManyFailures`` past ``max_failures``.
+        storage_options (dict, default None): how to reach the storage, in fsspec's names:
+            ``endpoint_url``, ``key``/``secret``, ``region``, ``anon``, ...; with
+            ``"client": "fsspec"`` object stores are read through fsspec (s3fs, gcsfs) instead.
+        rank (int, default None): which part of each epoch this process takes, as with
+            ``DistributedSampler``: ranks get disjoint parts of equal length, so every rank gives
+            ``len(loader)`` batches (DDP does not hang). None: from an initialised
+            ``torch.distributed``, else torchrun's ``RANK``, else 0.
+        world_size (int, default None): how many parts (ranks) each epoch is dealt into. None:
+            from ``torch.distributed``, else torchrun's ``WORLD_SIZE``, else 1.
+        max_failures (int or float, default 0.01): with ``on_error="skip"``, the samples an epoch
+            may lose before ``TooManyFailures``: a count, or a fraction of the epoch.
+        progress (bool, default False): a tqdm bar per pass on standard error, with samples/s and
+            the current bottleneck; shown on a terminal only. Needs tqdm installed.
+        normalize ((mean, std), default None): turns uint8 NHWC images into float32 NCHW
+            ``(x / 255 - mean) / std`` per channel; on the GPU with a CUDA ``device``.
+        read_timeout (float, default 60.0): seconds one read may take before it fails (a remote
+            read is then retried). Raise it for very large objects on a slow link.
+        read_retries (int, default 6): retries of a remote read after a transient error
+            (timeout, reset connection, throttling, 5xx), with exponential backoff and jitter;
+            a missing object or a refused permission fails at once.
+        isolate (bool, default False): the same as ``processes=1``: reads and decodes in one
+            child process, away from a training step that holds the GIL.
+        processes (int or "auto", default None): None or 0 runs everything in this process,
+            enough while decode is native code. N starts N child processes that read and decode
+            into shared batch buffers, for a Python ``decode`` or past what one GIL feeds (about
+            2,000 images/s); ``"auto"`` is one per 3 cores. ``source``, ``read`` and ``decode``
+            must then pickle (define them at a module's top level), and a script needs
+            ``if __name__ == "__main__":``. ``num_threads`` and ``io_concurrency`` are then totals.
+
+    Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
+    ``sampler`` (``sampler.order(epoch)``), ``epoch`` (what ``state_dict()`` records), ``device``,
+    ``tuner`` (with ``"auto"`` settings). ``close()``, or ``with AsyncLoader(...) as loader:``,
+    stops its threads and processes.
     """
 
     def __init__(
@@ -82,13 +150,10 @@ class AsyncLoader:
         io = initial_reads(io_concurrency, isinstance(source, ShardSource))
         self.device = resolve_device(device)
         rank, world_size = distributed_defaults(rank, world_size)
-        order = dict(shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
-        if isinstance(source, ShardSource):
-            check_shard_arguments(source, read, decode)
-            self.sampler: EpochSampler = ShardSampler(source, batch_size, **order)
-        else:
-            self.sampler = EpochSampler(len(source), batch_size, **order)
-        self.epoch = 0
+        self.sampler = make_sampler(source, batch_size, read, decode, shuffle=shuffle, seed=seed,
+                                    drop_last=drop_last, rank=rank, world_size=world_size)
+        self.epoch = 0  # the epoch state_dict() records: of the pass running or left, or the next pass's
+        self._epoch_chosen = True  # the next pass runs self.epoch (else self.epoch + 1): no pass of it yet
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
         self._progress = Progress()  # what this epoch handed out to the user
@@ -97,96 +162,70 @@ class AsyncLoader:
         self._closed = False
         self.progress = progress
         self._settings = Settings(
-            source=source,
-            read=read,
-            decode=decode if decode is not None else ImageDecoder(),
+            source=source, read=read, decode=decode if decode is not None else ImageDecoder(),
             labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
-            batch_size=batch_size,
-            drop_last=drop_last,
-            num_threads=max(2 * cores, threads) if auto_threads else threads,
-            io_concurrency=io,
-            thread_gate=Gate(threads) if auto_threads else None,
-            prefetch=prefetch,
-            in_order=in_order,
-            skip_errors=on_error == "skip",
-            max_failures=max_failures,
-            storage_options=storage_options,
-            read_timeout=read_timeout,
-            read_retries=read_retries,
-            normalize=normalize,
+            batch_size=batch_size, drop_last=drop_last,
+            num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,
+            thread_gate=Gate(threads) if auto_threads else None, prefetch=prefetch, in_order=in_order,
+            skip_errors=on_error == "skip", max_failures=max_failures, storage_options=storage_options,
+            read_timeout=read_timeout, read_retries=read_retries, normalize=normalize,
             ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
             device_stage=DeviceStage(self.device, normalize) if self.device is not None else None,
             stats=self.stats,
         )
         count = process_count(processes, isolate)
-        self._configure_known_layout(image_placement(self._settings.decode, self.device, count))
+        configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)
         self._pipes: Pipes = LocalPipes(self._settings)
         if count:  # reads and decodes run in the children; the device stage and normalize here
             self._pipes = start_processes(count, self._settings, self.device, threads if auto_threads else None, threads)
             self.stats = self._settings.stats
-        self.tuner = self._make_tuner(auto_threads, auto_io, threads, io, cores, count)
-
-    def _make_tuner(self, auto_threads: bool, auto_io: bool, threads: int, io: int, cores: int,
-                    processes: int) -> AutoTuner | None:
-        """With ``"auto"`` settings, a tuner whose knobs act on the pipelines (totals over the
-        processes, each taking its share)."""
-        if not (auto_threads or auto_io):
-            return None
-        pipes, low = self._pipes, max(1, processes)
-        thread_knob = (Knob("num_threads", threads, low, self._settings.num_threads,
-                            apply=lambda value: pipes.set_limits(value, None)) if auto_threads else None)
-        io_knob = Knob("io_concurrency", io, low, MAX_IO, apply=lambda value: pipes.set_limits(None, value)) if auto_io else None
-        return AutoTuner(self.stats, thread_knob, io_knob)
-
-    def _configure_known_layout(self, on_device: OnDevice | None) -> None:
-        """With a decoder that declares its output (the default), buffers need no first sample.
-        ``on_device``: a batched GPU decoder's image field lives on the GPU (labels stay on the host)."""
-        output = getattr(self._settings.decode, "field", None)
-        if isinstance(output, Field):
-            tree, fields = (None, [output]) if not self._settings.labelled else ((None, None), [output, LABEL_FIELD])
-            self._settings.ring.configure(SampleLayout(tree, fields), self.sampler.batch_size, on_device)
+        self.tuner = make_tuner(self.stats, self._pipes, self._settings.num_threads, auto_threads, auto_io,
+                                threads, io, count)
 
     def __len__(self) -> int:
-        """Batches in one epoch for this rank."""
+        """Batches in one epoch for this rank (the same on every rank)."""
         return len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the shuffle of ``epoch`` (as ``DistributedSampler.set_epoch``)."""
+        """Makes the next pass over the loader epoch ``epoch``: its shuffle (from ``(seed,
+        epoch)``) and its augmentations, as ``DistributedSampler.set_epoch``. Optional: without it
+        each new pass runs the epoch after the last one. Call it with the same epoch on every
+        rank. After ``load_state_dict``, calling it with the saved epoch keeps the resume; another
+        epoch starts that one from its beginning."""
         if epoch != self.epoch:
             self.epoch = epoch
             self._progress, self._resume = Progress(), False
+        self._epoch_chosen = True
 
     def __iter__(self) -> Iterator[Any]:
+        """One pass: the epoch's batches (``len(self)``, fewer only where ``on_error="skip"`` left
+        none to fill a batch), prepared ``prefetch`` ahead. The pass runs ``set_epoch``'s epoch,
+        else the rest of a ``load_state_dict`` epoch, else the epoch after the last pass (whether
+        that pass ended or was left early, as a new pass of ``DataLoader(shuffle=True)`` is a new
+        order). A new pass ends one still running. Leaving the loop (``break``, an exception)
+        stops the threads; a batch stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         self._stop_run()  # a new iteration replaces an unfinished one
+        if not self._epoch_chosen:  # a pass of this epoch ran: a new pass is the next epoch
+            self.epoch, self._resume = self.epoch + 1, False
         if not self._resume:  # as with DataLoader, a new iteration starts the epoch afresh
             self._progress = Progress()
-        self._resume = False
+        self._epoch_chosen = self._resume = False
         order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
-        run = EpochDriver(self._pipes, self._settings, self.epoch, order, self._progress, self._batch_quota(),
-                          self._window)
+        run = EpochDriver(self._pipes, self._settings, self.epoch, order, self._progress,
+                          batch_quota(self.sampler, self._progress.batches), self._window)
         self._run = run
-        iteration = self._iterate(run)
+        iteration = self._iterate(run, self.epoch)
         # The threads start now (the first batch is under way before the first next()), but a
         # generator dropped before its first next() never runs its `finally`: stop them when
         # it goes, whether it ran or not.
         weakref.finalize(iteration, _stop_unless_stopped, run)
         return iteration
 
-    def _batch_quota(self) -> BatchQuota | None:
-        """With several ranks, every rank must deliver ``len(self)`` batches even when samples
-        fail and are skipped, or DDP hangs at the epoch's end: the batches still owed and the
-        size of the epoch's last one."""
-        if self.sampler.world_size == 1:
-            return None
-        batches, size = len(self.sampler), self.sampler.batch_size
-        last = size if self.sampler.drop_last else self.sampler.samples_per_rank - (batches - 1) * size
-        return BatchQuota(batches - self._progress.batches, last)
-
-    def _iterate(self, run: EpochDriver) -> Iterator[Any]:
-        bar = ProgressBar(self.stats, self.sampler.samples_per_rank, self.epoch) if self.progress else None
+    def _iterate(self, run: EpochDriver, epoch: int) -> Iterator[Any]:
+        bar = ProgressBar.for_pass(self.stats, self.sampler, self._progress, epoch) if self.progress else None
         try:
             for positions, batch in run:  # the driver records what was handed out in self._progress
                 if self.tuner is not None:
@@ -196,6 +235,10 @@ class AsyncLoader:
                 yield batch
                 del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
             self._progress = Progress()  # the epoch is complete
+            if self._run is run and not self._epoch_chosen:  # state_dict() now points at the next epoch
+                self.epoch, self._epoch_chosen = epoch + 1, True
+            if bar is not None:
+                bar.complete()
         finally:
             run.stop()
             if self._run is run and run._stop_done:  # else close() finishes the stop
@@ -204,9 +247,12 @@ class AsyncLoader:
                 bar.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this epoch stands: which positions of its order were handed out (as a few
-        intervals: one, ``[0, n)``, unless samples were skipped or batches came out of order),
-        which failed and were skipped, which were repeated as DDP padding."""
+        """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its
+        order were handed out (as a few intervals: one, ``[0, n)``, unless samples were skipped or
+        batches came out of order), which failed and were skipped, which were repeated as DDP
+        padding; and the settings that decide the order, which ``load_state_dict`` checks. Taken
+        in the loop, or after leaving it early, it describes the epoch of that pass; after a pass
+        that ended, the next epoch, with nothing delivered yet. Small: save one per rank."""
         return {
             "epoch": self.epoch,
             "seed": self.sampler.seed,
@@ -219,17 +265,13 @@ class AsyncLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes from ``state_dict()``: the next iteration delivers what the epoch had not yet
-        delivered, batch for batch as the uninterrupted run would have."""
-        mine = self.state_dict()
-        for key in ("seed", "samples_per_rank", "batch_size", "rank", "world_size"):
-            if state[key] != mine[key]:
-                raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has {mine[key]}")
-        for key, value in state.get("order", mine["order"]).items():  # states saved before it had none
-            if mine["order"].get(key) != value:
-                raise ValueError(f"state_dict was saved with {key}={value!r}, this loader has "
-                                 f"{mine['order'].get(key)!r}: resuming would follow another order")
-        self.epoch = state["epoch"]
+        """Resumes from ``state_dict()`` (of a loader with the same source and order settings;
+        else ``ValueError`` names the difference): the next pass runs the saved epoch and delivers
+        what it had not yet delivered, batch for batch as the uninterrupted run would have, with no
+        delivered sample read again. ``set_epoch`` with the saved epoch keeps this; the pass after
+        it is the next epoch."""
+        check_resumable(state, self.state_dict())
+        self.epoch, self._epoch_chosen = state["epoch"], True
         self._progress, self._resume = Progress.from_state(state, self.sampler.batch_size), True
 
     def _stop_run(self) -> None:
@@ -240,8 +282,10 @@ class AsyncLoader:
                 self._run = None
 
     def close(self) -> None:
-        """Stops every thread (and the child processes) and frees the batch buffers. Idempotent;
-        a close cut short (Ctrl-C while it waits for the threads) is finished by the next."""
+        """Stops every thread and child process and frees the batch buffers (also done by ``with``
+        and by garbage collection); a pass still running ends, and a new one raises
+        ``RuntimeError``. Idempotent; a close cut short (Ctrl-C while it waits for the threads) is
+        finished by the next."""
         self._closed = True
         self._stop_run()
         self._settings.ring.clear()

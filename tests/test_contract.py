@@ -154,6 +154,7 @@ def test_a_resumed_rank_pads_as_the_uninterrupted_run(processes):
         whole = batches(loader)
         assert len(whole) == 4 and all(len(b) == 2 for b in whole)
         for cut in (1, 2, 3):
+            loader.set_epoch(0)  # again: a new pass without it is the next epoch
             iterator = iter(loader)
             head = [next(iterator)[:, 0].tolist() for _ in range(cut)]
             state = loader.state_dict()

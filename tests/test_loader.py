@@ -1,4 +1,6 @@
 import gc
+import inspect
+import re
 import signal
 import threading
 import time
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
+from asyncload import AsyncLoader, GpuImageDecoder, ImageDecoder, SampleError, image_folder
 from tests.conftest import CLASSES, PER_CLASS, asyncload_threads, identify, make_jpeg
 
 
@@ -251,11 +253,11 @@ def test_ctrl_c_while_waiting_for_a_batch_stops_every_thread():
     loader.close()
 
 
-def test_a_new_iteration_starts_the_epoch_afresh_and_ends_the_old_one():
+def test_a_new_iteration_starts_the_next_epoch_afresh_and_ends_the_old_one():
     with index_loader(n=50) as loader:
         first = iter(loader)
         next(first)
-        assert sorted(delivered(iter(loader))) == list(range(50))
+        assert delivered(iter(loader)) == loader.sampler.order(1).tolist()
         assert not asyncload_threads()
         with pytest.raises(RuntimeError, match="iteration has ended"):
             next(first)
@@ -439,10 +441,11 @@ def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
 def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
     """Ctrl-C while close() waits for a busy decode thread: a second close() must still end
     every thread (it used to return at once, leaving them running)."""
-    release = threading.Event()
+    stuck, release = threading.Event(), threading.Event()
 
     def decode(i):
         if i == 5:
+            stuck.set()
             release.wait(10)
             time.sleep(0.3)  # still busy a moment after the release
         return np.int64(i)
@@ -450,6 +453,7 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
     loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
     iterator = iter(loader)
     next(iterator)
+    assert stuck.wait(5), "the next batch's decode of 5 never started"  # else close() does not wait
     main = threading.main_thread().ident
     threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # a real Ctrl-C
     with pytest.raises(KeyboardInterrupt):
@@ -480,16 +484,18 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
     import asyncload.run.pipes
 
     monkeypatch.setattr(asyncload.run.pipes, "STOP_TIMEOUT_S", 0.5)
-    release = threading.Event()
+    stuck, release = threading.Event(), threading.Event()
 
     def decode(i):
         if i == 6:
+            stuck.set()
             release.wait(10)
         return np.int64(i)
 
     loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
     iterator = iter(loader)
     next(iterator)
+    assert stuck.wait(5), "the next batch's decode of 6 never started"  # else the stop has nothing to wait for
     with pytest.warns(RuntimeWarning, match="still running"):
         iterator.close()  # the loop's end: its finally stops the run
     started = time.monotonic()
@@ -500,3 +506,26 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
     loader.close()
     assert not asyncload_threads()
     assert not [t for t in threading.enumerate() if t.name == "asyncload-gil-probe"]
+
+
+def documented_arguments(cls) -> list[str]:
+    """The names that begin an entry of the ``Args:`` section of ``cls``'s docstring."""
+    doc = inspect.getdoc(cls)
+    section = doc.split("\nArgs:\n", 1)[1]
+    section = re.split(r"\n(?=\S)", section, maxsplit=1)[0]  # up to the next unindented line
+    return re.findall(r"^    (\w+)\b", section, re.MULTILINE)
+
+
+@pytest.mark.parametrize("cls", [AsyncLoader, ImageDecoder, GpuImageDecoder])
+def test_every_parameter_is_documented_where_help_shows_it(cls):
+    """help(AsyncLoader) shows the class docstring: each parameter has its entry there, in the
+    signature's order, so a new parameter cannot go undocumented."""
+    parameters = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+    assert documented_arguments(cls) == parameters
+    assert "contract" not in cls.__doc__
+
+
+@pytest.mark.parametrize("method", ["__iter__", "__len__", "set_epoch", "state_dict", "load_state_dict", "close"])
+def test_public_methods_say_what_they_do(method):
+    doc = inspect.getdoc(getattr(AsyncLoader, method))
+    assert doc and len(doc.split()) >= 8, f"AsyncLoader.{method} needs a docstring"

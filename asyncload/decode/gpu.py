@@ -55,9 +55,29 @@ class BatchResult(NamedTuple):
 
 class GpuImageDecoder:
     """A batch of encoded images -> ``out[i]`` = uint8 ``size x size x 3`` RGB on ``device``, the
-    same transform as ``ImageDecoder(size, train, ...)`` (boxes, flips, torchvision's pixels).
+    same transform as ``ImageDecoder(size, train, ...)`` (boxes, flips, torchvision's pixels),
+    decoded by nvJPEG (torchvision's batched ``decode_jpeg``) and cropped, resized and flipped on
+    the GPU. What nvJPEG does not decode (CMYK JPEGs, PNG, other formats) goes through
+    ``ImageDecoder`` on the CPU and is copied up. Use it as
+    ``AsyncLoader(source, decode=GpuImageDecoder(224, train=True), device="cuda")``: a CUDA
+    decoder needs the same ``device`` on the loader, and it runs in-process (not with
+    ``processes``).
 
-    ``decode_jpegs`` replaces torchvision's batched decode (e.g. a CPU one, to test without it).
+    Args:
+        size (int, default 224): the side of every output image.
+        train (bool, default False): ``ImageDecoder``'s: False is Resize + CenterCrop, True is
+            RandomResizedCrop + a random horizontal flip.
+        scale ((float, float), default (0.08, 1.0)): with ``train``, the crop's area range, as
+            ``ImageDecoder``'s.
+        ratio ((float, float), default (3/4, 4/3)): with ``train``, the crop's aspect ratio range.
+        flip (bool, default True): with ``train``, a horizontal flip with probability 1/2.
+        seed (int, default 0): the seed of crops and flips, as ``ImageDecoder``'s: the same seed,
+            epoch and sample give the same crop on either decoder.
+        device (str or torch.device, default "cuda"): the GPU that decodes, where the images stay.
+            ``"cpu"`` runs the same code on the CPU into host memory (for tests without a GPU).
+        decode_jpegs (callable, default torchvision's batched ``decode_jpeg``): a list of 1-D
+            uint8 tensors of JPEG bytes and a device -> a list of ``3 x H x W`` uint8 RGB tensors;
+            replace it to test without torchvision or to use another batched decoder.
     """
 
     batched = True  # the loader calls decode_batch once per batch (run/batched.py), not decode_into per row

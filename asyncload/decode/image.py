@@ -134,17 +134,34 @@ def decode_jpeg_reduced(data: bytes, height: int, width: int, reduce: int) -> np
 
 
 class ImageDecoder:
-    """Encoded image bytes -> uint8 ``size x size x 3`` RGB, the pixels torchvision gives.
+    """Encoded image bytes -> uint8 ``size x size x 3`` RGB, the pixels torchvision gives: the
+    loader's default ``decode``. JPEG through libjpeg-turbo, other formats (PNG, WebP, BMP, TIFF,
+    ...) through OpenCV, told apart by their bytes; greyscale, alpha and CMYK become RGB. In the
+    loader it writes straight into the batch row, releasing the GIL.
 
-    ``train=False``: torchvision's ``Resize(size)`` + ``CenterCrop(size)``. ``train=True``:
-    torchvision's ``RandomResizedCrop(size, scale, ratio)`` and, with ``flip``, a horizontal flip
-    with probability 1/2. Random choices come from ``(seed, key)``, where the loader passes
-    ``key = (epoch, index)``, so the same run gives the same pixels whatever the thread timing.
-    Called without a key (e.g. from a ``torch.utils.data.Dataset``) it draws fresh randomness.
+    Random choices (``train=True``) come from ``(seed, key)``, where the loader passes ``key =
+    (epoch, index)``: the same run gives the same pixels whatever the thread timing, and each
+    epoch new ones. Called without a key (``decoder(data)``, e.g. from a
+    ``torch.utils.data.Dataset``) it draws fresh randomness.
 
-    ``antialias=False`` is the fast option: OpenCV bilinear without antialiasing, the eval crop
-    a centred square; 0.15 to 0.3 ms less per 500x375 JPEG (of ~1.7 ms), and 2 to 10 grey levels
-    (mean) away from torchvision on a photo.
+    Args:
+        size (int, default 224): the side of every output image.
+        train (bool, default False): False is torchvision's ``Resize(size)`` + ``CenterCrop(size)``
+            (evaluation: the shorter side to ``size``, the centre kept). True is
+            ``RandomResizedCrop(size, scale, ratio)`` and, with ``flip``, ``RandomHorizontalFlip``
+            (training).
+        scale ((float, float), default (0.08, 1.0)): with ``train``, the range of the crop's area
+            as a fraction of the image's, as ``RandomResizedCrop``.
+        ratio ((float, float), default (3/4, 4/3)): with ``train``, the range of the crop's aspect
+            ratio (width / height), as ``RandomResizedCrop``.
+        flip (bool, default True): with ``train``, a horizontal flip with probability 1/2; False
+            for images where left and right differ in meaning (text, some medical images).
+        seed (int, default 0): the seed of the random crops and flips, with the epoch and the
+            sample's index; change it for another augmentation stream with the same order.
+        antialias (bool, default True): torchvision's antialiased resize. False is the fast
+            option: OpenCV bilinear without antialiasing, the eval crop a centred square; 0.15 to
+            0.3 ms less per 500x375 JPEG (of ~1.7 ms), and 2 to 10 grey levels (mean) away from
+            torchvision on a photo.
     """
 
     def __init__(

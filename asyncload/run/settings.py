@@ -15,10 +15,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..autotune import Gate
-from ..batch.buffers import BufferRing
+from ..batch.buffers import BufferRing, OnDevice
+from ..batch.layout import Field, SampleLayout
 from ..device import DeviceStage
 from ..errors import SampleError
 from ..stats.figures import LoaderStats
+
+LABEL_FIELD = Field((), np.dtype(np.int64))
 
 
 def is_labelled(item: Any) -> bool:
@@ -70,7 +73,6 @@ class Settings:
     device_stage: DeviceStage | None
     stats: LoaderStats
 
-
     def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
         """What one pipeline needs; with ``processes`` children, its share of the totals."""
         return PipelineSettings(
@@ -113,3 +115,23 @@ class BatchQuota:
 
     count: int
     last_size: int
+
+
+def batch_quota(sampler: Any, batches_done: int) -> BatchQuota | None:
+    """With several ranks, every rank must deliver ``len(sampler)`` batches even when samples
+    fail and are skipped, or DDP hangs at the epoch's end: the batches still owed (of which
+    ``batches_done`` were handed out) and the size of the epoch's last one."""
+    if sampler.world_size == 1:
+        return None
+    batches, size = len(sampler), sampler.batch_size
+    last = size if sampler.drop_last else sampler.samples_per_rank - (batches - 1) * size
+    return BatchQuota(batches - batches_done, last)
+
+
+def configure_known_layout(settings: Settings, batch_size: int, on_device: OnDevice | None) -> None:
+    """With a decoder that declares its output (the default), buffers need no first sample.
+    ``on_device``: a batched GPU decoder's image field lives on the GPU (labels stay on the host)."""
+    output = getattr(settings.decode, "field", None)
+    if isinstance(output, Field):
+        tree, fields = (None, [output]) if not settings.labelled else ((None, None), [output, LABEL_FIELD])
+        settings.ring.configure(SampleLayout(tree, fields), batch_size, on_device)

@@ -46,3 +46,15 @@ class Progress:
         done = Positions(state["delivered"])
         return cls(done, Positions(state.get("skipped", [])), Positions(state.get("padded", [])),
                    state.get("batches", len(done) // batch_size))
+
+
+def check_resumable(state: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Refuses (``ValueError``) a ``state`` saved by a loader whose order differs from this one's
+    (``mine``, its own state): resuming would skip some samples and repeat others, silently."""
+    for key in ("seed", "samples_per_rank", "batch_size", "rank", "world_size"):
+        if state[key] != mine[key]:
+            raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has {mine[key]}")
+    for key, value in state.get("order", mine["order"]).items():  # states saved before it had none
+        if mine["order"].get(key) != value:
+            raise ValueError(f"state_dict was saved with {key}={value!r}, this loader has "
+                             f"{mine['order'].get(key)!r}: resuming would follow another order")
