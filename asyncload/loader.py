@@ -5,6 +5,7 @@ over its pipelines: one in this process (``run/pipes.py``), or N child processes
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -28,6 +29,7 @@ from .run.state import Progress
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
+from .stats.trace import DEFAULT_EVENTS, Tracer
 from .stats.machine import usable_cores
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
@@ -46,6 +48,10 @@ class AsyncLoader:
     batch with one call, in this process (``run/batched.py``).
     ``io_concurrency`` counts requests in flight: for tar shards each is a ranged read of up to
     ``chunk_bytes`` (16 MiB), so its default there is 4 rather than 64.
+    ``trace="run.json"`` writes a timeline of each run (every sample's read and decode on the
+    thread and process that ran it, hand-outs, your waits, reads in flight, failures) as Chrome
+    trace-event JSON, for Perfetto or chrome://tracing, at the end of each iteration; it keeps
+    the last ``trace_events`` events (default 200,000), so a long run's file stays bounded.
     """
 
     def __init__(
@@ -74,6 +80,8 @@ class AsyncLoader:
         read_retries: int = 6,
         isolate: bool = False,
         processes: int | str | None = None,
+        trace: str | os.PathLike | None = None,
+        trace_events: int = DEFAULT_EVENTS,
     ) -> None:
         check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
         cores = usable_cores()
@@ -91,6 +99,8 @@ class AsyncLoader:
         self.epoch = 0
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
+        if trace is not None:
+            self.stats.tracer = Tracer(trace, trace_events)
         self._progress = Progress()  # what this epoch handed out to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochDriver | None = None
