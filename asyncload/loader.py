@@ -50,8 +50,9 @@ class AsyncLoader:
     ``chunk_bytes`` (16 MiB), so its default there is 4 rather than 64.
     ``trace="run.json"`` writes a timeline of each run (every sample's read and decode on the
     thread and process that ran it, hand-outs, your waits, reads in flight, failures) as Chrome
-    trace-event JSON, for Perfetto or chrome://tracing, at the end of each iteration; it keeps
-    the last ``trace_events`` events (default 200,000), so a long run's file stays bounded.
+    trace-event JSON, for Perfetto or chrome://tracing, when the loader is closed (``close()``,
+    the end of a ``with`` block, or the program's exit); it keeps the last ``trace_events``
+    events (default 200,000), so a long run's file and memory stay bounded.
     """
 
     def __init__(
@@ -99,8 +100,10 @@ class AsyncLoader:
         self.epoch = 0
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
-        if trace is not None:
+        self._write_trace: weakref.finalize | None = None
+        if trace is not None:  # written at close(), or when the loader is collected or the program exits
             self.stats.tracer = Tracer(trace, trace_events)
+            self._write_trace = weakref.finalize(self, self.stats.tracer.write)
         self._progress = Progress()  # what this epoch handed out to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochDriver | None = None
@@ -258,6 +261,8 @@ class AsyncLoader:
         close = getattr(self._pipes, "close", None)  # the child processes
         if close is not None:
             close()
+        if self._write_trace is not None:
+            self._write_trace()  # once: the children's events came with their answers
 
     def __enter__(self) -> "AsyncLoader":
         return self

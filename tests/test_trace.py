@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -107,18 +108,28 @@ def test_reads_on_the_event_loop_are_async_spans_with_the_reads_in_flight(s3_jpe
     assert_nested(events)
 
 
-def test_the_trace_keeps_the_last_events_and_is_rewritten_each_epoch(jpeg_folder, tmp_path):
+def test_the_trace_keeps_the_last_events_and_is_written_at_close(jpeg_folder, tmp_path):
     trace = tmp_path / "run.json"
-    with AsyncLoader(image_folder(str(jpeg_folder)), batch_size=4, decode=DECODE, trace=str(trace),
-                     trace_events=30) as loader:
-        list(loader)
-        first = load(trace)
-        loader.set_epoch(1)
-        list(loader)
+    loader = AsyncLoader(image_folder(str(jpeg_folder)), batch_size=4, decode=DECODE, trace=str(trace), trace_events=30)
+    list(loader)
+    epoch_0_ended = max(e[2] for e in loader.stats.tracer.events)
+    loader.set_epoch(1)
+    list(loader)
+    assert not trace.exists(), "written once, at close: building the JSON costs more than recording"
+    loader.close()
     kept = [e for e in load(trace) if e["ph"] != "M"]
     assert len(kept) == 30, "a ring of the last trace_events events"
-    assert max(e["ts"] for e in kept) > max(e["ts"] for e in first if e["ph"] != "M"), "epoch 1 is in it"
+    assert min(e["ts"] for e in kept) > epoch_0_ended * 1e6, "the newest: all from epoch 1"
     assert kept[-1]["name"] in ("hand out", "wait for batch", "batches_ready")
+
+
+def test_a_loader_never_closed_writes_its_trace_when_collected(jpeg_folder, tmp_path):
+    trace = tmp_path / "run.json"
+    loader = AsyncLoader(image_folder(str(jpeg_folder)), batch_size=4, decode=DECODE, trace=str(trace))
+    list(loader)
+    del loader
+    gc.collect()
+    assert len(spans(load(trace), "decode")) == SAMPLES
 
 
 def test_without_trace_nothing_is_recorded(jpeg_folder, tmp_path):

@@ -144,9 +144,6 @@ class LoaderStats:
         self._gil.start()
 
     def run_stopped(self) -> None:
-        """The run ended (or was left): its active time stops counting; the trace is written."""
-        if self.tracer is not None:
-            self.tracer.write()
         self._gil.stop()
         with self._lock:
             if self._running_since is not None:

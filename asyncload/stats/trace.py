@@ -99,7 +99,8 @@ class Tracer:
     def write(self) -> None:
         """Writes the events to ``path`` as Chrome trace-event JSON (``{"traceEvents": [...]}``),
         replacing the file whole (written beside it, then renamed: a reader never sees half a
-        file). At the end of each run, so the file is there while training goes on."""
+        file). Building the JSON costs about 4.5 µs an event (0.45 s for 100,000 on the 2-core
+        bench VM), more than recording them: the loader writes once, when it is closed."""
         if self.path is None:
             return
         with self._lock:
