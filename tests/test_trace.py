@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
