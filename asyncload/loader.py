@@ -5,6 +5,7 @@ over its pipelines: one in this process (``run/pipes.py``), or N child processes
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,6 +26,7 @@ from .run.state import Progress, check_resumable
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
+from .stats.trace import DEFAULT_EVENTS, Tracer
 from .stats.machine import usable_cores
 
 
@@ -109,6 +111,13 @@ class AsyncLoader:
             2,000 images/s); ``"auto"`` is one per 3 cores. ``source``, ``read`` and ``decode``
             must then pickle (define them at a module's top level), and a script needs
             ``if __name__ == "__main__":``. ``num_threads`` and ``io_concurrency`` are then totals.
+        trace (path, default None): writes a timeline of the loader's runs there, as Chrome
+            trace-event JSON for Perfetto or chrome://tracing: each sample's read and decode on
+            the thread (and process) that ran it, hand-outs, your loop's waits, reads in flight,
+            failures. Written when the loader is closed (``close()``, ``with``, or the program's
+            exit). ``python -m asyncload.doctor`` writes one for you.
+        trace_events (int, default 200,000): the trace keeps the last this many events (about
+            200 bytes each), so a long run's memory and file stay bounded.
 
     Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
     ``sampler`` (``sampler.order(epoch)``), ``epoch`` (what ``state_dict()`` records), ``device``,
@@ -142,6 +151,8 @@ class AsyncLoader:
         read_retries: int = 6,
         isolate: bool = False,
         processes: int | str | None = None,
+        trace: str | os.PathLike | None = None,
+        trace_events: int = DEFAULT_EVENTS,
     ) -> None:
         check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
         cores = usable_cores()
@@ -156,6 +167,10 @@ class AsyncLoader:
         self._epoch_chosen = True  # the next pass runs self.epoch (else self.epoch + 1): no pass of it yet
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
+        self._write_trace: weakref.finalize | None = None
+        if trace is not None:  # written at close(), or when the loader is collected or the program exits
+            self.stats.tracer = Tracer(trace, trace_events)
+            self._write_trace = weakref.finalize(self, self.stats.tracer.write)
         self._progress = Progress()  # what this epoch handed out to the user
         self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
         self._run: EpochDriver | None = None
@@ -292,6 +307,8 @@ class AsyncLoader:
         close = getattr(self._pipes, "close", None)  # the child processes
         if close is not None:
             close()
+        if self._write_trace is not None:
+            self._write_trace()  # once: the children's events came with their answers
 
     def __enter__(self) -> "AsyncLoader":
         return self

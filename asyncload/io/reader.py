@@ -86,13 +86,13 @@ class Reader:
     async def read(self, key: Any) -> Any:
         """The bytes at URL ``key`` (or what the user's ``read`` returns for it), retried on
         transient errors with exponential backoff and jitter (see ``backoff``)."""
-        return await self._counted(lambda: self._fetch(key))
+        return await self._counted(lambda: self._fetch(key), key)
 
     async def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``url`` in one ranged request, retried as ``read`` is."""
-        return await self._counted(lambda: self._fetch_file(url, start=start, end=end))
+        return await self._counted(lambda: self._fetch_file(url, start=start, end=end), f"{url}[{start}:{end}]")
 
-    async def _counted(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
+    async def _counted(self, fetch: Callable[[], Awaitable[Any]], key: Any) -> Any:
         started = time.perf_counter()
         self.stats.level("reads_in_flight", 1)
         try:
@@ -100,7 +100,10 @@ class Reader:
         finally:
             self.stats.level("reads_in_flight", -1)
         nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-        self.stats.add("read", time.perf_counter() - started, nbytes)
+        ended = time.perf_counter()
+        self.stats.add("read", ended - started, nbytes)
+        if self.stats.tracer is not None:  # reads overlap on the loop's thread: an async span
+            self.stats.tracer.async_span("read", started, ended, key)
         return data
 
     async def _with_retries(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
@@ -142,7 +145,10 @@ class Reader:
             data = self._blocking.call(fs.cat_file, fs._strip_protocol(key), timeout=self.timeout)
         finally:
             self.stats.level("reads_in_flight", -1)
-        self.stats.add("read", time.perf_counter() - started, len(data))
+        ended = time.perf_counter()
+        self.stats.add("read", ended - started, len(data))
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("read", started, ended, key)
         return data
 
     def _fetch(self, key: Any) -> Awaitable[Any]:

@@ -24,6 +24,7 @@ from ..batch.buffers import BatchBuffer
 from ..run.pipeline import Pipeline
 from ..run.settings import PipelineSettings
 from ..stats.figures import LoaderStats
+from ..stats.trace import Tracer
 from . import shm
 from .protocol import Broken, Close, Done, Limits, Map, Probed, Start, Stop, Unmap, portable, unpickle
 
@@ -42,6 +43,8 @@ def child_main(conn: Any, payload: dict[str, bytes]) -> None:
     try:
         settings = PipelineSettings(**{name: unpickle(name, data) for name, data in payload.items()})
         child.stats.limits.update(io_concurrency=settings.io_concurrency, num_threads=settings.num_threads)
+        if settings.trace_events is not None:
+            child.stats.tracer = Tracer(None, settings.trace_events, multiprocessing.current_process().name)
         child.pipeline = Pipeline(settings, child.segments.__getitem__, child.send, child.stats)
     except BaseException as error:
         child.send(Broken(portable(error)))
@@ -154,6 +157,8 @@ class _Child:
         elif isinstance(message, Probed) and message.error is not None:
             message.error = portable(message.error)  # type: ignore[assignment]
         message.figures = self.stats.as_dict()
+        if self.stats.tracer is not None:
+            message.trace = self.stats.tracer.drain()
         try:
             with self.send_lock:
                 self.conn.send(message)

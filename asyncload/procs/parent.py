@@ -150,6 +150,8 @@ class ProcessPool:
             index, message = got
             if message.figures is not None:
                 self.stats.update(index, message.figures)
+            if message.trace is not None and self.stats.tracer is not None:
+                self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
             if isinstance(message, Broken):
                 self._broken = ("a loader process could not build its pipeline", message.error)
                 self.check()

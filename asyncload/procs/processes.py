@@ -40,7 +40,9 @@ def start_processes(count: int, settings: Settings, device: torch.device | None,
                     threads: int) -> ProcessPool:
     """``count`` children, each running the pipeline on its share of the threads and reads, and
     the merged stats (which become ``settings.stats``: the driver counts there)."""
+    tracer = settings.stats.tracer
     settings.stats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, count)
+    settings.stats.tracer = tracer  # the children's events are merged into it as they arrive
     arguments = vars(settings.pipeline(count, thread_limit))
     pool = ProcessPool(count, arguments, settings.stats, keep=window(settings.prefetch, count) + 2, device=device)
     if settings.ring.layout is not None:  # a decoder that declares its output

@@ -64,6 +64,7 @@ class Broken:
 
     error: BaseException
     figures: dict[str, Any] | None = field(default=None)
+    trace: Any = None
 
 
 # ----- values across the pipe -----

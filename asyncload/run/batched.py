@@ -130,7 +130,10 @@ class BatchJobs:
                     self.filler.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue
                 finally:
-                    read_s += time.perf_counter() - started
+                    ended = time.perf_counter()
+                    read_s += ended - started
+                    if self.filler.stats.tracer is not None:
+                        self.filler.stats.tracer.span("read", started, ended, row.key)
                 reads += 1
                 nbytes += len(data)
             ready.append(row)
@@ -153,8 +156,10 @@ class BatchJobs:
                                  f"{type(error).__name__}: {error}")
             whole.__cause__ = error
             failures, event = dict.fromkeys(range(len(rows)), whole), None
-        self.filler.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started,
-                       items=len(rows))
+        ended = time.perf_counter()
+        self.filler.stats.add("decode", ended - started, cpu_seconds=time.thread_time() - cpu_started, items=len(rows))
+        if self.filler.stats.tracer is not None:  # one call for the batch's rows: one span
+            self.filler.stats.tracer.span("decode", started, ended, f"{len(rows)} rows")
         if event is not None:
             buffer.writes.append(event)  # before the rows are done: the batch's copy waits on it
         for number, error in failures.items():

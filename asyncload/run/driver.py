@@ -247,7 +247,7 @@ class EpochDriver:
             if self.exhausted and self.taken >= self.assigned:
                 return None
             self._answer(self.pipes.receive(self.run))
-        self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started)
+        self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
     def _drop(self, batch: Batch) -> None:

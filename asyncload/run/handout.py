@@ -28,6 +28,13 @@ class HandOut:
 
     def hand_out(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int]) -> Any:
         """The user's view of batch ``number``, whose ``rows`` rows are complete but ``holes``."""
+        started = time.perf_counter()
+        out = self._view(number, buffer, rows, holes)
+        if self.s.stats.tracer is not None:
+            self.s.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
+        return out
+
+    def _view(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int]) -> Any:
         size = buffer.close_holes(rows, holes)
         stage = self.s.device_stage
         if stage is not None:
@@ -55,7 +62,10 @@ class HandOut:
         assert self.s.device_stage is not None
         started = time.perf_counter()
         pending = self.s.device_stage.start_copy(buffer, size)
-        self.s.stats.add("copy", time.perf_counter() - started, sum(t[:size].nbytes for t in buffer.tensors))
+        ended = time.perf_counter()
+        self.s.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
+        if self.s.stats.tracer is not None:
+            self.s.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.number}")
         return pending
 
     def release(self) -> None:

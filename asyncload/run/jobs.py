@@ -130,7 +130,7 @@ class RowFiller:
         if batch.cancelled:
             self.rows_done(batch, len(rows))
             return
-        buffer, stats = batch.buffer, self.stats
+        buffer, stats, trace = batch.buffer, self.stats, self.stats.tracer
         stats.level("decodes_running", 1)
         read_s = decode_s = cpu = 0.0
         nbytes = reads = done = 0
@@ -146,6 +146,8 @@ class RowFiller:
                 finally:
                     started, now = now, time.perf_counter()
                     read_s += now - started
+                    if trace is not None:
+                        trace.span("read", started, now, row.key)
                 reads += 1
                 nbytes += len(data)
             cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
@@ -159,6 +161,8 @@ class RowFiller:
                 cpu += time.thread_time() - cpu_started
                 started, now = now, time.perf_counter()
                 decode_s += now - started
+                if trace is not None:
+                    trace.span("decode", started, now, row.key)
         stats.level("decodes_running", -1)
         if reads:
             stats.add("read", read_s, nbytes, items=reads)
@@ -186,7 +190,10 @@ class RowFiller:
             buffer.write(row, sample)
         except Exception as error:
             raise SampleError(key, "decode", error) from error
-        self.stats.add("write", time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.stats.add("write", ended - started)
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("write", started, ended, key)
 
     def write_job(self, batch: Work, row: int, sample: Any, key: Any) -> None:
         """A decode job for a sample decoded elsewhere (the probe's, which taught the layout)."""
@@ -204,7 +211,10 @@ class RowFiller:
         """The user's decode of ``data``, counted in the decode stage."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         sample = self.decode(data)
-        self.stats.add("decode", time.perf_counter() - started, cpu_seconds=time.thread_time() - cpu_started)
+        ended = time.perf_counter()
+        self.stats.add("decode", ended - started, cpu_seconds=time.thread_time() - cpu_started)
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("decode", started, ended)
         return sample
 
 

@@ -69,7 +69,8 @@ class Done:
     run: int
     fill: int
     failures: list[tuple[int, SampleError]]
-    figures: dict[str, Any] | None = None
+    figures: dict[str, Any] | None = None  # a child's stats and trace events ride along (procs/)
+    trace: Any = None
 
 
 @dataclass
@@ -80,9 +81,11 @@ class Probed:
     layout: SampleLayout | None
     error: SampleError | None
     figures: dict[str, Any] | None = None
+    trace: Any = None
 
 
 @dataclass
 class Stopped:
     run: int
     figures: dict[str, Any] | None = None
+    trace: Any = None

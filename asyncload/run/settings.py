@@ -81,6 +81,7 @@ class Settings:
             io_concurrency=share(self.io_concurrency, processes),
             thread_limit=None if thread_limit is None else share(thread_limit, processes),
             storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
+            trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
         )
 
 
@@ -101,6 +102,7 @@ class PipelineSettings:
     storage_options: dict[str, Any] | None
     read_timeout: float
     read_retries: int
+    trace_events: int | None = None  # with trace=: a child records its events and sends them with its answers
 
 
 def share(total: int, processes: int) -> int:

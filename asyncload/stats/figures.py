@@ -15,7 +15,11 @@ from typing import Any, Callable
 from .gil import GilProbe
 from .machine import system_cpu_seconds, usable_cores
 from .snapshot import LEVELS, STAGES, LevelFigures, StageFigures, StatsSnapshot
+from .trace import Tracer
 from .verdict import diagnose
+
+
+TRACED_LEVELS = ("reads_in_flight", "batches_ready")  # drawn as counters in a trace
 
 
 @dataclass
@@ -79,6 +83,7 @@ class LoaderStats:
         self._gil = GilProbe()
         self._callback: tuple[float, Callable[[dict[str, Any]], None]] | None = None
         self._last_callback = time.perf_counter()
+        self.tracer: Tracer | None = None  # with trace=: the timeline (see trace.py)
 
     # ----- updates from the pipeline -----
 
@@ -101,7 +106,11 @@ class LoaderStats:
 
     def level(self, name: str, delta: int) -> None:
         with self._lock:
-            self.levels[name].change(delta, time.perf_counter())
+            level = self.levels[name]
+            level.change(delta, time.perf_counter())
+            value = level.value
+        if self.tracer is not None and name in TRACED_LEVELS:
+            self.tracer.counter(name, value)
 
     def add_retry(self) -> None:
         with self._lock:
@@ -112,14 +121,21 @@ class LoaderStats:
             self.decoded_on_cpu += count
 
     def add_failure(self, item: object, stage: str, error: BaseException) -> None:
+        text = f"{type(error).__name__}: {error}"
         with self._lock:
-            self.failures.append(Failure(item, stage, f"{type(error).__name__}: {error}"))
+            self.failures.append(Failure(item, stage, text))
+        if self.tracer is not None:
+            self.tracer.instant("failure", {"sample": item, "stage": stage, "error": text})
 
-    def add_batch(self, samples: int, waited: float) -> None:
+    def add_batch(self, samples: int, waited: float, number: int | None = None) -> None:
+        """Batch ``number`` of ``samples`` was handed out after the consumer ``waited`` for it."""
         with self._lock:
             self.batches += 1
             self.samples += samples
             self.consumer_wait_seconds += waited
+        if self.tracer is not None:
+            now = time.perf_counter()
+            self.tracer.span("wait for batch", now - waited, now, f"batch {number}")
         self._maybe_call_back()
 
     def run_started(self) -> None:

@@ -1,0 +1,130 @@
+"""``python -m asyncload.doctor URL``: the one command to run when training is slow.
+
+It loads the source at ``URL`` (a folder or bucket prefix of class folders, a tar shard set, or
+a manifest file) with the loader's settings for about ``--seconds``, as fast as the loader can
+(no training step: what it measures is the loader's ceiling), then prints what each stage cost,
+what limits the loader (the stats' verdict, with its evidence), the setting to try next, and
+where the trace of the run was written (a timeline to open in Perfetto or chrome://tracing).
+
+    python -m asyncload.doctor s3://bucket/train --storage-options '{"endpoint_url": "..."}'
+    python -m asyncload.doctor /data/shards --processes 2 --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from .errors import SampleError, StorageError
+from .loader import AsyncLoader
+from .sources.items import image_folder, manifest
+from .sources.shards import tar_shards
+from .stats.machine import usable_cores
+from .stats.verdict import diagnose
+
+MANIFEST_SUFFIXES = (".txt", ".csv", ".lst")
+
+
+def open_source(url: str, storage_options: dict[str, Any] | None) -> Sequence[Any]:
+    """What ``url`` names: a shard set (its index, or a folder that holds one), a manifest, or
+    class folders of images."""
+    if url.endswith(".json"):
+        return tar_shards(url, storage_options=storage_options)
+    if url.endswith(MANIFEST_SUFFIXES):
+        return manifest(url, storage_options=storage_options)
+    try:
+        return tar_shards(url, storage_options=storage_options)
+    except (FileNotFoundError, StorageError):
+        pass  # no index.json there: class folders
+    return image_folder(url, storage_options=storage_options)
+
+
+def suggestion(figures: dict[str, Any], processes: int) -> str:
+    """The setting to try next for the verdict's bottleneck."""
+    name, _ = diagnose(figures)
+    cores = usable_cores()
+    if name == "consumer":
+        return "none: the loader is ahead of the loop; the time goes to your training step"
+    if name == "GIL":
+        return (f"processes={max(2, processes * 2, cores // 3)}: Python under one GIL is the limit; N processes "
+                f"have N GILs")
+    if name == "storage":
+        return (f"io_concurrency={2 * figures['io_concurrency']} (more reads in flight), or tar shards "
+                f"(asyncload.write_shards: a ranged read per chunk of samples instead of a request each)")
+    if name == "memory":
+        return f"prefetch={2 * figures['prefetch']}: the window of batches is full while the stages idle"
+    if name.startswith("decode"):
+        return ("the cores are: decode runs on every core already; a GPU decoder (GpuImageDecoder) or a "
+                "smaller decode (fewer pixels) is what is left")
+    if name == "mixed":
+        return "none stands out: compare the stages in the trace"
+    return "none: no batch was delivered"
+
+
+def examine(loader: AsyncLoader, seconds: float) -> tuple[int, float]:
+    """Iterates epochs until ``seconds`` have passed; returns (samples, elapsed s)."""
+    samples, epoch, started = 0, 0, time.perf_counter()
+    while True:
+        loader.set_epoch(epoch)
+        before = samples
+        for batch in loader:
+            samples += len(batch[-1]) if isinstance(batch, (tuple, list)) else len(batch)
+            if time.perf_counter() - started >= seconds:
+                return samples, time.perf_counter() - started
+        if samples == before:  # every sample failed (skipped), or none to load: no use going round
+            return samples, time.perf_counter() - started
+        epoch += 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m asyncload.doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url", help="class folders, a tar shard set or a manifest (local path or bucket URL)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long to load (default 20)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-threads", default=None, help="decode threads (default: one per core; or auto)")
+    parser.add_argument("--io-concurrency", default=None, help="reads in flight (default 64, 4 for shards; or auto)")
+    parser.add_argument("--processes", type=int, default=0, help="child processes running the pipeline")
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--storage-options", type=json.loads, default=None, help="as JSON, e.g. '{\"anon\": true}'")
+    parser.add_argument("--trace", default="asyncload-doctor.json", help="where to write the trace")
+    return parser.parse_args(argv)
+
+
+def knob(value: str | None) -> int | str | None:
+    return value if value in (None, "auto") else int(value)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        source = open_source(args.url, args.storage_options)
+        if len(source) == 0:
+            raise ValueError(f"no samples found at {args.url}")
+        with AsyncLoader(source, batch_size=args.batch_size, num_threads=knob(args.num_threads),
+                         io_concurrency=knob(args.io_concurrency), prefetch=args.prefetch,
+                         storage_options=args.storage_options, processes=args.processes, on_error="skip",
+                         max_failures=len(source), trace=args.trace) as loader:
+            print(f"asyncload doctor: {args.url}: {len(source)} samples; loading for {args.seconds:g} s ...", flush=True)
+            samples, elapsed = examine(loader, args.seconds)
+        figures = loader.stats.as_dict()
+    except (OSError, ValueError, SampleError) as error:
+        print(f"asyncload doctor: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    print(f"{samples} samples in {elapsed:.1f} s: {samples / max(elapsed, 1e-9):.0f} samples/s "
+          f"({usable_cores()} cores, {args.processes} processes)")
+    print(loader.stats.report())
+    if loader.stats.failures:
+        shown = "; ".join(f"{f.item} ({f.stage}: {f.error})" for f in loader.stats.failures[:3])
+        print(f"failed samples: {len(loader.stats.failures)} (skipped), e.g. {shown}")
+    print(f"suggested: {suggestion(figures, args.processes)}")
+    print(f"trace: {os.path.abspath(args.trace)} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""python -m asyncload.doctor: loads a real source for a while and says what limits it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from asyncload import image_folder, write_shards
+from tests.conftest import CLASSES, PER_CLASS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncload.doctor", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_doctor_names_the_stages_the_bottleneck_a_setting_and_the_trace(jpeg_folder, tmp_path):
+    trace = tmp_path / "run.json"
+    done = doctor(str(jpeg_folder), "--seconds", "1", "--batch-size", "8", "--trace", str(trace))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"asyncload doctor: {jpeg_folder}: {len(CLASSES) * PER_CLASS} samples; loading for 1 s ..."
+    assert any(line.startswith("read ") for line in lines) and any(line.startswith("decode ") for line in lines)
+    assert any(line.startswith("bottleneck: ") for line in lines)
+    assert any(line.startswith("suggested: ") for line in lines)
+    assert lines[-1].startswith(f"trace: {trace} (open it in")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(1 for e in events if e["ph"] == "X" and e["name"] == "decode") >= len(CLASSES) * PER_CLASS
+
+
+def test_the_doctor_reads_tar_shards_and_buckets(jpeg_folder, tmp_path, s3_jpeg_bucket, s3_options):
+    write_shards(image_folder(str(jpeg_folder)), str(tmp_path / "shards"), samples_per_shard=5)
+    done = doctor(str(tmp_path / "shards"), "--seconds", "0.5", "--batch-size", "8", "--trace", str(tmp_path / "a.json"))
+    assert done.returncode == 0, done.stderr
+    assert f"shards: {len(CLASSES) * PER_CLASS} samples; loading" in done.stdout
+    done = doctor(s3_jpeg_bucket, "--seconds", "0.5", "--batch-size", "8", "--trace", str(tmp_path / "b.json"),
+                  "--storage-options", json.dumps(s3_options))
+    assert done.returncode == 0, done.stderr
+    assert f"{s3_jpeg_bucket}: {len(CLASSES) * PER_CLASS} samples" in done.stdout
+    assert "reads in flight" in done.stdout
+
+
+def test_a_source_that_is_not_there_gets_one_line_not_a_traceback(tmp_path):
+    done = doctor(str(tmp_path / "missing"), "--seconds", "1")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and str(tmp_path / "missing") in done.stderr
