@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .autotune import MAX_IO, AutoTuner, Knob
+import torch
+
+from .autotune import MAX_IO, AutoTuner, Gate, Knob
+from .batch.buffers import BufferRing
+from .decode.image import ImageDecoder
+from .device import DeviceStage
 from .order.sampler import EpochSampler
 from .order.shard_order import ShardSampler
 from .run.pipes import Pipes
+from .run.settings import Settings, is_labelled
 from .sources.shards import ShardSource
 from .stats.figures import LoaderStats
 
@@ -72,3 +78,23 @@ def make_tuner(stats: LoaderStats, pipes: Pipes, most_threads: int, auto_threads
                    if auto_threads else None)
     io_knob = Knob("io_concurrency", io, low, MAX_IO, apply=lambda value: pipes.set_limits(None, value)) if auto_io else None
     return AutoTuner(stats, thread_knob, io_knob)
+
+
+def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, drop_last: bool, threads: int,
+                  cores: int, auto_threads: bool, io: int, prefetch: int, in_order: bool, on_error: str,
+                  max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
+                  read_retries: int, normalize: Any, device: torch.device | None, stats: LoaderStats) -> Settings:
+    """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
+    cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
+    return Settings(
+        source=source, read=read, decode=decode if decode is not None else ImageDecoder(),
+        labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
+        batch_size=batch_size, drop_last=drop_last,
+        num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,
+        thread_gate=Gate(threads) if auto_threads else None, prefetch=prefetch, in_order=in_order,
+        skip_errors=on_error == "skip", max_failures=max_failures, storage_options=storage_options,
+        read_timeout=read_timeout, read_retries=read_retries, normalize=normalize,
+        ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
+        device_stage=DeviceStage(device, normalize) if device is not None else None,
+        stats=stats,
+    )

@@ -11,18 +11,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .arguments import check_arguments, initial_reads, make_sampler, make_tuner
-from .autotune import Gate
-from .batch.buffers import BufferRing
-from .decode.image import ImageDecoder
-from .device import DeviceStage, resolve_device
+from .arguments import check_arguments, initial_reads, make_sampler, make_settings, make_tuner
+from .device import resolve_device
 from .order.sampler import distributed_defaults, source_digest
 from .procs.processes import process_count, start_processes, window
 from .run.batched import image_placement
-from .run.driver import EpochDriver
+from .run.driver import EpochDriver, stop_unless_stopped
 from .run.pipes import LocalPipes, Pipes
-from .run.settings import Settings, batch_quota, configure_known_layout, is_labelled
-from .run.state import Progress, check_resumable
+from .run.settings import batch_quota, configure_known_layout
+from .run.state import Epochs, Progress, check_resumable
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
@@ -163,31 +160,18 @@ class AsyncLoader:
         rank, world_size = distributed_defaults(rank, world_size)
         self.sampler = make_sampler(source, batch_size, read, decode, shuffle=shuffle, seed=seed,
                                     drop_last=drop_last, rank=rank, world_size=world_size)
-        self.epoch = 0  # the epoch state_dict() records: of the pass running or left, or the next pass's
-        self._epoch_chosen = True  # the next pass runs self.epoch (else self.epoch + 1): no pass of it yet
+        self._epochs = Epochs()  # which epoch a pass runs, and what it handed out
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self.stats = LoaderStats(io, threads, prefetch)
-        self._write_trace: weakref.finalize | None = None
-        if trace is not None:  # written at close(), or when the loader is collected or the program exits
-            self.stats.tracer = Tracer(trace, trace_events)
-            self._write_trace = weakref.finalize(self, self.stats.tracer.write)
-        self._progress = Progress()  # what this epoch handed out to the user
-        self._resume = False  # set by load_state_dict(): the next iteration continues the epoch
+        self.stats.tracer = Tracer(trace, trace_events) if trace is not None else None
         self._run: EpochDriver | None = None
         self._closed = False
         self.progress = progress
-        self._settings = Settings(
-            source=source, read=read, decode=decode if decode is not None else ImageDecoder(),
-            labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
-            batch_size=batch_size, drop_last=drop_last,
-            num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,
-            thread_gate=Gate(threads) if auto_threads else None, prefetch=prefetch, in_order=in_order,
-            skip_errors=on_error == "skip", max_failures=max_failures, storage_options=storage_options,
-            read_timeout=read_timeout, read_retries=read_retries, normalize=normalize,
-            ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
-            device_stage=DeviceStage(self.device, normalize) if self.device is not None else None,
-            stats=self.stats,
-        )
+        self._settings = make_settings(
+            source, read, decode, batch_size=batch_size, drop_last=drop_last, threads=threads, cores=cores,
+            auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
+            max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
+            read_retries=read_retries, normalize=normalize, device=self.device, stats=self.stats)
         count = process_count(processes, isolate)
         configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)
@@ -208,10 +192,13 @@ class AsyncLoader:
         each new pass runs the epoch after the last one. Call it with the same epoch on every
         rank. After ``load_state_dict``, calling it with the saved epoch keeps the resume; another
         epoch starts that one from its beginning."""
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._progress, self._resume = Progress(), False
-        self._epoch_chosen = True
+        self._epochs.choose(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch ``state_dict()`` records: the pass running or left, or after a pass that
+        ended, the next one."""
+        return self._epochs.epoch
 
     def __iter__(self) -> Iterator[Any]:
         """One pass: the epoch's batches (``len(self)``, fewer only where ``on_error="skip"`` left
@@ -223,35 +210,29 @@ class AsyncLoader:
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         self._stop_run()  # a new iteration replaces an unfinished one
-        if not self._epoch_chosen:  # a pass of this epoch ran: a new pass is the next epoch
-            self.epoch, self._resume = self.epoch + 1, False
-        if not self._resume:  # as with DataLoader, a new iteration starts the epoch afresh
-            self._progress = Progress()
-        self._epoch_chosen = self._resume = False
-        order = self.sampler.order(self.epoch)[: self.sampler.samples_per_rank]
-        run = EpochDriver(self._pipes, self._settings, self.epoch, order, self._progress,
-                          batch_quota(self.sampler, self._progress.batches), self._window)
+        epoch, progress = self._epochs.start_pass(), self._epochs.progress
+        order = self.sampler.order(epoch)[: self.sampler.samples_per_rank]
+        run = EpochDriver(self._pipes, self._settings, epoch, order, progress,
+                          batch_quota(self.sampler, progress.batches), self._window)
         self._run = run
-        iteration = self._iterate(run, self.epoch)
+        iteration = self._iterate(run, epoch, progress)
         # The threads start now (the first batch is under way before the first next()), but a
         # generator dropped before its first next() never runs its `finally`: stop them when
         # it goes, whether it ran or not.
-        weakref.finalize(iteration, _stop_unless_stopped, run)
+        weakref.finalize(iteration, stop_unless_stopped, run)
         return iteration
 
-    def _iterate(self, run: EpochDriver, epoch: int) -> Iterator[Any]:
-        bar = ProgressBar.for_pass(self.stats, self.sampler, self._progress, epoch) if self.progress else None
+    def _iterate(self, run: EpochDriver, epoch: int, progress: Progress) -> Iterator[Any]:
+        bar = ProgressBar.for_pass(self.stats, self.sampler, progress, epoch) if self.progress else None
         try:
-            for positions, batch in run:  # the driver records what was handed out in self._progress
+            for positions, batch in run:  # the driver records what was handed out in progress
                 if self.tuner is not None:
                     self.tuner.observe()
                 if bar is not None:
                     bar.advance(len(positions))
                 yield batch
                 del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
-            self._progress = Progress()  # the epoch is complete
-            if self._run is run and not self._epoch_chosen:  # state_dict() now points at the next epoch
-                self.epoch, self._epoch_chosen = epoch + 1, True
+            self._epochs.pass_ended(epoch, latest=self._run is run)
             if bar is not None:
                 bar.complete()
         finally:
@@ -268,16 +249,7 @@ class AsyncLoader:
         padding; and the settings that decide the order, which ``load_state_dict`` checks. Taken
         in the loop, or after leaving it early, it describes the epoch of that pass; after a pass
         that ended, the next epoch, with nothing delivered yet. Small: save one per rank."""
-        return {
-            "epoch": self.epoch,
-            "seed": self.sampler.seed,
-            "samples_per_rank": self.sampler.samples_per_rank,
-            "batch_size": self.sampler.batch_size,
-            "rank": self.sampler.rank,
-            "world_size": self.sampler.world_size,
-            **self._progress.as_state(),
-            "order": dict(self._order_identity),
-        }
+        return self._epochs.state(self.sampler, self._order_identity)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes from ``state_dict()`` (of a loader with the same source and order settings;
@@ -286,8 +258,7 @@ class AsyncLoader:
         delivered sample read again. ``set_epoch`` with the saved epoch keeps this; the pass after
         it is the next epoch."""
         check_resumable(state, self.state_dict())
-        self.epoch, self._epoch_chosen = state["epoch"], True
-        self._progress, self._resume = Progress.from_state(state, self.sampler.batch_size), True
+        self._epochs.load(state, self.sampler.batch_size)
 
     def _stop_run(self) -> None:
         run = self._run
@@ -307,8 +278,8 @@ class AsyncLoader:
         close = getattr(self._pipes, "close", None)  # the child processes
         if close is not None:
             close()
-        if self._write_trace is not None:
-            self._write_trace()  # once: the children's events came with their answers
+        if self.stats.tracer is not None:
+            self.stats.tracer.finish()  # the children's events came with their answers
 
     def __enter__(self) -> "AsyncLoader":
         return self
@@ -321,10 +292,3 @@ class AsyncLoader:
             self.close()
         except Exception:
             pass
-
-
-def _stop_unless_stopped(run: Any) -> None:
-    """A dropped iteration's run is stopped, unless its own ``finally`` already tried: a stop that
-    timed out waited once, and garbage collection must not wait again (``close()`` finishes it)."""
-    if not getattr(run, "_stopped", False):
-        run.stop()

@@ -1,12 +1,9 @@
-"""The driver: one iteration over an epoch, deciding every policy on the user's thread, whatever
-moves the samples (one pipeline in this process, or N in child processes: ``pipes.py``).
-
-It takes batches from the plan (``plan.py``) at most ``window`` ahead of the user, gives each a
-buffer from the ring and sends its rows to the pipelines (``dispatch.py``: which pipeline fills
-which rows); on each answer it applies the failure policy (raise, or skip with the
-plan's replacement, or a hole when the epoch has none left); it hands complete batches out in
-order (``handout.py``), drops those ``drop_last`` or an empty batch calls for, and records
-what the user got in the epoch's ``Progress`` (``state.py``).
+"""The driver: one iteration over an epoch, every policy decided on the user's thread, whatever
+moves the samples (one pipeline here, or N child processes: ``pipes.py``). It takes batches from
+the plan (``plan.py``) up to ``window`` ahead, sends their rows out (``dispatch.py``), applies the
+failure policy to each answer (raise; skip with a replacement; a hole when none is left), hands
+complete batches out in order (``handout.py``), drops what ``drop_last`` or an empty batch calls
+for, and records what the user got in the epoch's ``Progress`` (``state.py``).
 """
 
 from __future__ import annotations
@@ -225,7 +222,7 @@ class EpochDriver:
             self._assign()
             if self.s.device_stage is not None:
                 self._take_answers()  # so that batch k+1, if done, is copied now
-            self._prefetch_copy(number)
+            self.handout.prefetch_if_complete(number, self.batches.get(number))
             try:
                 yield delivered, out
             finally:
@@ -255,15 +252,6 @@ class EpochDriver:
         assert batch.buffer is not None
         batch.buffer.give_back()
         self.progress.handed_out((), batch.skipped, batch.padded)
-
-    def _prefetch_copy(self, number: int) -> None:
-        """With a device stage: if batch ``number`` is already complete, start its copy now."""
-        if not self.handout.wants_copy(number):
-            return
-        batch = self.batches.get(number)
-        if batch is not None and batch.complete() and not batch.errors and not batch.holes:
-            assert batch.buffer is not None
-            self.handout.prefetch_copy(number, batch.buffer, len(batch.positions))
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the run: complete batches go back to the ring now, the others once no pipeline
@@ -297,3 +285,10 @@ class EpochDriver:
         if finished:
             self._unfinished = []  # the pipes hold them until they are free: the run keeps no buffer
         self._stop_done = finished
+
+
+def stop_unless_stopped(run: EpochDriver) -> None:
+    """A dropped iteration's run is stopped, unless its own ``finally`` already tried: a stop that
+    timed out waited once, and garbage collection must not wait again (``close()`` finishes it)."""
+    if not run._stopped:
+        run.stop()

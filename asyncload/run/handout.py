@@ -15,6 +15,7 @@ from typing import Any
 
 from ..batch.buffers import BatchBuffer
 from ..device import PendingCopy, convert_batch
+from .in_flight import Batch
 from .settings import Settings
 
 
@@ -50,6 +51,15 @@ class HandOut:
     def wants_copy(self, number: int) -> bool:
         """Whether batch ``number``'s copy should start now, once it is complete."""
         return self.s.device_stage is not None and self.s.in_order and number not in self.pending_copies
+
+    def prefetch_if_complete(self, number: int, batch: Batch | None) -> None:
+        """With a device stage: if batch ``number`` is already complete (no errors, no holes),
+        start its copy now."""
+        if batch is None or not self.wants_copy(number):
+            return
+        if batch.complete() and not batch.errors and not batch.holes:
+            assert batch.buffer is not None
+            self.prefetch_copy(number, batch.buffer, len(batch.positions))
 
     def prefetch_copy(self, number: int, buffer: BatchBuffer, rows: int) -> None:
         """Starts the copy of complete batch ``number`` (no holes, no errors) ahead of its turn,
