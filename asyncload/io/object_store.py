@@ -37,6 +37,8 @@ SESSIONS = ("_s3", "_session")  # where s3fs, and fsspec's http and gcsfs, keep 
 # caller nor the storage options name them: AsyncLoader's read_timeout and read_retries.
 LISTING_TIMEOUT_S = 60.0
 LISTING_RETRIES = 6
+
+
 def client_for(protocol: str, storage_options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """``("obstore", FsspecStore keyword arguments)`` or ``("fsspec", that filesystem's options)``
     for ``protocol``. Raises ValueError naming an option neither client knows, or one that the
