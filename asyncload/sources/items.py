@@ -1,7 +1,8 @@
 """Sources: the items of a dataset, listed once up front and kept compactly.
 
 A million URLs as Python strings cost ~100 MB of objects; here they are one UTF-8 blob plus an
-offset array, and labels one int64 array.
+offset array, and labels one int64 array. The requests to storage go through ``listing``
+(timeout, retries, short errors); what is found, or not, is judged here.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ _STORAGE_ERROR = """StorageError: (an ``OSError``) if storage still fails after 
 
 
 def _shared_docs(function: Callable[..., Source]) -> Callable[..., Source]:
+    """``function`` with the shared parts of its docstring in place, so ``help()`` shows them."""
     for marker, text in (("{storage_options}", _STORAGE_OPTIONS), ("{timeout and retries}", _TIMEOUT_AND_RETRIES),
                          ("{storage errors}", _STORAGE_ERROR)):
         function.__doc__ = (function.__doc__ or "").replace(marker, text)
