@@ -91,8 +91,9 @@ def test_keyword_arguments_win_over_the_storage_options(silent_endpoint):
 
 @pytest.mark.parametrize("client, fault", [("obstore", STALL), ("obstore", SLOW_DOWN), ("fsspec", STALL)],
                          ids=["obstore-stall", "obstore-503", "fsspec-stall"])
-def test_a_listing_recovers_from_a_stalled_or_throttled_request(moto_server, moto_jpeg_bucket, client, fault):
-    """The first list request stalls (or is throttled); the listing's retry gets every image."""
+def test_a_listing_recovers_from_a_stalled_or_throttled_request(s3_server, s3_jpeg_bucket, client, fault):
+    """The first list request stalls (or is throttled); the listing's retry gets every image.
+    (The proxy sees the first request of each connection: SeaweedFS keeps connections alive.)"""
     lists: list[str] = []
 
     def first_list_fails(line: str, count: int):
@@ -101,9 +102,9 @@ def test_a_listing_recovers_from_a_stalled_or_throttled_request(moto_server, mot
         lists.append(line)
         return fault if len(lists) == 1 else PASS
 
-    with FaultProxy(moto_server.port, first_list_fails) as proxy:
+    with FaultProxy(s3_server.port, first_list_fails) as proxy:
         options = {**storage_options(proxy.endpoint_url), "client": client}
-        source = image_folder(moto_jpeg_bucket, storage_options=options, timeout=1, retries=1)
+        source = image_folder(s3_jpeg_bucket, storage_options=options, timeout=1, retries=1)
     assert source.classes == list(CLASSES) and len(source) == len(CLASSES) * PER_CLASS
     assert lists[1] == lists[0]  # the failed request was made again
 
