@@ -22,6 +22,42 @@ def test_image_folder_ignores_files_at_the_root_and_other_extensions(tmp_path):
     assert list(source) == [(str(tmp_path / "a" / "x.JPG"), 0)]
 
 
+EXTENSIONS = ".jpg, .jpeg, .png, .webp, .bmp, .tif, .tiff"
+
+
+def raised(kind: type[Exception], call, *args, **kwargs) -> str:
+    """The message of the ``kind`` error ``call(*args, **kwargs)`` raises."""
+    with pytest.raises(kind) as caught:
+        call(*args, **kwargs)
+    return str(caught.value)
+
+
+def test_a_missing_folder_is_not_found_and_one_without_images_a_value_error(tmp_path):
+    """As torchvision's ImageFolder, not an empty source that a loader would run through silently."""
+    missing, folder = tmp_path / "no-such-folder", tmp_path / "a"
+    assert raised(FileNotFoundError, image_folder, str(missing)) == (
+        f"{missing}: no such folder (looked for class folders holding files ending in {EXTENSIONS})")
+    assert raised(FileNotFoundError, list_files, str(missing), extensions=(".npy",)) == (
+        f"{missing}: no such folder (looked for files ending in .npy)")
+    folder.mkdir()
+    top_level = "only 1 at its top level, in no class folder"
+    for added, found in ((None, "none"), ("notes.txt", "none"), ("loose.jpg", top_level)):
+        if added:
+            (folder / added).write_bytes(b"")
+        assert raised(ValueError, image_folder, str(folder)) == (
+            f"{folder}: looked for class folders holding files ending in {EXTENSIONS} (<class>/<file>), found {found}")
+    assert raised(ValueError, list_files, str(folder), extensions=(".png",)) == (
+        f"{folder}: looked for files ending in .png, found none")
+
+
+def test_a_missing_or_empty_manifest(tmp_path):
+    path = tmp_path / "m.tsv"
+    assert raised(FileNotFoundError, manifest, str(path)) == f"manifest {path} not found"
+    path.write_text("\n  \n")
+    assert raised(ValueError, manifest, str(path)) == (
+        f"manifest {path} lists no item (expected one 'url' or 'url<TAB>label' a line)")
+
+
 def test_list_files_has_no_labels(jpeg_folder):
     source = list_files(str(jpeg_folder))
     assert len(source) == len(CLASSES) * PER_CLASS and isinstance(source[0], str)

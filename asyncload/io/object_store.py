@@ -33,6 +33,12 @@ CLIENTS = ("auto", "obstore", "fsspec")
 SESSION_CLOSE_TIMEOUT_S = 10.0  # closing a session waits on no server; this bounds a stuck one
 OWNED = "_asyncload_owned"  # set on the filesystems url_to_fs made for us alone
 SESSIONS = ("_s3", "_session")  # where s3fs, and fsspec's http and gcsfs, keep an open client
+# A listing's timeout per request and its retries (``sources/listing.py``) when neither its
+# caller nor the storage options name them: AsyncLoader's read_timeout and read_retries.
+LISTING_TIMEOUT_S = 60.0
+LISTING_RETRIES = 6
+
+
 def client_for(protocol: str, storage_options: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """``("obstore", FsspecStore keyword arguments)`` or ``("fsspec", that filesystem's options)``
     for ``protocol``. Raises ValueError naming an option neither client knows, or one that the
@@ -137,16 +143,20 @@ def bucket_region(bucket: str, timeout: float = 5.0) -> str | None:
 
 
 def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: Any = None,
-               read_timeout: float | None = None, connections: int = 64) -> Any:
+               read_timeout: float | None = None, connections: int = 64, listing: bool = False,
+               timeout: float | None = None) -> Any:
     """A fresh filesystem for ``protocol`` from the client ``client_for`` picks; asynchronous
     (fsspec's) when ``loop`` is given. With ``read_timeout`` it is tuned for the reader, whose
     retries and timeout must be the only ones: the client retries nothing itself, its own
-    timeout lies beyond ours, and it may hold ``connections`` connections."""
+    timeout lies beyond ours, and it may hold ``connections`` connections. With ``listing`` it
+    is tuned for a listing (see ``_obstore_for_listing``)."""
     client, options = client_for(protocol, storage_options)
     asynchronous = {"asynchronous": True} if loop is not None else {}
     if client == "obstore":  # obstore runs its own runtime: FsspecStore takes no loop
         if read_timeout is not None:
             _obstore_for_reads(options, read_timeout)
+        elif listing:
+            _obstore_for_listing(options, timeout)
         return _store_class(protocol)(skip_instance_cache=True, **options, **asynchronous)
     cls = fsspec.get_filesystem_class(protocol)
     if cls.async_impl and loop is not None:
@@ -154,10 +164,36 @@ def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: A
     is_s3fs = "config_kwargs" in inspect.signature(cls.__init__).parameters
     if is_s3fs and read_timeout is not None:
         _s3fs_for_reads(options, connections)
+    elif is_s3fs and listing:
+        _s3fs_for_listing(options, timeout)
     fs = cls(skip_instance_cache=True, **options, **asynchronous)
-    if is_s3fs and read_timeout is not None and "retries" not in options:
+    if is_s3fs and (read_timeout is not None or listing) and "retries" not in options:
         fs.retries = 1  # s3fs's own retry loop: one attempt, then ours
     return fs
+
+
+def _obstore_for_listing(options: dict[str, Any], timeout: float | None) -> None:
+    """A listing retries whole requests itself, counted, with the reader's backoff: obstore
+    retries nothing (the retries its options name are the listing's, see
+    ``store_options.named_retries``), and each request ends after ``timeout`` seconds, or
+    else the timeout the options name, or else ``LISTING_TIMEOUT_S`` (obstore's own 30 s
+    with 10 retries made a listing against a server that never answers take 3 minutes)."""
+    options["retry_config"] = {"max_retries": 0}
+    client_options = dict(options.get("client_options") or {})
+    if timeout is not None or "timeout" not in client_options:
+        client_options["timeout"] = timedelta(seconds=timeout if timeout is not None else LISTING_TIMEOUT_S)
+    options["client_options"] = client_options
+
+
+def _s3fs_for_listing(options: dict[str, Any], timeout: float | None) -> None:
+    """``_obstore_for_listing`` for s3fs: botocore retries nothing and ends each request as
+    obstore's would."""
+    config = dict(options.get("config_kwargs") or {})
+    if timeout is not None or "read_timeout" not in config:
+        config["read_timeout"] = timeout if timeout is not None else LISTING_TIMEOUT_S
+    config.setdefault("connect_timeout", config["read_timeout"])
+    config["retries"] = {"total_max_attempts": 1}
+    options["config_kwargs"] = config
 
 
 def _s3fs_for_reads(options: dict[str, Any], connections: int) -> None:
@@ -213,11 +249,14 @@ async def cat(fs: Any, path: str, start: int | None = None, end: int | None = No
     return (await (await store.get_async(key)).bytes_async()).to_bytes()
 
 
-def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+def url_to_fs(url: str, storage_options: dict[str, Any] | None, *, listing: bool = False,
+              timeout: float | None = None) -> tuple[Any, str]:
     """``fsspec.core.url_to_fs`` through ``filesystem``: the filesystem and the path in it. An
     unchained URL's instance is our own, never fsspec's cached one (which a user may hold too),
     and marked so: ``release`` closes only those. (A chained URL's inner filesystems come from
-    fsspec's cache, and ``simplecache::`` hands attribute lookups on to them.)"""
+    fsspec's cache, and ``simplecache::`` hands attribute lookups on to them.) With ``listing``
+    an obstore or s3fs client retries nothing and ends each request after ``timeout`` (see
+    ``_obstore_for_listing``); other filesystems keep their own settings."""
     protocol = split_protocol(url)[0] or "file"
     if protocol not in OBSTORE_SCHEMES:
         options = {k: v for k, v in (storage_options or {}).items() if k != "client"}
@@ -225,7 +264,7 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, st
             return fsspec.core.url_to_fs(url, **options)
         fs, path = fsspec.core.url_to_fs(url, **{**options, "skip_instance_cache": True})
     else:
-        fs = filesystem(protocol, storage_options)  # a fresh instance too
+        fs = filesystem(protocol, storage_options, listing=listing, timeout=timeout)  # a fresh instance too
         path = fs._strip_protocol(url)
     vars(fs)[OWNED] = True
     return fs, path

@@ -81,17 +81,32 @@ def _s3(options: dict[str, Any], config: dict[str, Any], client_options: dict[st
 
 def _s3_config_kwargs(config_kwargs: dict[str, Any], config: dict[str, Any], client_options: dict[str, Any]) -> None:
     """botocore's Config: its pool and retries are moot (obstore has no connection cap, retries
-    are ours), its timeouts become the client's, path/virtual addressing the store's."""
+    are asyncload's: see ``named_retries``), its timeouts become the client's (obstore's own
+    ``client_options`` win), path/virtual addressing the store's."""
     config_kwargs.pop("max_pool_connections", None)
     config_kwargs.pop("retries", None)
-    config_kwargs.pop("read_timeout", None)  # the reader's read_timeout bounds every read
-    if "connect_timeout" in config_kwargs:
-        client_options["connect_timeout"] = timedelta(seconds=float(config_kwargs.pop("connect_timeout")))
+    for theirs, ours in (("read_timeout", "timeout"), ("connect_timeout", "connect_timeout")):
+        if theirs in config_kwargs:
+            client_options.setdefault(ours, timedelta(seconds=float(config_kwargs.pop(theirs))))
     style = (config_kwargs.pop("s3", None) or {}).get("addressing_style")
     if style in ("path", "virtual"):
         config["virtual_hosted_style_request"] = style == "virtual"
     if config_kwargs:
         raise Unsupported(f"config_kwargs {sorted(config_kwargs)}")
+
+
+def named_retries(storage_options: dict[str, Any] | None) -> int | None:
+    """The retries after a failed request that ``storage_options`` name, if any: botocore's
+    ``config_kwargs={"retries": {"max_attempts": N}}`` (retries; ``total_max_attempts``
+    counts the first request too) or obstore's ``retry_config={"max_retries": N}``."""
+    options = storage_options or {}
+    botocore = (options.get("config_kwargs") or {}).get("retries") or {}
+    if "max_attempts" in botocore:
+        return int(botocore["max_attempts"])
+    if "total_max_attempts" in botocore:
+        return max(0, int(botocore["total_max_attempts"]) - 1)
+    obstore = options.get("retry_config") or {}
+    return int(obstore["max_retries"]) if "max_retries" in obstore else None
 
 
 def _boto3_provider(profile: str | None, config: dict[str, Any]) -> Any:

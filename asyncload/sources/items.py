@@ -1,17 +1,18 @@
 """Sources: the items of a dataset, listed once up front and kept compactly.
 
 A million URLs as Python strings cost ~100 MB of objects; here they are one UTF-8 blob plus an
-offset array, and labels one int64 array.
+offset array, and labels one int64 array. The requests to storage go through ``listing``
+(timeout, retries, short errors); what is found, or not, is judged here.
 """
 
 from __future__ import annotations
 
 import posixpath
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..io import object_store
+from . import listing
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -29,7 +30,24 @@ def checked_index(index: Any, length: int, kind: str) -> int:
 
 
 class Source(Sequence):
-    """A sized sequence of URLs, or of ``(url, label)`` pairs when labels are given."""
+    """A sized sequence of URLs, or of ``(url, label)`` pairs when labels are given: what
+    ``image_folder``, ``list_files`` and ``manifest`` return and ``AsyncLoader`` takes.
+
+    The URLs are kept as one UTF-8 blob and the labels as one int64 array, so a million items
+    cost a few tens of MB rather than a Python string each. Index it as a list (``source[i]``,
+    negative ``i`` from the end); ``len(source)`` is the number of items.
+
+    Args:
+        urls (iterable of str): the items' URLs (local paths or any fsspec URL), in the order
+            the source keeps them.
+        labels (iterable of int, optional): one integer label per URL; then each item is
+            ``(url, label)``. Default: ``None`` (items are bare URLs).
+        classes (sequence of str, optional): the class names, ``classes[label]`` naming a
+            label (``image_folder`` fills it). Default: ``()``.
+
+    Raises:
+        ValueError: if ``labels`` is given and does not hold one label per URL.
+    """
 
     def __init__(self, urls: Iterable[str], labels: Iterable[int] | None = None, classes: Sequence[str] = ()) -> None:
         encoded = [url.encode() for url in urls]
@@ -45,6 +63,7 @@ class Source(Sequence):
         return len(self._offsets) - 1
 
     def url(self, index: int) -> str:
+        """The URL of item ``index`` (without its label)."""
         return self._blob[self._offsets[index] : self._offsets[index + 1]].decode()
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
@@ -57,48 +76,135 @@ class Source(Sequence):
         return f"Source({len(self)} items, {len(self.classes)} classes)"
 
 
-def _find(url: str, storage_options: dict | None, extensions: Sequence[str]) -> tuple[Any, str, list[str]]:
-    """Lists every file under ``url`` with one of ``extensions``: the filesystem, the root path
-    and the sorted file paths (without protocol)."""
-    fs, root = object_store.url_to_fs(url, storage_options)
-    wanted = tuple(e.lower() for e in extensions)
-    try:
-        paths = sorted(p for p in fs.find(root) if p.lower().endswith(wanted))
-    finally:
-        object_store.release(fs)
-    return fs, root.rstrip("/"), paths
+# What the docstrings of image_folder, list_files and manifest say of what they share
+# (``_shared_docs`` puts it in place of "{storage_options}", "{timeout and retries}" and
+# "{storage errors}").
+_STORAGE_OPTIONS = """storage_options (dict, optional): options for the storage client, as fsspec takes them
+            (for S3, s3fs's: ``endpoint_url``, ``key``, ``secret``, ``anon``, ``profile``,
+            ``config_kwargs``, ...; gcsfs's and adlfs's for GCS and Azure), passed the same way
+            to ``AsyncLoader``. Default: ``None`` (the client finds credentials itself, as
+            boto3 or gcloud would). Set it for a non-AWS endpoint, explicit credentials or
+            public buckets (``{"anon": True}``)."""
+_TIMEOUT_AND_RETRIES = """timeout (float, optional): seconds each request to object storage (S3, GCS, Azure)
+            may take before it counts as failed and is tried again (other fsspec filesystems
+            keep their own timeouts). Default: ``None``, which takes the timeout
+            ``storage_options`` name (s3fs's ``config_kwargs={"read_timeout": ...}``,
+            obstore's ``client_options["timeout"]``) and else 60 s, as ``AsyncLoader``'s
+            ``read_timeout``. Lower it to fail fast against an endpoint that does not answer.
+        retries (int, optional): how many times a failed request is tried again, after a
+            jittered pause that doubles from about 0.1 s up to 5 s. Default: ``None``, which
+            takes the retries ``storage_options`` name (s3fs's
+            ``config_kwargs={"retries": {"max_attempts": ...}}``, obstore's
+            ``retry_config["max_retries"]``) and else 6, as ``AsyncLoader``'s
+            ``read_retries``. Set 0 to fail at the first error."""
+_STORAGE_ERROR = """StorageError: (an ``OSError``) if storage still fails after ``retries`` retries (an
+            endpoint that does not answer, throttling, a server error) or at once where
+            another try cannot help (access denied). It names the URL and the attempts made;
+            the client's own exception is its ``__cause__``."""
 
 
-def _to_url(fs: Any, path: str) -> str:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
+def _shared_docs(function: Callable[..., Source]) -> Callable[..., Source]:
+    """``function`` with the shared parts of its docstring in place, so ``help()`` shows them."""
+    for marker, text in (("{storage_options}", _STORAGE_OPTIONS), ("{timeout and retries}", _TIMEOUT_AND_RETRIES),
+                         ("{storage errors}", _STORAGE_ERROR)):
+        function.__doc__ = (function.__doc__ or "").replace(marker, text)
+    return function
 
 
-def image_folder(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> Source:
-    """``url/<class>/.../<file>`` (local or any fsspec URL, e.g. a bucket prefix) -> ``(url, label)``
-    items, label = index of the class folder in sorted order, as torchvision's ImageFolder."""
-    fs, root, paths = _find(url, storage_options, extensions)
+def _extensions(extensions: Sequence[str]) -> str:
+    return ", ".join(extensions)
+
+
+@_shared_docs
+def image_folder(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS, *,
+                 timeout: float | None = None, retries: int | None = None) -> Source:
+    """The images under ``url/<class>/.../<file>`` as ``(url, label)`` items, as torchvision's
+    ``ImageFolder`` finds them: the label is the index of the class folder in sorted order,
+    ``source.classes`` holds the class names, and the items are sorted by path.
+
+    The folder is listed once, when this is called; files at its top level (in no class
+    folder) and files with other extensions are left out.
+
+    Args:
+        url (str): the folder that holds one folder per class: a local path or any fsspec URL,
+            e.g. a bucket prefix ``"s3://bucket/imagenet/train"``.
+        {storage_options}
+        extensions (sequence of str): the file name endings that count as images, compared
+            case-insensitively. Default: ``.jpg .jpeg .png .webp .bmp .tif .tiff``. Narrow
+            it to leave other files (e.g. masks) out, widen it for other formats your
+            ``decode`` reads.
+        {timeout and retries}
+
+    Raises:
+        FileNotFoundError: if ``url`` is no folder: a missing local folder, a bucket prefix
+            that holds no object, or a bucket that does not exist.
+        ValueError: if the folder holds no file with one of ``extensions`` inside a class
+            folder (it is empty, holds other files, or its images lie at its top level).
+        {storage errors}
+    """
+    looked_for = f"class folders holding files ending in {_extensions(extensions)}"
+    fs, root, paths = _find(url, storage_options, extensions, timeout, retries, looked_for)
     relative = [posixpath.relpath(p, root) for p in paths]
     in_class = [(p, r.split("/", 1)[0]) for p, r in zip(paths, relative) if "/" in r]
+    if not in_class:
+        found = f"only {len(paths)} at its top level, in no class folder" if paths else "none"
+        raise ValueError(f"{url}: looked for {looked_for} (<class>/<file>), found {found}")
     classes = sorted({cls for _, cls in in_class})
     index = {cls: i for i, cls in enumerate(classes)}
     return Source((_to_url(fs, p) for p, _ in in_class), (index[c] for _, c in in_class), classes)
 
 
-def list_files(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> Source:
-    """Every file under ``url`` with one of ``extensions``, sorted, without labels."""
-    fs, _, paths = _find(url, storage_options, extensions)
+@_shared_docs
+def list_files(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS, *,
+               timeout: float | None = None, retries: int | None = None) -> Source:
+    """Every file under ``url`` (at any depth) with one of ``extensions``, sorted by path, as
+    bare URLs without labels. The folder is listed once, when this is called.
+
+    Args:
+        url (str): a local folder or any fsspec URL, e.g. a bucket prefix ``"s3://bucket/images"``.
+        {storage_options}
+        extensions (sequence of str): the file name endings to keep, compared
+            case-insensitively. Default: ``.jpg .jpeg .png .webp .bmp .tif .tiff``. Change it
+            for other file types (e.g. ``(".npy",)`` with a ``decode`` that reads them).
+        {timeout and retries}
+
+    Raises:
+        FileNotFoundError: if ``url`` is no folder: a missing local folder, a bucket prefix
+            that holds no object, or a bucket that does not exist.
+        ValueError: if the folder holds no file with one of ``extensions``.
+        {storage errors}
+    """
+    looked_for = f"files ending in {_extensions(extensions)}"
+    fs, _, paths = _find(url, storage_options, extensions, timeout, retries, looked_for)
+    if not paths:
+        raise ValueError(f"{url}: looked for {looked_for}, found none")
     return Source(_to_url(fs, p) for p in paths)
 
 
-def manifest(url: str, storage_options: dict | None = None) -> Source:
-    """A text file of one item per line: ``url`` or ``url<TAB>label`` (or ``url,label``).
-    Either every line has a label or none does."""
-    fs, path = object_store.url_to_fs(url, storage_options)
-    try:
-        rows = [line.strip() for line in fs.cat_file(path).decode().splitlines() if line.strip()]
-    finally:
-        object_store.release(fs)
+@_shared_docs
+def manifest(url: str, storage_options: dict | None = None, *, timeout: float | None = None,
+             retries: int | None = None) -> Source:
+    """The items a text file lists, one a line: ``url``, or ``url<TAB>label`` (or
+    ``url,label``) with an integer label. Either every line has a label or none does; blank
+    lines are skipped. The file is read once, when this is called; the URLs in it are not
+    checked until the loader reads them.
+
+    Args:
+        url (str): the manifest file: a local path or any fsspec URL, e.g.
+            ``"s3://bucket/train.tsv"``.
+        {storage_options}
+        {timeout and retries}
+
+    Raises:
+        FileNotFoundError: if there is no file at ``url`` (or its bucket does not exist).
+        ValueError: if the file lists no item (it is empty or blank), or some lines have a
+            label and others none or one that is not an integer (the line is named).
+        {storage errors}
+    """
+    data = listing.read_bytes(url, storage_options, timeout=timeout, retries=retries, what="manifest")
+    rows = [line.strip() for line in data.decode().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"manifest {url} lists no item (expected one 'url' or 'url<TAB>label' a line)")
     split = [row.split("\t") if "\t" in row else row.rsplit(",", 1) if "," in row else [row] for row in rows]
     if all(len(parts) == 1 for parts in split):
         return Source(parts[0] for parts in split)
@@ -106,3 +212,16 @@ def manifest(url: str, storage_options: dict | None = None) -> Source:
     if bad:
         raise ValueError(f"{url}: expected 'url<TAB>label' with an integer label on every line, got {bad[0]!r}")
     return Source((parts[0] for parts in split), (int(parts[1]) for parts in split))
+
+
+def _find(url: str, storage_options: dict | None, extensions: Sequence[str], timeout: float | None,
+          retries: int | None, looked_for: str) -> tuple[Any, str, list[str]]:
+    """The filesystem, the root path and the sorted paths (without protocol) of every file
+    under ``url`` with one of ``extensions`` (see ``listing.find``)."""
+    fs, root, paths = listing.find(url, storage_options, timeout=timeout, retries=retries, looked_for=looked_for)
+    wanted = tuple(e.lower() for e in extensions)
+    return fs, root, [p for p in paths if p.lower().endswith(wanted)]
+
+
+def _to_url(fs: Any, path: str) -> str:
+    return path if listing.is_local(fs) else fs.unstrip_protocol(path)
