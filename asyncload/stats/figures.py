@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from ..errors import describe, where
 from .gil import GilProbe
 from .machine import system_cpu_seconds, usable_cores
 from .snapshot import LEVELS, STAGES, LevelFigures, StageFigures, StatsSnapshot
@@ -50,11 +51,17 @@ class Level:
 
 @dataclass
 class Failure:
-    """A sample that failed: which item, in which stage, and why."""
+    """A sample that failed: which item, in which stage, why, and in which epoch (the list spans
+    epochs; ``max_failures`` counts one) and on which rank (None in a job of one rank)."""
 
     item: object
     stage: str
     error: str
+    epoch: int | None = None
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.item!r} failed at {self.stage}{where(self.epoch, self.rank)}: {self.error}"
 
 
 class LoaderStats:
@@ -111,9 +118,10 @@ class LoaderStats:
         with self._lock:
             self.decoded_on_cpu += count
 
-    def add_failure(self, item: object, stage: str, error: BaseException) -> None:
+    def add_failure(self, item: object, stage: str, error: BaseException, epoch: int | None = None,
+                    rank: int | None = None) -> None:
         with self._lock:
-            self.failures.append(Failure(item, stage, f"{type(error).__name__}: {error}"))
+            self.failures.append(Failure(item, stage, describe(error), epoch, rank))
 
     def add_batch(self, samples: int, waited: float) -> None:
         with self._lock:
