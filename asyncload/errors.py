@@ -10,32 +10,56 @@ class SampleError(Exception):
 
     Raised in the user's thread, at the batch the sample belongs to, with the original exception
     chained as ``__cause__`` so the storage or codec error stays visible in the traceback.
+    ``epoch`` and ``rank`` say where it failed (``loader.stats.failures`` spans epochs while the
+    failure budget counts one): the driver sets them when it records the failure, None before
+    (and ``rank`` in a job of one rank).
     """
 
     def __init__(self, item: Any, stage: str, cause: BaseException) -> None:
         self.item = item
         self.stage = stage
         self.cause = cause
-        super().__init__(f"sample {item!r} failed at {stage}: {type(cause).__name__}: {cause}")
+        self.epoch: int | None = None
+        self.rank: int | None = None
+        super().__init__(f"sample {item!r} failed at {stage}: {describe(cause)}")
         self.__cause__ = cause
 
     def __reduce__(self):
-        return (type(self), (self.item, self.stage, self.cause))
+        # The message goes as it is: a cause that pickles without its attributes (the reader's
+        # ``read_detail``, see ``describe``) would otherwise lose part of it in another process.
+        state = {"epoch": self.epoch, "rank": self.rank, "args": self.args}
+        return (type(self), (self.item, self.stage, self.cause), state)
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message`` of ``error``, with what the reader noted on it after its last attempt
+    (``read_detail``: "attempt 3 of 3", and for a ranged read which bytes of which URL), so a read
+    that failed after its retries says so wherever its error is shown."""
+    detail = getattr(error, "read_detail", None)
+    return f"{type(error).__name__}: {error}" + (f" ({detail})" if detail else "")
+
+
+def where(epoch: int | None, rank: int | None) -> str:
+    """Where failures happened, for messages that list them: ``' in epoch 3 on rank 1'``, the
+    parts known."""
+    return (f" in epoch {epoch}" if epoch is not None else "") + (f" on rank {rank}" if rank is not None else "")
 
 
 class TooManyFailures(SampleError):
     """With ``on_error="skip"``, more samples failed in an epoch than ``max_failures`` allows.
-    ``failures`` holds every ``SampleError`` of the epoch so far."""
+    ``failures`` holds every ``SampleError`` of the epoch so far; ``epoch`` and ``rank`` are theirs."""
 
     def __init__(self, failures: list[SampleError], max_failures: int | float) -> None:
         self.failures = list(failures)
         self.max_failures = max_failures
-        shown = "; ".join(f"{f.item!r} ({f.stage}: {type(f.cause).__name__}: {f.cause})" for f in self.failures[:5])
+        shown = "; ".join(f"{f.item!r} ({f.stage}: {describe(f.cause)})" for f in self.failures[:5])
         more = f"; and {len(self.failures) - 5} more" if len(self.failures) > 5 else ""
         self.item = [f.item for f in self.failures]
         self.stage = "epoch"
         self.cause = self.failures[-1]
-        Exception.__init__(self, f"{len(self.failures)} samples failed, more than max_failures={max_failures}: {shown}{more}")
+        self.epoch, self.rank = self.cause.epoch, self.cause.rank
+        Exception.__init__(self, f"{len(self.failures)} samples failed, more than max_failures={max_failures}"
+                                 f"{where(self.epoch, self.rank)}: {shown}{more}")
         self.__cause__ = self.cause
 
     def __reduce__(self):

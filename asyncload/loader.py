@@ -213,7 +213,8 @@ class AsyncLoader:
         epoch, progress = self._epochs.start_pass(), self._epochs.progress
         order = self.sampler.order(epoch)[: self.sampler.samples_per_rank]
         run = EpochDriver(self._pipes, self._settings, epoch, order, progress,
-                          batch_quota(self.sampler, progress.batches), self._window)
+                          batch_quota(self.sampler, progress.batches), self._window,
+                          rank=self.sampler.rank if self.sampler.world_size > 1 else None)
         self._run = run
         iteration = self._iterate(run, epoch, progress)
         # The threads start now (the first batch is under way before the first next()), but a

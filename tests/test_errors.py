@@ -25,11 +25,63 @@ def rows(batches) -> list[int]:
     return [int(row[0]) for batch in batches for row in batch]
 
 
+class Corrupt:
+    """A decode that fails for the items in ``bad`` (module level: a child process finds it)."""
+
+    def __init__(self, bad: set[int]) -> None:
+        self.bad = set(bad)
+
+    def __call__(self, i):
+        if i in self.bad:
+            raise ValueError(f"item {i} is corrupt")
+        return np.full(2, i, np.int64)
+
+
 def test_sample_error_names_item_stage_and_cause_and_pickles():
     error = SampleError("s3://b/k.jpg", "read", FileNotFoundError("no such key"))
     assert str(error) == "sample 's3://b/k.jpg' failed at read: FileNotFoundError: no such key"
+    assert (error.epoch, error.rank) == (None, None), "not recorded yet"
+    error.epoch, error.rank = 3, 1
     again = pickle.loads(pickle.dumps(error))
     assert (again.item, again.stage, str(again)) == (error.item, error.stage, str(error))
+    assert (again.epoch, again.rank) == (3, 1), "where it failed crosses to another process"
+    too_many = pickle.loads(pickle.dumps(TooManyFailures([error], 0)))
+    assert (too_many.epoch, too_many.rank) == (3, 1) and too_many.failures[0].epoch == 3
+    assert str(too_many).startswith("1 samples failed, more than max_failures=0 in epoch 3 on rank 1: 's3://b/k.jpg'")
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_each_failure_recorded_says_its_epoch(processes):
+    """stats.failures spans epochs while max_failures counts one: each record says its epoch."""
+    with AsyncLoader(list(range(12)), batch_size=4, shuffle=False, read=False, decode=Corrupt({5}), on_error="skip",
+                     max_failures=1, processes=processes) as loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert sorted(rows(loader)) == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert [(f.item, f.epoch, f.rank) for f in loader.stats.failures] == [(5, 0, None), (5, 1, None)]
+    assert str(loader.stats.failures[1]) == "5 failed at decode in epoch 1: ValueError: item 5 is corrupt"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_sample_error_raised_says_its_epoch(processes):
+    with AsyncLoader(list(range(8)), batch_size=4, shuffle=False, read=False, decode=Corrupt({5}),
+                     processes=processes) as loader:
+        loader.set_epoch(4)
+        with pytest.raises(SampleError, match="sample 5 failed at decode: ValueError: item 5 is corrupt") as caught:
+            list(loader)
+    assert (caught.value.epoch, caught.value.rank) == (4, None)
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_each_failure_recorded_says_its_rank(processes):
+    bad = {5}  # on rank 1 of 2 (unshuffled ranks take every other item)
+    with AsyncLoader(list(range(12)), batch_size=2, shuffle=False, read=False, decode=Corrupt(bad), on_error="skip",
+                     max_failures=1, rank=1, world_size=2, processes=processes) as loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert len(list(loader)) == len(loader)
+    assert [(f.item, f.epoch, f.rank) for f in loader.stats.failures] == [(5, 0, 1), (5, 1, 1)]
+    assert str(loader.stats.failures[0]) == "5 failed at decode in epoch 0 on rank 1: ValueError: item 5 is corrupt"
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -29,8 +29,35 @@ class FlakyStore:
         return key
 
 
+class SleepsOn:
+    """A synchronous read that sleeps ``seconds`` on ``key`` (past the read timeout), returns
+    any other key at once. Module level: a child process finds it by name."""
+
+    def __init__(self, key: int, seconds: float) -> None:
+        self.key = key
+        self.seconds = seconds
+
+    def __call__(self, key: int) -> int:
+        if key == self.key:
+            time.sleep(self.seconds)
+        return key
+
+
+class AsyncSleepsOn(SleepsOn):
+    """``SleepsOn`` as an async read (cancelled when it times out)."""
+
+    async def __call__(self, key: int) -> int:
+        if key == self.key:
+            await asyncio.sleep(self.seconds)
+        return key
+
+
+def as_int64(value):
+    return np.int64(value)
+
+
 def loader_for(read, n=6, **kwargs):
-    return AsyncLoader(list(range(n)), batch_size=3, shuffle=False, read=read, decode=lambda v: np.int64(v), **kwargs)
+    return AsyncLoader(list(range(n)), batch_size=3, shuffle=False, read=read, decode=as_int64, **kwargs)
 
 
 def test_transient_errors_are_retried_and_counted():
@@ -41,20 +68,72 @@ def test_transient_errors_are_retried_and_counted():
     assert loader.stats.retries == 12
 
 
-def test_retries_run_out_into_a_sample_error():
+def test_retries_run_out_into_a_sample_error_that_says_how_many_attempts():
     store = FlakyStore(failures=10, error=ConnectionResetError("reset by peer"))
     with loader_for(store, read_retries=2) as loader:
-        with pytest.raises(SampleError, match="sample 0 failed at read: ConnectionResetError: reset by peer"):
+        with pytest.raises(SampleError) as caught:
             list(loader)
+    assert str(caught.value) == "sample 0 failed at read: ConnectionResetError: reset by peer (attempt 3 of 3)"
+    assert type(caught.value.__cause__) is ConnectionResetError
     assert store.calls[0] == 3
 
 
 def test_permanent_errors_are_not_retried():
     store = FlakyStore(failures=1, error=PermissionError("access denied"))
     with loader_for(store, read_retries=3) as loader:
-        with pytest.raises(SampleError, match="PermissionError: access denied"):
+        with pytest.raises(SampleError) as caught:
             list(loader)
+    assert str(caught.value) == "sample 0 failed at read: PermissionError: access denied", "one attempt: no count"
     assert store.calls[0] == 1 and loader.stats.retries == 0
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("read", [SleepsOn(4, 0.6), AsyncSleepsOn(4, 3600)], ids=["sync", "async"])
+def test_a_read_that_times_out_says_after_how_long_and_on_which_attempt(read, processes):
+    """It used to say "TimeoutError: " and nothing more (asyncio's timeout has no message)."""
+    with loader_for(read, read_timeout=0.2, read_retries=2, processes=processes) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    expected = "sample 4 failed at read: TimeoutError: timed out after read_timeout=0.2 s (attempt 3 of 3)"
+    assert str(caught.value) == expected
+    assert type(caught.value.__cause__) is TimeoutError and caught.value.item == 4
+    assert wait_until(lambda: not asyncload_threads())  # the sync reads' sleeps end
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_skipped_read_that_timed_out_is_recorded_with_its_timeout_and_attempts(processes):
+    with loader_for(AsyncSleepsOn(4, 3600), read_timeout=0.2, read_retries=1, on_error="skip", max_failures=1,
+                    processes=processes) as loader:
+        assert [batch.tolist() for batch in loader] == [[0, 1, 2], [3, 5]]
+    (failure,) = loader.stats.failures
+    assert (failure.item, failure.stage) == (4, "read")
+    assert failure.error == "TimeoutError: timed out after read_timeout=0.2 s (attempt 2 of 2)"
+
+
+def test_a_ranged_read_of_a_shard_that_times_out_names_the_bytes_and_the_attempt(tmp_path, jpeg_folder):
+    """Tar shards are read in byte ranges: the error says which range of which shard timed out
+    (the sample's key names a member, not what was read). The shard is a FIFO with no writer."""
+    from asyncload import ImageDecoder, image_folder, tar_shards, write_shards
+
+    write_shards(image_folder(str(jpeg_folder)), str(tmp_path), samples_per_shard=30)  # one shard
+    (shard,) = tmp_path.glob("*.tar")
+    shard.unlink()
+    os.mkfifo(shard)
+    source = tar_shards(str(tmp_path))
+    start, end = int(source.sample_begin.min()), int(source.sample_end.max())  # one read: the samples' span
+    try:
+        with AsyncLoader(source, batch_size=4, shuffle=False, decode=ImageDecoder(16),
+                         read_timeout=0.2, read_retries=1) as loader:
+            with pytest.raises(SampleError) as caught:
+                list(loader)
+    finally:  # a writer comes and goes: the stuck open()s return and their threads end
+        try:
+            os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert str(caught.value).endswith(f"failed at read: TimeoutError: timed out after read_timeout=0.2 s "
+                                      f"(bytes {start}-{end} of {shard}, attempt 2 of 2)"), str(caught.value)
+    assert wait_until(lambda: not asyncload_threads())
 
 
 def test_a_stalled_read_times_out():
@@ -154,7 +233,8 @@ def test_a_local_read_that_hangs_times_out(tmp_path, jpeg_folder):
         assert not consumer.is_alive(), "the epoch never ended"
         assert sum(result["batches"]) == 5  # every good sample
         (failure,) = loader.stats.failures
-        assert (failure.item, failure.stage) == (str(fifo), "read") and failure.error.startswith("TimeoutError")
+        assert (failure.item, failure.stage) == (str(fifo), "read")
+        assert failure.error == "TimeoutError: timed out after read_timeout=0.5 s (attempt 1 of 1)", "not retried"
     finally:
         try:  # a writer comes and goes: the stuck open() returns and its thread ends
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))

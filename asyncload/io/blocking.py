@@ -30,6 +30,12 @@ SLICE_S = 0.5  # call(): how often a waiting caller looks whether the pool was s
 QUEUED_LIMIT = 4  # call(): read timeouts a call may wait for a thread before it gives up
 
 
+def timeout_error(name: str, seconds: float) -> TimeoutError:
+    """The error of a call that ran ``seconds``, the limit the user set as ``name``: it says so
+    and which setting it was (a bare ``TimeoutError()`` reads "TimeoutError: ", a riddle)."""
+    return TimeoutError(f"timed out after {name}={seconds:g} s")
+
+
 @dataclass
 class Call:
     future: Future
@@ -41,11 +47,13 @@ class Call:
 
 
 class BlockingCalls:
-    """``threads`` threads named ``name``-N (started as calls come), see the module."""
+    """``threads`` threads named ``name``-N (started as calls come), see the module.
+    ``timeout_name``: what the user calls the timeout, for the message of a call that times out."""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, timeout_name: str = "timeout") -> None:
         self.threads = max(1, threads)
         self.name = name
+        self.timeout_name = timeout_name
         self._queue: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._workers: set[threading.Thread] = set()
@@ -111,10 +119,11 @@ class BlockingCalls:
                 started, now = call.started, time.monotonic()
                 if started is not None and now - started >= timeout:
                     self._timed_out(call)
-                    raise TimeoutError(f"no answer within {timeout:g} s") from None
+                    raise timeout_error(self.timeout_name, timeout) from None
                 if started is None and now - queued >= QUEUED_LIMIT * timeout:  # every thread stuck
                     call.future.cancel()
-                    raise TimeoutError(f"no thread free to start it within {QUEUED_LIMIT * timeout:g} s") from None
+                    raise TimeoutError(f"timed out waiting {QUEUED_LIMIT * timeout:g} s ({QUEUED_LIMIT} x "
+                                       f"{self.timeout_name}) for a thread free to start it") from None
 
     async def call_async(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
         """As ``call``, awaited on an event loop (whose thread must not block)."""
@@ -131,7 +140,7 @@ class BlockingCalls:
             return await asyncio.wait_for(asyncio.shield(result), timeout)
         except asyncio.TimeoutError:
             self._timed_out(call)
-            raise TimeoutError(f"no answer within {timeout:g} s") from None
+            raise timeout_error(self.timeout_name, timeout) from None
         except asyncio.CancelledError:
             call.future.cancel()  # if still queued; a running call ends by itself
             raise

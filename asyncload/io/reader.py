@@ -20,9 +20,10 @@ from fsspec.core import split_protocol
 
 from ..stats.figures import LoaderStats
 from . import object_store
-from .blocking import BlockingCalls
+from .blocking import BlockingCalls, timeout_error
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
+TIMEOUT_NAME = "read_timeout"  # the user's name for ``Reader.timeout``, in the message of a read that timed out
 SHUTDOWN_WAIT_S = 1.0  # how long closing waits for reads still running: their callers are gone, stuck ones are left to end by themselves
 
 # Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
@@ -80,46 +81,52 @@ class Reader:
         # Sync reads (user functions, sync remote filesystems, local files) wait here; 32 threads
         # are plenty to wait on and few enough not to crowd the decode threads out of the GIL.
         # Each read's timeout counts from its start on a thread, and stuck reads cannot fill it.
-        self._blocking = BlockingCalls(min(io_concurrency, 32), "asyncload-read")
+        self._blocking = BlockingCalls(min(io_concurrency, 32), "asyncload-read", TIMEOUT_NAME)
         self._filesystems: dict[str, Any] = {}
 
     async def read(self, key: Any) -> Any:
         """The bytes at URL ``key`` (or what the user's ``read`` returns for it), retried on
         transient errors with exponential backoff and jitter (see ``backoff``)."""
-        return await self._counted(lambda: self._fetch(key), key)
+        return await self._counted(lambda: self._fetch(key), key=key)
 
     async def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``url`` in one ranged request, retried as ``read`` is."""
-        return await self._counted(lambda: self._fetch_file(url, start=start, end=end), f"{url}[{start}:{end}]")
+        return await self._counted(lambda: self._fetch_file(url, start=start, end=end), f"bytes {start}-{end} of {url}")
 
-    async def _counted(self, fetch: Callable[[], Awaitable[Any]], key: Any) -> Any:
+    async def _counted(self, fetch: Callable[[], Awaitable[Any]], what: str | None = None, key: Any = None) -> Any:
+        """``fetch()`` with retries, counted in the stats (and the trace: ``key``, else ``what``)."""
         started = time.perf_counter()
         self.stats.level("reads_in_flight", 1)
         try:
-            data = await self._with_retries(fetch)
+            data = await self._with_retries(fetch, what)
         finally:
             self.stats.level("reads_in_flight", -1)
         nbytes = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0
         ended = time.perf_counter()
         self.stats.add("read", ended - started, nbytes)
         if self.stats.tracer is not None:  # reads overlap on the loop's thread: an async span
-            self.stats.tracer.async_span("read", started, ended, key)
+            self.stats.tracer.async_span("read", started, ended, key if key is not None else what)
         return data
 
-    async def _with_retries(self, fetch: Callable[[], Awaitable[Any]]) -> Any:
-        for attempt in range(self.retries + 1):
+    async def _with_retries(self, fetch: Callable[[], Awaitable[Any]], what: str | None = None) -> Any:
+        """``fetch()``, tried again after transient errors; the error that ends it is noted with
+        ``what`` was read and on which attempt (see ``note_attempt``)."""
+        attempts = self.retries + 1
+        for attempt in range(1, attempts + 1):
             try:
                 return await fetch()  # _fetch and _fetch_file apply self.timeout
-            except PERMANENT_ERRORS:
+            except PERMANENT_ERRORS as error:
+                note_attempt(error, attempt, attempts, what, transient=False)
                 raise
             except Exception as error:
                 permanent = _as_builtin(error)
                 if permanent is not None:
-                    raise permanent from error
-                if attempt == self.retries:
+                    raise note_attempt(permanent, attempt, attempts, what, transient=False) from error
+                if attempt == attempts:
+                    note_attempt(error, attempt, attempts, what, transient=True)
                     raise
                 self.stats.add_retry()
-                await asyncio.sleep(backoff(attempt))
+                await asyncio.sleep(backoff(attempt - 1))
         raise AssertionError("unreachable")
 
     def is_local(self, key: Any) -> bool:
@@ -143,6 +150,9 @@ class Reader:
         self.stats.level("reads_in_flight", 1)
         try:
             data = self._blocking.call(fs.cat_file, fs._strip_protocol(key), timeout=self.timeout)
+        except Exception as error:
+            note_attempt(error, 1, 1, None, transient=not isinstance(error, PERMANENT_ERRORS))
+            raise
         finally:
             self.stats.level("reads_in_flight", -1)
         ended = time.perf_counter()
@@ -233,13 +243,36 @@ def one_request_read(fs: Any) -> Callable[..., Awaitable[bytes]] | None:
 
 
 async def within(awaitable: Awaitable[Any], timeout: float) -> Any:
-    """``await awaitable``, cancelled with ``TimeoutError`` after ``timeout`` seconds. Python 3.11's
-    ``asyncio.timeout`` costs a timer; ``wait_for`` there also wraps the awaitable in a task of its
-    own, which at thousands of reads a second is Python the one event loop cannot spare."""
+    """``await awaitable``, cancelled with ``TimeoutError`` after ``timeout`` seconds (the read
+    timeout: the error says so, where asyncio's own says nothing). Python 3.11's ``asyncio.timeout``
+    costs a timer; ``wait_for`` there also wraps the awaitable in a task of its own, which at
+    thousands of reads a second is Python the one event loop cannot spare."""
     if sys.version_info < (3, 11):
-        return await asyncio.wait_for(awaitable, timeout)
-    async with asyncio.timeout(timeout):
-        return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            raise timeout_error(TIMEOUT_NAME, timeout) from None
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            return await awaitable
+    except TimeoutError:
+        if not scope.expired():
+            raise  # the awaitable's own
+        raise timeout_error(TIMEOUT_NAME, timeout) from None
+
+
+def note_attempt(error: BaseException, attempt: int, attempts: int, what: str | None, transient: bool) -> BaseException:
+    """Notes on ``error``, as ``read_detail``, ``what`` was read (a ranged read's bytes and URL;
+    a key is in its ``SampleError`` already) and on which attempt it failed: always after
+    transient errors ("attempt 3 of 3": the retries ran out), after permanent ones only if
+    retries came before. ``SampleError`` and ``loader.stats.failures`` show it (``describe``).
+    An attribute, not a new exception: the error keeps its type, and it pickles with it."""
+    parts = [what] if what else []
+    if transient or attempt > 1:
+        parts.append(f"attempt {attempt} of {attempts}")
+    error.read_detail = ", ".join(parts) or None  # type: ignore[attr-defined]
+    return error
 
 
 def _as_builtin(error: Exception) -> Exception | None:

@@ -28,10 +28,11 @@ from .state import Progress
 
 
 class EpochDriver:
-    """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run."""
+    """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run.
+    ``rank``: this process's rank in a job of several, put on each failure recorded (None alone)."""
 
     def __init__(self, pipes: Pipes, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
-                 quota: BatchQuota | None, window: int) -> None:
+                 quota: BatchQuota | None, window: int, rank: int | None = None) -> None:
         self.pipes = pipes
         self.s = settings
         self.order = order
@@ -39,7 +40,7 @@ class EpochDriver:
         self.window = window
         self.plan = EpochPlan(order, progress.done, quota, settings.batch_size, settings.drop_last,
                               settings.skip_errors, settings.max_failures, settings.stats, progress.skipped,
-                              progress.padded)
+                              progress.padded, epoch=epoch, rank=rank)
         self.batches: dict[int, Batch] = {}  # assigned and not yet taken for the hand-out
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised

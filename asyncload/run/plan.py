@@ -27,12 +27,16 @@ class EpochPlan:
     ``skipped``: positions an earlier run of this epoch skipped (a resume): they are not read
     again, not used as padding, and count against the failure budget, which spans the epoch.
     ``padded``: positions an earlier run delivered as padding: padding goes on past them, as
-    the uninterrupted run's would. ``padding_given`` lists the padding this run took, in order."""
+    the uninterrupted run's would. ``padding_given`` lists the padding this run took, in order.
+    ``epoch`` and ``rank`` go on each failure recorded (``record``)."""
 
     def __init__(self, order: np.ndarray, done: Positions, quota: BatchQuota | None, batch_size: int,
                  drop_last: bool, skip_errors: bool, max_failures: int | float, stats: LoaderStats,
-                 skipped: Positions | None = None, padded: Positions | None = None) -> None:
+                 skipped: Positions | None = None, padded: Positions | None = None, *,
+                 epoch: int | None = None, rank: int | None = None) -> None:
         self.order = order
+        self.epoch = epoch
+        self.rank = rank
         self.quota = quota
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -101,11 +105,12 @@ class EpochPlan:
     def record(self, position: int, error: SampleError) -> SampleError | None:
         """Counts the failure of the sample at ``position``; returns the error its batch must
         raise, or None to skip the sample. A sample that fails again (padding repeated it) is
-        skipped without counting twice."""
+        skipped without counting twice. The error takes this run's epoch and rank."""
         if position in self._failed and self.skip_errors:
             return None
         self._failed.add(position)
-        self.stats.add_failure(error.item, error.stage, error.cause)
+        error.epoch, error.rank = self.epoch, self.rank
+        self.stats.add_failure(error.item, error.stage, error.cause, error.epoch, error.rank)
         self.failures.append(error)
         if not self.skip_errors:
             return error

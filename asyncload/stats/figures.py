@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from ..errors import describe, where
 from .gil import GilProbe
 from .machine import system_cpu_seconds, usable_cores
 from .snapshot import LEVELS, STAGES, LevelFigures, StageFigures, StatsSnapshot
@@ -54,11 +55,17 @@ class Level:
 
 @dataclass
 class Failure:
-    """A sample that failed: which item, in which stage, and why."""
+    """A sample that failed: which item, in which stage, why, and in which epoch (the list spans
+    epochs; ``max_failures`` counts one) and on which rank (None in a job of one rank)."""
 
     item: object
     stage: str
     error: str
+    epoch: int | None = None
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.item!r} failed at {self.stage}{where(self.epoch, self.rank)}: {self.error}"
 
 
 class LoaderStats:
@@ -120,12 +127,14 @@ class LoaderStats:
         with self._lock:
             self.decoded_on_cpu += count
 
-    def add_failure(self, item: object, stage: str, error: BaseException) -> None:
-        text = f"{type(error).__name__}: {error}"
+    def add_failure(self, item: object, stage: str, error: BaseException, epoch: int | None = None,
+                    rank: int | None = None) -> None:
+        text = describe(error)
         with self._lock:
-            self.failures.append(Failure(item, stage, text))
+            self.failures.append(Failure(item, stage, text, epoch, rank))
         if self.tracer is not None:
-            self.tracer.instant("failure", {"sample": item, "stage": stage, "error": text})
+            self.tracer.instant("failure", {"sample": item, "stage": stage, "error": text, "epoch": epoch,
+                                            "rank": rank})
 
     def add_batch(self, samples: int, waited: float, number: int | None = None) -> None:
         """Batch ``number`` of ``samples`` was handed out after the consumer ``waited`` for it."""
