@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import re
 from datetime import timedelta
 from typing import Any
@@ -25,6 +24,7 @@ import fsspec
 import fsspec.asyn
 from fsspec.core import split_protocol
 
+from .bucket_region import _region_known, _regions, bucket_region
 from .store_options import Unsupported, obstore_settings
 
 # fsspec protocol -> obstore's scheme for it.
@@ -73,7 +73,7 @@ def has_obstore() -> bool:
 def _store_class(protocol: str) -> type:
     """obstore's fsspec filesystem with ``protocol`` as its class's own (as ``obstore.fsspec.register``
     makes them, without touching fsspec's registry), so paths strip and unstrip as fsspec's do;
-    for S3 it finds a bucket's region when nothing says it (see ``_bucket_region``)."""
+    for S3 it finds a bucket's region when nothing says it (see ``bucket_region.py``)."""
     from obstore.fsspec import FsspecStore
     from obstore.store import from_url
 
@@ -90,56 +90,6 @@ def _store_class(protocol: str) -> type:
                         **self._config_kwargs)
 
     return type(f"FsspecStore_{protocol}", (FsspecStore,), {"protocol": protocol, "_construct_store": construct_store})
-
-
-# Where S3 says which region a bucket is in (the x-amz-bucket-region header of any answer,
-# even a redirect or a denial), for buckets whose region nothing configures: s3fs finds it
-# by itself, object_store assumes us-east-1.
-AWS_BUCKET_REGION_URL = "https://s3.amazonaws.com/{bucket}"
-REGION_KEYS = {"region", "aws_region", "default_region", "aws_default_region", "endpoint", "aws_endpoint",
-               "aws_endpoint_url", "endpoint_url"}
-
-
-def _region_known(config: dict[str, Any], provider: Any) -> bool:
-    """Whether a region (or an endpoint other than AWS's) is set in the options, the environment
-    or the credential provider."""
-    keys = {k.lower() for k in config} | {k.lower() for k in getattr(provider, "config", None) or {}}
-    env = {"AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL"} & set(os.environ)
-    return bool(keys & REGION_KEYS or env)
-
-
-_regions: dict[str, str | None] = {}  # bucket -> the region S3 named for it (None: it named none)
-
-
-def region_to_find(fs: Any, path: str) -> str | None:
-    """The bucket of ``path`` whose region ``fs`` (obstore's S3) would ask S3 for when it first
-    serves it, if not asked yet; else None."""
-    if not hasattr(fs, "_credential_provider") or OBSTORE_SCHEMES.get(fs.protocol) != "s3":
-        return None  # not obstore's S3 (s3fs finds regions itself)
-    bucket = path.split("://", 1)[-1].split("/", 1)[0]
-    if bucket in _regions or _region_known(fs._config or {}, fs._credential_provider):
-        return None
-    return bucket
-
-
-def bucket_region(bucket: str, timeout: float = 5.0) -> str | None:
-    """The region S3 names for ``bucket`` in one unsigned HEAD (None if it names none), asked
-    once per bucket. Blocks up to ``timeout``: never call it on an event loop."""
-    if bucket in _regions:
-        return _regions[bucket]
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(AWS_BUCKET_REGION_URL.format(bucket=bucket), method="HEAD")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            region = response.headers.get("x-amz-bucket-region")
-    except urllib.error.HTTPError as answer:  # 301, 403: still an answer with the header
-        region = answer.headers.get("x-amz-bucket-region")
-    except OSError:
-        region = None
-    _regions[bucket] = region  # one dict store: atomic; two threads asking at once both ask
-    return region
 
 
 def filesystem(protocol: str, storage_options: dict[str, Any] | None, *, loop: Any = None,

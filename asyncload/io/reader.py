@@ -1,9 +1,8 @@
 """Reads on one asyncio event loop: fsspec filesystems, retries with backoff, a timeout per read.
 
 Object stores go through obstore where it can serve them (``object_store``), the rest through
-fsspec. Async filesystems (obstore's FsspecStore, s3fs, gcsfs, http) are awaited natively, so
-hundreds of requests can wait on the network at once from one thread; sync ones (local disk,
-memory) run on a small executor.
+fsspec. Async filesystems (obstore, s3fs, gcsfs, http) are awaited natively, so hundreds of
+requests wait on the network at once from one thread; sync ones run on a small executor.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any, Awaitable, Callable
 from fsspec.core import split_protocol
 
 from ..stats.figures import LoaderStats
-from . import object_store
+from . import bucket_region, object_store
 from .blocking import BlockingCalls, timeout_error
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
@@ -172,7 +171,7 @@ class Reader:
         """The bytes of ``url`` (``start``/``end``: of that range) through its filesystem."""
         fs, cat = self._filesystem(url)
         path = fs._strip_protocol(url)
-        bucket = object_store.region_to_find(fs, path)
+        bucket = bucket_region.region_to_find(fs, path)
         if bucket is not None:  # asked once per bucket, off the loop, within the read's timeout
             return self._after_region(bucket, lambda: self._fetch_file(url, **byte_range))
         if cat is not None:
@@ -182,7 +181,7 @@ class Reader:
     async def _after_region(self, bucket: str, then: Callable[[], Awaitable[Any]]) -> Any:
         """Asks S3 for ``bucket``'s region on an I/O thread (a blocking HEAD the client would
         otherwise send from the event loop, stalling every read), then runs ``then``."""
-        await self._blocking.call_async(object_store.bucket_region, bucket, timeout=self.timeout)
+        await self._blocking.call_async(bucket_region.bucket_region, bucket, timeout=self.timeout)
         return await then()
 
     async def version(self, url: str) -> str:
@@ -190,9 +189,9 @@ class Reader:
         time, with its size (one metadata request, retried as reads are; not counted as one)."""
         fs, _ = self._filesystem(url)
         path = fs._strip_protocol(url)
-        bucket = object_store.region_to_find(fs, path)
+        bucket = bucket_region.region_to_find(fs, path)
         if bucket is not None:
-            await self._blocking.call_async(object_store.bucket_region, bucket, timeout=self.timeout)
+            await self._blocking.call_async(bucket_region.bucket_region, bucket, timeout=self.timeout)
         if fs.async_impl:
             info = await self._with_retries(lambda: within(fs._info(path), self.timeout))
         else:
