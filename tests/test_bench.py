@@ -15,11 +15,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The cheapest workload (synthetic, no data to generate), three runs: asyncload's defaults, then
-# DataLoader with 2 and 4 workers (on 2 cores).
+# DataLoader with 2 and 4 workers (on 2 cores), whose epochs last seconds.
 COMMAND = [sys.executable, "-m", "bench", "--quick", "--workloads", "large-samples",
            "--contenders", "asyncload", "DataLoader"]
 EPOCH = re.compile(r"^    large-samples: asyncload default \| (warm-up|epoch 1): 1024 samples in [\d.]+ s, [\d,]+ samples/s$")
 FIRST_RUN = re.compile(r"^\[1/(\d+), \d+ s\] large-samples: (asyncload default): ([\d,]+) samples/s")
+SECOND_WARM_UP = re.compile(r"^    large-samples: DataLoader .*\| warm-up: ")
 
 
 def _lines(stream, into: queue.Queue) -> None:
@@ -28,6 +29,14 @@ def _lines(stream, into: queue.Queue) -> None:
     for line in stream:
         into.put(line.rstrip("\n"))
     into.put(None)
+
+
+def _kind(line: str) -> str | None:
+    if match := EPOCH.match(line):
+        return match.group(1)
+    if FIRST_RUN.match(line):
+        return "run 1"
+    return "next run's warm-up" if SECOND_WARM_UP.match(line) else None
 
 
 def test_a_piped_bench_prints_each_epoch_and_run_and_keeps_finished_runs_when_stopped(tmp_path):
@@ -40,25 +49,26 @@ def test_a_piped_bench_prints_each_epoch_and_run_and_keeps_finished_runs_when_st
     seen: list[str] = []
     deadline = time.monotonic() + 90
     try:
-        while not (seen and FIRST_RUN.match(seen[-1])):
+        while not (seen and SECOND_WARM_UP.match(seen[-1])):
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, f"output ended with no line for the first run: {seen}"
+            assert line is not None, f"output ended before the second run's warm-up: {seen}"
             seen.append(line)
-        bench.send_signal(signal.SIGTERM)  # during the second run
+        bench.send_signal(signal.SIGTERM)  # in the second run's measured epoch (seconds long)
         assert bench.wait(timeout=30) == 128 + signal.SIGTERM
         after = []
-        while (line := lines.get(timeout=10)) is not None:  # Empty: a worker outlived the bench
+        while (line := lines.get(timeout=15)) is not None:  # Empty: a worker holds stdout still
             after.append(line)
-        assert not [line for line in after if line.startswith("[2/")], after
+        assert after == [], "the second run's worker went on after the bench stopped"
     finally:
         bench.kill()
         bench.wait()
         errors.close()
     stderr = (tmp_path / "stderr").read_text()[-2000:]
 
-    # Each epoch's line came as it ended, before the run's line.
-    assert [EPOCH.match(line).group(1) for line in seen if EPOCH.match(line)] == ["warm-up", "epoch 1"], (seen, stderr)
-    total, label, rate = FIRST_RUN.match(seen[-1]).groups()
+    # Each epoch's line came as it ended, then the run's line, then the next run's first epoch.
+    kinds = [_kind(line) for line in seen if _kind(line)]
+    assert kinds == ["warm-up", "epoch 1", "run 1", "next run's warm-up"], (seen, stderr)
+    [(total, label, rate)] = [FIRST_RUN.match(line).groups() for line in seen if FIRST_RUN.match(line)]
     assert total == "3"
 
     # What the first run measured was on disk before its line was printed; the run cut short is not.
