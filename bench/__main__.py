@@ -15,23 +15,19 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
-
-from tqdm import tqdm
 
 from bench.contenders import CONTENDERS
 from bench.dataset import ImageSetSpec, ensure_image_set
 from bench.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
-from bench.report import mark_best, markdown, write_all
-from bench.s3data import s3_servers
-from bench.workloads import S3_BUCKET, S3_NOTE, Workload, image_set, s3_image_set, workloads
+from bench.report import mark_best, markdown, write_all, write_partial
+from bench.runner import execute
+from bench.workloads import S3_NOTE, Workload, image_set, s3_image_set, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -113,88 +109,6 @@ def plan(chosen: list[Workload], quick: bool, names: list[str]) -> tuple[list[di
     return runs, unavailable
 
 
-def _server_cpu(pids: list[int]) -> float:
-    """CPU seconds used so far by the S3 server and proxy (outside the measured process tree)."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        try:
-            times = psutil.Process(pid).cpu_times()
-            total += times.user + times.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def run_one(run: dict, workload: Workload, storage: dict, device: str, timeout: float,
-            server_pids: list[int]) -> dict:
-    """One fresh `python -m bench.worker` process; its own session, so a hung run and its workers
-    can be killed together."""
-    with tempfile.TemporaryDirectory(prefix="asyncload-bench-") as tmp:
-        result_path = Path(tmp) / "result.json"
-        spec = {"workload": workload.to_dict(), "contender": run["contender"], "config": run["config"],
-                "device": device, "storage_options": storage.get(workload.source),
-                "result_path": str(result_path)}
-        cpu0 = _server_cpu(server_pids)
-        started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "bench.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
-        try:
-            _, stderr = proc.communicate(json.dumps(spec), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return {**run, "ok": False, "error": f"timed out after {timeout:.0f} s"}
-        if result_path.exists():
-            result = json.loads(result_path.read_text())
-        else:
-            tail = stderr.strip().splitlines()[-3:]
-            result = {"ok": False, "error": f"worker exited with code {proc.returncode}: {' | '.join(tail)}"}
-    result["run_wall_s"] = time.perf_counter() - started  # process start to exit, for budgeting
-    if server_pids:
-        result["server_cpu_s"] = _server_cpu(server_pids) - cpu0
-    return {**run, **result}
-
-
-def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool, extras: dict | None = None) -> list[dict]:
-    """Runs the plan, with the S3 server up only if an S3 workload is in it; then, with that
-    server, the client CPU per GET of obstore and s3fs into ``extras["s3_client_cpu"]``."""
-    by_name = {w.name: w for w in chosen}
-    s3_sets = {w.dataset for w in chosen if w.source.startswith("s3") and not w.samples_per_shard}
-    shard_sets = {w.shard_set: (w.dataset, w.samples_per_shard) for w in chosen if w.samples_per_shard}
-    latency = any(w.source == "s3-latency" for w in chosen)
-    servers = s3_servers(s3_sets, shard_sets, latency) if s3_sets or shard_sets else nullcontext({})
-    timeout = 120 if quick else 300
-    todo = [r for r in runs if "skip" not in r]
-    results = []
-    with servers as storage, tqdm(total=len(todo), unit="run", disable=not sys.stdout.isatty()) as bar:
-        pids = list(storage.get("pids", []))
-        for run in runs:
-            if "skip" in run:
-                results.append({**run, "ok": False, "error": run["skip"]})
-                continue
-            bar.set_description(f"{run['workload']}: {run['label']}"[:60])
-            results.append(run_one(run, by_name[run["workload"]], storage, device, timeout, pids))
-            bar.update()
-        if extras is not None and "s3" in storage:
-            extras["s3_client_cpu"] = client_cpu(storage["s3"]["endpoint_url"], quick)
-    return results
-
-
-def client_cpu(endpoint_url: str, quick: bool) -> dict:
-    """``python -m bench.s3_client_cpu`` against the run's server, in a process of its own (its
-    CPU time is the figure)."""
-    command = [sys.executable, "-m", "bench.s3_client_cpu", "--json", "--endpoint", endpoint_url,
-               "--bucket", S3_BUCKET, "--objects", "300" if quick else "1000"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
-    if done.returncode != 0:
-        return {"ok": False, "error": done.stderr.strip()[-2000:]}
-    return {"ok": True, **json.loads(done.stdout)}
-
-
 def notes(chosen: list[Workload], quick: bool) -> list[str]:
     out = []
     if any(w.source.startswith("s3") for w in chosen):
@@ -232,9 +146,16 @@ def gil_ceiling(quick: bool) -> dict | None:
         return json.loads(out.read_text())
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM unwinds as Ctrl-C does: the running worker and the S3 server are stopped, and
+    the results written so far stay."""
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_device(args.device)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     started = dt.datetime.now()
     t0 = time.perf_counter()
     chosen = select_workloads(args)
@@ -243,23 +164,40 @@ def main(argv: list[str] | None = None) -> None:
         ensure_image_set(spec)
     names = args.contenders or list(CONTENDERS)
     runs, unavailable = plan(chosen, args.quick, names)
+    for name, reason in unavailable.items():
+        print(f"{name}: not run here: {reason}")
     info = machine_info()
     info["decode_per_s"] = calibrate(sets, info["usable_cores"])
     ticks = cpu_ticks()
-    extras: dict = {}
-    results = execute(runs, chosen, args.device, args.quick, extras)
-    extras["gil_ceiling"] = gil_ceiling(args.quick)
-    info["cpu_steal_share"] = steal_share(ticks, cpu_ticks())
     report = {
         "machine": info, "versions": versions(), "started": started.isoformat(timespec="seconds"),
-        "duration_s": time.perf_counter() - t0, "unavailable": unavailable,
+        "duration_s": 0.0, "unavailable": unavailable,
         "settings": {"quick": args.quick, "device": args.device, "argv": sys.argv[1:],
                      "workloads": [w.to_dict() for w in chosen], "contenders": names},
-        "results": results, "notes": notes(chosen, args.quick), **extras,
+        "results": [], "notes": notes(chosen, args.quick),
     }
-    mark_best(results, report["settings"]["workloads"])
     # A quick check must not overwrite the day's full results.
     stem = f"{machine_slug(info)}-{started:%Y-%m-%d}" + ("-quick" if args.quick else "")
+    planned = sum("skip" not in r for r in runs)
+    print(f"{planned} runs; {args.out / stem}.json and .md are rewritten after each", flush=True)
+
+    def save(results: list[dict]) -> None:
+        """The results so far, on disk before the run's line is printed: a bench that is
+        stopped keeps every run it finished (the plot is drawn at the end only)."""
+        done = sum("skip" not in r for r in results)
+        report.update(results=results, duration_s=time.perf_counter() - t0,
+                      partial=f"{done} of {planned} runs done when this was written")
+        mark_best(results, report["settings"]["workloads"])
+        write_partial(report, args.out, stem)
+
+    extras: dict = {}
+    results = execute(runs, chosen, args.device, args.quick, extras, on_result=save)
+    print("gil-ceiling (python -m bench.gil_ceiling)", flush=True)
+    extras["gil_ceiling"] = gil_ceiling(args.quick)
+    info["cpu_steal_share"] = steal_share(ticks, cpu_ticks())
+    report.pop("partial", None)
+    report.update(results=results, duration_s=time.perf_counter() - t0, **extras)
+    mark_best(results, report["settings"]["workloads"])
     paths = write_all(report, args.out, stem)
     print(markdown(report))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -86,6 +86,7 @@ def ensure_image_set(spec: ImageSetSpec, workers: int | None = None) -> Path:
     marker = spec.root / ".complete.json"
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return spec.root
+    print(f"generating {spec.count} images in {spec.root} (once; cached)", flush=True)
     shutil.rmtree(spec.root, ignore_errors=True)
     for label in range(spec.classes):
         (spec.root / class_name(label)).mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,10 @@ import argparse
 import json
 import statistics
 
-from bench.__main__ import execute, image_sets
+from bench.__main__ import image_sets
 from bench.contenders import CONTENDERS
 from bench.dataset import ensure_image_set
+from bench.runner import execute
 from bench.workloads import workloads
 
 AUTO = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}

@@ -7,6 +7,7 @@ against numbers from another machine or another day.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,6 +26,9 @@ def mark_best(results: list[dict], workloads: list[dict]) -> None:
     """Sets row["best"] on each contender's best config per workload, and row["ratio"] against
     the best DataLoader's samples/s."""
     by_name = {w["name"]: w for w in workloads}
+    for row in results:  # marked again as results come in: a later row may be the best
+        row.pop("best", None)
+        row.pop("ratio", None)
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in results:
         if row.get("ok"):
@@ -68,6 +72,8 @@ def markdown(report: dict) -> str:
         f"asyncload {v['asyncload']}, torchdata {v['torchdata'] or 'absent'}, spdl {v['spdl'] or 'absent'}.",
         "",
         machine_speed(m),
+        *(["", f"**Partial**: {report['partial']} (the bench was stopped, or is still running)."]
+          if report.get("partial") else []),
         "",
         "Each row is one process: a warm-up epoch, then the median samples/s of the measured epochs. "
         "First batch: from iter() to the first batch of the cold (first) epoch. CPU and peak RSS "
@@ -171,11 +177,26 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _replace(path: Path, text: str) -> None:
+    """Writes through a temporary file, so a bench killed mid-write leaves the previous file whole."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_partial(report: dict, out_dir: Path, stem: str) -> dict[str, Path]:
+    """Writes <stem>.json and .md under out_dir (cheap enough to do after every run); returns
+    their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md")}
+    _replace(paths["json"], json.dumps(report, indent=1, default=str))
+    _replace(paths["md"], markdown(report))
+    return paths
+
+
 def write_all(report: dict, out_dir: Path, stem: str) -> dict[str, Path]:
     """Writes <stem>.json, .md and .png under out_dir; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
-    paths["json"].write_text(json.dumps(report, indent=1, default=str))
-    paths["md"].write_text(markdown(report))
+    paths = write_partial(report, out_dir, stem)
+    paths["png"] = out_dir / f"{stem}.png"
     plot(report, paths["png"])
     return paths

@@ -17,9 +17,10 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.__main__ import execute, image_sets
+from bench.__main__ import image_sets
 from bench.contenders import CONTENDERS
 from bench.dataset import ensure_image_set
+from bench.runner import execute
 from bench.workloads import workloads
 
 ROWS = [  # (workload, contender, config)

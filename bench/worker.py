@@ -2,7 +2,8 @@
 
 A fresh process per (workload, contender, config) keeps one contender's memory, threads, worker
 processes and imports out of the next one's figures, and a contender that crashes takes only its
-own row down. The spec comes on stdin; the result is written as JSON to spec["result_path"].
+own row down. The spec comes on stdin; the result is written as JSON to spec["result_path"], and
+a line per epoch (elapsed, rate) to stdout as each epoch ends: the bench's progress.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 from bench.contenders import CONTENDERS, RunData, batch_size_of
 from bench.dataset import DATA_ROOT, list_image_folder
-from bench.metrics import TreeSampler, summarise, timed_epoch
+from bench.metrics import EpochStats, TreeSampler, summarise, timed_epoch
 from bench.s3server import S3_ENV
 from bench.workloads import S3_BUCKET, Workload
 
@@ -70,8 +71,26 @@ def make_consumer(workload: Workload, device: str) -> Callable[[Any], int]:
     return consume
 
 
-def measure(spec: dict) -> dict:
-    """Build the loader, run a warm-up epoch, then as many measured epochs as the budget allows."""
+def progress_writer() -> Callable[[str], None]:
+    """Prints to this process's stdout, line-buffered, so each line reaches the bench's output as
+    it is said; whatever a contender (or its worker processes) writes to stdout still goes to
+    /dev/null, as before: fd 1 is duplicated for us, then pointed there."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    return lambda line: print(line, file=out)
+
+
+def epoch_line(label: str, name: str, epoch: EpochStats) -> str:
+    """One epoch as the progress shows it: how long it took and its rate."""
+    return (f"    {label} | {name}: {epoch.samples} samples in {epoch.wall_s:.2f} s, "
+            f"{epoch.samples_per_s:,.0f} samples/s")
+
+
+def measure(spec: dict, say: Callable[[str], None] = lambda line: None) -> dict:
+    """Build the loader, run a warm-up epoch, then as many measured epochs as the budget allows;
+    ``say`` gets a line as each epoch ends."""
     workload = Workload(**spec["workload"])
     contender = CONTENDERS[spec["contender"]]
     config = spec["config"]
@@ -88,9 +107,14 @@ def measure(spec: dict) -> dict:
     loader = contender.build(workload, config, data)
     build_s = time.perf_counter() - started
     try:
+        label = spec.get("label", spec["contender"])
         warmup = timed_epoch(loader, 0, consume)
+        say(epoch_line(label, "warm-up", warmup))
         fit = math.floor(workload.budget_s / max(warmup.wall_s, 1e-3))
-        epochs = [timed_epoch(loader, e, consume) for e in range(1, 1 + max(1, min(workload.epochs, fit)))]
+        epochs = []
+        for number in range(1, 1 + max(1, min(workload.epochs, fit))):
+            epochs.append(timed_epoch(loader, number, consume))
+            say(epoch_line(label, f"epoch {number}", epochs[-1]))
         if alone is not None:  # and again with the loader idle: the machine's drift evens out
             from bench.steps import time_alone
 
@@ -112,8 +136,9 @@ def main() -> None:
     spec = json.load(sys.stdin)
     os.environ.update(S3_ENV)
     out = Path(spec["result_path"])
+    say = progress_writer()
     try:
-        result = {"ok": True, **measure(spec)}
+        result = {"ok": True, **measure(spec, say)}
     except BaseException as error:  # noqa: BLE001 - the report shows why a row is missing
         result = {"ok": False, "error": f"{type(error).__name__}: {error}",
                   "traceback": traceback.format_exc()[-4000:]}
