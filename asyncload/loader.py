@@ -18,8 +18,8 @@ from .procs.processes import process_count, start_processes, window
 from .run.batched import image_placement
 from .run.driver import EpochDriver, stop_unless_stopped
 from .run.pipes import LocalPipes, Pipes
-from .run.settings import batch_quota, configure_known_layout
-from .run.state import Epochs, Progress, check_resumable
+from .run.settings import configure_known_layout
+from .run.state import Epochs, Progress, resume_point
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats
@@ -211,9 +211,8 @@ class AsyncLoader:
             raise RuntimeError("this AsyncLoader is closed")
         self._stop_run()  # a new iteration replaces an unfinished one
         epoch, progress = self._epochs.start_pass(), self._epochs.progress
-        order = self.sampler.order(epoch)[: self.sampler.samples_per_rank]
-        run = EpochDriver(self._pipes, self._settings, epoch, order, progress,
-                          batch_quota(self.sampler, progress.batches), self._window,
+        order, quota = self._epochs.plan(self.sampler, epoch)  # the epoch's, or an elastic rest
+        run = EpochDriver(self._pipes, self._settings, epoch, order, progress, quota, self._window,
                           rank=self.sampler.rank if self.sampler.world_size > 1 else None)
         self._run = run
         iteration = self._iterate(run, epoch, progress)
@@ -249,17 +248,21 @@ class AsyncLoader:
         batches came out of order), which failed and were skipped, which were repeated as DDP
         padding; and the settings that decide the order, which ``load_state_dict`` checks. Taken
         in the loop, or after leaving it early, it describes the epoch of that pass; after a pass
-        that ended, the next epoch, with nothing delivered yet. Small: save one per rank."""
+        that ended, the next epoch, with nothing delivered yet; after an elastic resume (another
+        world size), an ``elastic`` entry, what recomputes its rest. Small: save one per rank."""
         return self._epochs.state(self.sampler, self._order_identity)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Resumes from ``state_dict()`` (of a loader with the same source and order settings;
         else ``ValueError`` names the difference): the next pass runs the saved epoch and delivers
         what it had not yet delivered, batch for batch as the uninterrupted run would have, with no
         delivered sample read again. ``set_epoch`` with the saved epoch keeps this; the pass after
-        it is the next epoch."""
-        check_resumable(state, self.state_dict())
-        self._epochs.load(state, self.sampler.batch_size)
+        it is the next epoch. At another world size than the state's, pass the list of every old
+        rank's ``state_dict()`` (the same list on every new rank): the pass then runs the samples
+        no old rank delivered or skipped, each once, in a seeded order dealt to the new ranks
+        (equal batch counts, fewer than ``len(loader)``); the next epoch is the new world size's."""
+        state, elastic = resume_point(state, self.sampler, self.state_dict())
+        self._epochs.load(state, self.sampler.batch_size, elastic)
 
     def _stop_run(self) -> None:
         run = self._run

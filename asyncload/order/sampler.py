@@ -53,6 +53,17 @@ def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int,
     return rank, world_size
 
 
+def deal(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """``rank``'s part of ``order`` as ``DistributedSampler`` deals it: every rank gets the same
+    length; ``drop_last`` drops the tail that does not divide evenly, else the order is padded by
+    repeating its start; rank ``r`` takes every ``world_size``-th index from ``r`` (int64)."""
+    per_rank = len(order) // world_size if drop_last else math.ceil(len(order) / world_size)
+    total = per_rank * world_size
+    if total > len(order) and len(order) > 0:
+        order = np.resize(order, total)  # pads by repeating from the start
+    return np.asarray(order[:total][rank::world_size], dtype=np.int64)
+
+
 class EpochSampler:
     """Splits an epoch's order into this rank's batches of source indices.
 
@@ -102,18 +113,21 @@ class EpochSampler:
         return {"sampler": type(self).__name__, "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "num_items": self.num_items}
 
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Every source index once, in ``epoch``'s order, before it is dealt to the ranks."""
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
+        return np.arange(self.num_items)
+
     def order(self, epoch: int) -> np.ndarray:
         """This rank's source indices for ``epoch``, in delivery order (int64)."""
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(self.num_items)
-        else:
-            order = np.arange(self.num_items)
-        total = self.samples_per_rank * self.world_size
-        if total > len(order) and len(order) > 0:
-            order = np.resize(order, total)  # pads by repeating from the start
-        order = order[:total]
-        return order[self.rank :: self.world_size].astype(np.int64, copy=False)
+        return deal(self.permutation(epoch), self.rank, self.world_size, self.drop_last)
+
+    def orders_at(self, epoch: int, world_size: int) -> list[np.ndarray]:
+        """Every rank's ``order(epoch)`` had there been ``world_size`` ranks: what the positions
+        in each of their ``state_dict()``s refer to, for an elastic resume."""
+        whole = self.permutation(epoch)
+        return [deal(whole, rank, world_size, self.drop_last) for rank in range(world_size)]
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches for ``epoch``: ``len(self)`` arrays of source indices."""

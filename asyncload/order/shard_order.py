@@ -6,6 +6,7 @@ resume, exactly-once delivery and the skip policy work as for single objects.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any
 
@@ -71,3 +72,13 @@ class ShardSampler(EpochSampler):
             return mine
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
         return buffer_shuffle(mine, source.shuffle_buffer, rng)
+
+    def orders_at(self, epoch: int, world_size: int) -> list[np.ndarray]:
+        """Every rank's ``order(epoch)`` had there been ``world_size`` ranks (each rank's part of
+        the stream and its buffer shuffle depend on its rank)."""
+        orders = []
+        for rank in range(world_size):
+            other = copy.copy(self)
+            other.rank, other.world_size = rank, world_size
+            orders.append(other.order(epoch))
+        return orders

@@ -2,7 +2,8 @@
 
 The driver updates it as each batch is handed out (never for a batch still in the pipeline), so
 ``state_dict()`` taken at any point describes exactly the batches the user has seen, and a resume
-delivers the rest as the uninterrupted run would have.
+delivers the rest as the uninterrupted run would have. At another world size, the list of every
+old rank's state resumes the samples none of them handed out (``resume_point``, ``order/elastic.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
+
+from ..order.elastic import Elastic, rest_batches
 from ..order.positions import Positions
+from .settings import BatchQuota, batch_quota
 
 
 @dataclass
@@ -48,16 +53,63 @@ class Progress:
                    state.get("batches", len(done) // batch_size))
 
 
-def check_resumable(state: dict[str, Any], mine: dict[str, Any]) -> None:
+def check_resumable(state: dict[str, Any], mine: dict[str, Any],
+                    keys: tuple[str, ...] = ("seed", "samples_per_rank", "batch_size", "rank", "world_size")) -> None:
     """Refuses (``ValueError``) a ``state`` saved by a loader whose order differs from this one's
     (``mine``, its own state): resuming would skip some samples and repeat others, silently."""
-    for key in ("seed", "samples_per_rank", "batch_size", "rank", "world_size"):
+    for key in keys:
         if state[key] != mine[key]:
             raise ValueError(f"state_dict was saved with {key}={state[key]}, this loader has {mine[key]}")
     for key, value in state.get("order", mine["order"]).items():  # states saved before it had none
         if mine["order"].get(key) != value:
             raise ValueError(f"state_dict was saved with {key}={value!r}, this loader has "
                              f"{mine['order'].get(key)!r}: resuming would follow another order")
+
+
+def resume_point(saved: dict[str, Any] | list[dict[str, Any]], sampler: Any,
+                 mine: dict[str, Any]) -> tuple[dict[str, Any], Elastic | None]:
+    """What ``load_state_dict(saved)`` resumes: a state of this rank's and, when the epoch goes on
+    at another world size than it began, the ``Elastic`` rest it runs. ``saved``: this rank's
+    ``state_dict()`` (same world size), or the list of every old rank's (any world size; one
+    rank's alone cannot say what the others delivered). ``ValueError`` names what is wrong."""
+    if isinstance(saved, dict) and saved["world_size"] == sampler.world_size:
+        check_resumable(saved, mine)
+        return saved, Elastic.from_state(saved.get("elastic"))
+    states = [saved] if isinstance(saved, dict) else list(saved)
+    if not states or not all(isinstance(state, dict) for state in states):
+        raise ValueError("load_state_dict takes a state_dict() or the list of every rank's state_dict()")
+    old = states[0]["world_size"]
+    if isinstance(saved, dict) and old != 1:  # one old rank's state is all of them only if it was alone
+        raise ValueError(
+            f"this state_dict is rank {saved['rank']}'s of {old} ranks, and this loader has world_size="
+            f"{sampler.world_size}: to resume at another world size, pass load_state_dict the list of all "
+            f"{old} old ranks' state_dict()s (ranks 0 to {old - 1}), from the same step")
+    ranks = sorted(state["rank"] for state in states)
+    if any(state["world_size"] != old for state in states) or ranks != list(range(old)):
+        raise ValueError(f"load_state_dict needs the state_dict() of each old rank once: ranks 0 to {old - 1} of "
+                         f"world_size={old}; got ranks {ranks} of world sizes "
+                         f"{sorted({state['world_size'] for state in states})}")
+    for key in ("epoch", "seed", "batch_size", "samples_per_rank", "order", "elastic"):
+        values = [state.get(key) for state in states]
+        if any(value != values[0] for value in values):
+            raise ValueError(f"the old ranks' state_dicts disagree on {key}: {values} (not saved at the same step "
+                             "of the same job?)")
+    states.sort(key=lambda state: state["rank"])
+    if old == sampler.world_size:
+        state = states[sampler.rank]
+        check_resumable(state, mine)
+        return state, Elastic.from_state(state.get("elastic"))
+    old_state = states[0]
+    check_resumable(old_state, mine, keys=("seed", "batch_size"))
+    expected = sampler.num_items // old if sampler.drop_last else -(-sampler.num_items // old)
+    if old_state["samples_per_rank"] != expected:
+        raise ValueError(f"state_dict was saved with samples_per_rank={old_state['samples_per_rank']}, "
+                         f"{old} ranks of this loader's source have {expected}")
+    fresh = {"epoch": old_state["epoch"], "delivered": [], "batches": 0, "skipped": [], "padded": []}
+    earlier = Elastic.from_state(old_state.get("elastic"))
+    if earlier is None and not any(state["delivered"] or state.get("skipped") for state in states):
+        return fresh, None  # the epoch had not begun: it begins at the new world size
+    return fresh, Elastic(old, states, earlier)
 
 
 class Epochs:
@@ -67,42 +119,59 @@ class Epochs:
     unless ``set_epoch`` or ``load_state_dict`` chose it: ``choose`` runs that epoch from its start
     (a different epoch) or keeps a resume (the loaded one); ``load`` continues where a saved state
     stood. ``epoch`` is what ``state_dict()`` records: the epoch of the pass running or left, or,
-    after a pass that ended, the next one with nothing delivered."""
+    after a pass that ended, the next one with nothing delivered. With ``elastic`` (the epoch began
+    at another world size) the pass runs that rest, ``progress`` holds positions of its order, and
+    ``state_dict()`` records it; it lasts until a pass starts or ends without resuming."""
 
     def __init__(self) -> None:
         self.epoch = 0
         self.chosen = True  # the next pass runs self.epoch (else self.epoch + 1): no pass of it yet
         self.progress = Progress()
         self.resume = False  # set by load(): the next pass continues self.progress
+        self.elastic: Elastic | None = None  # the rest of an epoch begun at another world size
 
     def choose(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch
-            self.progress, self.resume = Progress(), False
+            self.progress, self.resume, self.elastic = Progress(), False, None
         self.chosen = True
 
     def state(self, sampler: Any, order_identity: dict[str, Any]) -> dict[str, Any]:
         """``state_dict()``: the epoch, its progress and the settings that decide its order."""
         return {"epoch": self.epoch, "seed": sampler.seed, "samples_per_rank": sampler.samples_per_rank,
                 "batch_size": sampler.batch_size, "rank": sampler.rank, "world_size": sampler.world_size,
-                **self.progress.as_state(), "order": dict(order_identity)}
+                **self.progress.as_state(), "order": dict(order_identity),
+                **({} if self.elastic is None else {"elastic": self.elastic.as_state()})}
 
-    def load(self, state: dict[str, Any], batch_size: int) -> None:
+    def load(self, state: dict[str, Any], batch_size: int, elastic: Elastic | None = None) -> None:
+        """Resume ``state``; with ``elastic``, its positions are those of that rest's order."""
         self.epoch, self.chosen = state["epoch"], True
         self.progress, self.resume = Progress.from_state(state, batch_size), True
+        self.elastic = elastic
+
+    def plan(self, sampler: Any, epoch: int) -> tuple[np.ndarray, BatchQuota | None]:
+        """The pass's order and DDP batch quota: the epoch's at this world size, or the rest of
+        an epoch begun at another (its batches, equal on every new rank, fewer than ``len``)."""
+        if self.elastic is None:
+            return sampler.order(epoch)[: sampler.samples_per_rank], batch_quota(sampler, self.progress.batches)
+        order = self.elastic.order(sampler, epoch)
+        if sampler.world_size == 1:
+            return order, None
+        batches, last = rest_batches(len(order), sampler.batch_size, sampler.drop_last)
+        return order, BatchQuota(batches - self.progress.batches, last)
 
     def start_pass(self) -> int:
         """A pass begins: its epoch (``progress`` is what it has to go on from)."""
         if not self.chosen:  # a pass of this epoch ran: a new pass is the next epoch
             self.epoch, self.resume = self.epoch + 1, False
         if not self.resume:  # as with DataLoader, a new iteration starts the epoch afresh
-            self.progress = Progress()
+            self.progress, self.elastic = Progress(), None
         self.chosen = self.resume = False
         return self.epoch
 
     def pass_ended(self, epoch: int, latest: bool) -> None:
         """Pass ``epoch`` delivered its whole epoch; ``latest``: no newer pass started meanwhile.
         ``state_dict()`` now points at the next epoch, unless the user chose one already."""
-        self.progress = Progress()
+        self.progress, self.elastic = Progress(), None
         if latest and not self.chosen:
             self.epoch, self.chosen = epoch + 1, True
