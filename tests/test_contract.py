@@ -18,27 +18,12 @@ import pytest
 from asyncload import AsyncLoader, TooManyFailures
 from asyncload.order.positions import Positions
 from tests.conftest import asyncload_threads, wait_until
+from tests.decoders import FailsOn, as_array
 
 MODES = [0, 2]
 
 
 # ----- what the pipelines run -----
-
-
-def as_array(index):
-    return np.full(2, index, np.int64)
-
-
-class FailsOn:
-    """A decode that fails for the given indices (a corrupt file, as the pipeline sees it)."""
-
-    def __init__(self, bad):
-        self.bad = set(bad)
-
-    def __call__(self, index):
-        if index in self.bad:
-            raise ValueError(f"sample {index} is corrupt")
-        return np.full(2, index, np.int64)
 
 
 class LoggedRead:

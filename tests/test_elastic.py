@@ -12,29 +12,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, tar_shards, write_shards
 from tests.conftest import CLASSES, PER_CLASS, identify
+from tests.decoders import FailsOn, as_array
 
 MODES = [0, 2]
-
-
-def as_array(index):
-    return np.full(2, index, np.int64)
-
-
-class FailsOn:
-    """A decode that fails for the given indices (a corrupt file, as the pipeline sees it)."""
-
-    def __init__(self, bad):
-        self.bad = set(bad)
-
-    def __call__(self, index):
-        if index in self.bad:
-            raise ValueError(f"sample {index} is corrupt")
-        return np.full(2, index, np.int64)
 
 
 def int_loader(n, rank, world_size, processes=0, **kwargs):

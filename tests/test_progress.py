@@ -11,6 +11,7 @@ import pytest
 
 from asyncload import AsyncLoader
 from asyncload.order.positions import Cursor, Positions
+from tests.decoders import FailsOn
 
 
 def test_positions_merge_into_intervals():
@@ -42,18 +43,6 @@ def test_cursor_without_done_positions_counts_up():
 
 
 # ----- the progress bar (progress=True), as a terminal shows it -----
-
-
-class FailsOn:
-    """A decode that fails for the given indices (top-level: the children unpickle it)."""
-
-    def __init__(self, bad):
-        self.bad = set(bad)
-
-    def __call__(self, index):
-        if index in self.bad:
-            raise ValueError(f"sample {index} is corrupt")
-        return np.full(2, index, np.int64)
 
 
 @contextlib.contextmanager
