@@ -22,6 +22,8 @@ _PUBLIC = {
     "image_folder": "asyncload.sources.items",
     "list_files": "asyncload.sources.items",
     "manifest": "asyncload.sources.items",
+    "mix": "asyncload.sources.mix",
+    "MixedSource": "asyncload.sources.mix",
     "tar_shards": "asyncload.sources.shards",
     "write_shards": "asyncload.sources.writer",
     "index_shards": "asyncload.sources.writer",
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from .errors import SampleError, StorageError, TooManyFailures
     from .loader import AsyncLoader
     from .sources.items import Source, image_folder, list_files, manifest
+    from .sources.mix import MixedSource, mix
     from .sources.shards import tar_shards
     from .sources.writer import index_shards, write_shards
 

@@ -12,10 +12,12 @@ from .autotune import MAX_IO, AutoTuner, Gate, Knob
 from .batch.buffers import BufferRing
 from .decode.image import ImageDecoder
 from .device import DeviceStage
+from .order.mix_order import MixSampler
 from .order.sampler import EpochSampler
 from .order.shard_order import ShardSampler
 from .run.pipes import Pipes
 from .run.settings import Settings, is_labelled
+from .sources.mix import MixedSource
 from .sources.shards import ShardSource
 from .stats.figures import LoaderStats
 
@@ -59,7 +61,10 @@ def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
 
 
 def make_sampler(source: Sequence[Any], batch_size: int, read: Any, decode: Any, **order: Any) -> EpochSampler:
-    """The epoch's order over ``source``: a tar shard source's keeps each rank on a few shards."""
+    """The epoch's order over ``source``: a tar shard source's keeps each rank on a few shards; a
+    mix's is its seeded mixed sequence."""
+    if isinstance(source, MixedSource):
+        return MixSampler(source, batch_size, **order)
     if isinstance(source, ShardSource):
         check_shard_arguments(source, read, decode)
         return ShardSampler(source, batch_size, **order)
@@ -96,5 +101,5 @@ def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: 
         read_timeout=read_timeout, read_retries=read_retries, normalize=normalize,
         ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
         device_stage=DeviceStage(device, normalize) if device is not None else None,
-        stats=stats,
+        stats=stats, source_names=source.names if isinstance(source, MixedSource) else None,
     )

@@ -25,7 +25,7 @@ import torch
 from ..batch.buffers import OnDevice
 from ..batch.layout import Field
 from ..errors import SampleError
-from .jobs import Row, RowFiller, Work, read_local
+from .jobs import Row, RowFiller, Work, read_local, write_label
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
 
@@ -179,9 +179,8 @@ class BatchJobs:
                             f"got {failures!r}")
         if on_cpu:
             self.filler.stats.add_decoded_on_cpu(len(on_cpu))
-        labels = buffer.arrays[IMAGE_FIELD + 1] if len(buffer.tensors) > 1 else None
-        if labels is not None:
+        if len(buffer.tensors) > 1:  # label fields (a mix's source number too)
             for number, row in enumerate(rows):
                 if number not in failures:
-                    labels[row.row] = row.label
+                    write_label(buffer.arrays, row.row, row.label)
         return failures, event

@@ -37,6 +37,8 @@ class HandOut:
 
     def _view(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int]) -> Any:
         size = buffer.close_holes(rows, holes)
+        if self.s.source_names is not None:  # a mix: its source numbers are the last field, on the host
+            self.s.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
         stage = self.s.device_stage
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)

@@ -47,7 +47,7 @@ class Row:
 
     row: int
     key: Any
-    label: int | None
+    label: int | tuple[int, ...] | None  # a tuple in a mix: (label, source number) or (source number,)
     index: int
     data: Any = None
 
@@ -176,7 +176,7 @@ class RowFiller:
             if self.in_place:  # the decoder writes the row itself
                 self.decode.decode_into(data, arrays[0][row.row], (self.epoch, row.index))
                 if row.label is not None:
-                    arrays[1][row.row] = row.label
+                    write_label(arrays, row.row, row.label)
                 return
             sample = self.decode(data)
         except Exception as error:
@@ -236,8 +236,23 @@ class RowJobs:
         self.run_job(lambda: self.filler.fill(batch, rows))
 
 
-def labelled(sample: Any, label: int | None) -> Any:
-    return sample if label is None else (sample, np.int64(label))
+def labelled(sample: Any, label: int | tuple[int, ...] | None) -> Any:
+    """The sample with its label field(s): a mix's tuple gives one int64 field each."""
+    if label is None:
+        return sample
+    if type(label) is tuple:
+        return (sample, *(np.int64(value) for value in label))
+    return sample, np.int64(label)
+
+
+def write_label(arrays: Sequence[Any], row: int, label: int | tuple[int, ...]) -> None:
+    """Writes a row's label field(s), the fields after the decoder's output (a mix's tuple:
+    the label, then the source number)."""
+    if type(label) is tuple:
+        for field, value in enumerate(label, 1):
+            arrays[field][row] = value
+    else:
+        arrays[1][row] = label
 
 
 def chunk_rows(batch_size: int, threads: int) -> int:

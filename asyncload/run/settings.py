@@ -19,6 +19,7 @@ from ..batch.buffers import BufferRing, OnDevice
 from ..batch.layout import Field, SampleLayout
 from ..device import DeviceStage
 from ..errors import SampleError
+from ..sources.mix import MixedSource
 from ..stats.figures import LoaderStats
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
@@ -34,8 +35,14 @@ def is_labelled(item: Any) -> bool:
     )
 
 
-def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, int | None]:
-    """The source item at ``index`` -> (what to read, label or None)."""
+def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, Any]:
+    """The source item at ``index`` -> (what to read, label or None). In a mix, the label is a
+    tuple of the extra int64 fields the rows take: ``(label, source number)``, or
+    ``(source number,)`` for unlabelled items (``jobs.write_label`` writes them)."""
+    if type(source) is MixedSource:
+        part, local, number = source.locate(index)
+        key, label = split(part, labelled_items, local)
+        return key, (number,) if label is None else (label, number)
     try:
         item = source[index]
     except Exception as error:
@@ -72,6 +79,7 @@ class Settings:
     ring: BufferRing
     device_stage: DeviceStage | None
     stats: LoaderStats
+    source_names: tuple[str, ...] | None = None  # a mix's: each sample then carries its source's number
 
     def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
         """What one pipeline needs; with ``processes`` children, its share of the totals."""
@@ -135,5 +143,6 @@ def configure_known_layout(settings: Settings, batch_size: int, on_device: OnDev
     ``on_device``: a batched GPU decoder's image field lives on the GPU (labels stay on the host)."""
     output = getattr(settings.decode, "field", None)
     if isinstance(output, Field):
-        tree, fields = (None, [output]) if not settings.labelled else ((None, None), [output, LABEL_FIELD])
+        extra = [LABEL_FIELD] * (int(settings.labelled) + int(settings.source_names is not None))  # label, source
+        tree, fields = (None, [output]) if not extra else ((None,) * (1 + len(extra)), [output, *extra])
         settings.ring.configure(SampleLayout(tree, fields), batch_size, on_device)

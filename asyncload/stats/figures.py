@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import numpy as np
+
 from ..errors import describe, where
 from .gil import GilProbe
 from .machine import system_cpu_seconds, usable_cores
@@ -91,6 +93,7 @@ class LoaderStats:
         self._callback: tuple[float, Callable[[dict[str, Any]], None]] | None = None
         self._last_callback = time.perf_counter()
         self.tracer: Tracer | None = None  # with trace=: the timeline (see trace.py)
+        self._source_counts: tuple[tuple[str, ...], np.ndarray] | None = None  # a mix's names, samples each
 
     # ----- updates from the pipeline -----
 
@@ -147,6 +150,23 @@ class LoaderStats:
             self.tracer.span("wait for batch", now - waited, now, f"batch {number}")
         self._maybe_call_back()
 
+    def add_sources(self, names: tuple[str, ...], source_ids: np.ndarray) -> None:
+        """A mix's batch was handed out with these source numbers: one ``bincount`` a batch."""
+        counts = np.bincount(source_ids, minlength=len(names))
+        with self._lock:
+            if self._source_counts is None:
+                self._source_counts = (names, np.zeros(len(names), dtype=np.int64))
+            self._source_counts[1][:] += counts[: len(names)]
+
+    @property
+    def sources(self) -> dict[str, int]:
+        """With a mixed source: samples handed out per source name (empty otherwise)."""
+        with self._lock:
+            if self._source_counts is None:
+                return {}
+            names, counts = self._source_counts
+            return dict(zip(names, counts.tolist()))
+
     def run_started(self) -> None:
         with self._lock:
             self._running_since = (time.perf_counter(), time.process_time(), system_cpu_seconds())
@@ -200,8 +220,11 @@ class LoaderStats:
         return with_verdict(snapshot)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain numbers (and the bottleneck's name), for training logs or TensorBoard."""
-        return self.snapshot().as_dict()
+        """Plain numbers (and the bottleneck's name), for training logs or TensorBoard; with a
+        mixed source, ``"mix/<name>/samples"`` too."""
+        figures = self.snapshot().as_dict()
+        figures.update({f"mix/{name}/samples": count for name, count in self.sources.items()})
+        return figures
 
     def report(self) -> str:
         """A compact table of the figures, and the bottleneck with its evidence."""
