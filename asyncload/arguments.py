@@ -16,7 +16,8 @@ from .order.mix_order import MixSampler
 from .order.sampler import EpochSampler
 from .order.shard_order import ShardSampler
 from .run.pipes import Pipes
-from .run.settings import Settings, is_labelled
+from .run.settings import Settings
+from .sources.items import is_labelled
 from .sources.mix import MixedSource
 from .sources.shards import ShardSource
 from .stats.figures import LoaderStats

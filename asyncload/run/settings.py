@@ -19,20 +19,11 @@ from ..batch.buffers import BufferRing, OnDevice
 from ..batch.layout import Field, SampleLayout
 from ..device import DeviceStage
 from ..errors import SampleError
+from ..sources.items import is_labelled
 from ..sources.mix import MixedSource
 from ..stats.figures import LoaderStats
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
-
-
-def is_labelled(item: Any) -> bool:
-    """A ``(key, int label)`` pair."""
-    return (
-        isinstance(item, (tuple, list))
-        and len(item) == 2
-        and isinstance(item[1], (int, np.integer))
-        and not isinstance(item[1], bool)
-    )
 
 
 def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, Any]:

@@ -17,6 +17,16 @@ from . import listing
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 
 
+def is_labelled(item: Any) -> bool:
+    """A ``(key, int label)`` pair."""
+    return (
+        isinstance(item, (tuple, list))
+        and len(item) == 2
+        and isinstance(item[1], (int, np.integer))
+        and not isinstance(item[1], bool)
+    )
+
+
 def checked_index(index: Any, length: int, kind: str) -> int:
     """``index`` as a position in ``range(length)``, counting a negative one from the end, as a
     list does; a slice or a position outside raises. ``kind`` names the sequence in the error."""

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .items import checked_index
+from .items import checked_index, is_labelled
 
 STOPS = ("first", "all", "never")
 DRAW_STREAM = 0x6D6978  # "mix": keeps the draw's random stream apart from the sources' own
@@ -141,12 +141,6 @@ class MixedSource(Sequence):
         return f"MixedSource({parts}; stop={self.stop!r})"
 
 
-def _labelled(item: Any) -> bool:
-    from ..run.settings import is_labelled  # here: run.settings imports this module
-
-    return is_labelled(item)
-
-
 def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, seed: int = 0, stop: str = "first",
         length: int | None = None) -> MixedSource:
     """Several sources as one, each batch's rows drawn from them by weight: pass the result to
@@ -203,7 +197,7 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
                             "list_files, manifest, a list of items) can be mixed")
         if len(source) == 0:
             raise ValueError(f"mix(): source {name!r} is empty")
-    labelled = {name: _labelled(sources[name][0]) for name in sources}
+    labelled = {name: is_labelled(sources[name][0]) for name in sources}
     if len(set(labelled.values())) > 1:
         raise ValueError(f"mix(): sources must all have (url, label) items or none: {labelled}")
     if stop not in STOPS:
