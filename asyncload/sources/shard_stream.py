@@ -38,7 +38,9 @@ class Chunk:
 def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> list[Chunk]:
     """Ranged reads for the samples ``wanted`` (sample numbers in the order the epoch needs them):
     shards in the order of their first need, and within a shard runs of neighbouring samples,
-    each read at most ``chunk_bytes`` long (a sample larger than that is read alone)."""
+    each read at most ``chunk_bytes`` long (a sample larger than that is read alone). A source
+    that is parsed a shard at a time (``read_whole``: Parquet row groups) reads each shard's
+    wanted samples in one read of the shard."""
     unique = np.flatnonzero(np.bincount(wanted, minlength=len(source)))  # ascending: storage order, so by shard
     shard_of = source.shard_of[unique]
     groups = np.split(unique, np.flatnonzero(np.diff(shard_of)) + 1) if len(unique) else []
@@ -47,6 +49,10 @@ def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> li
     chunks: list[Chunk] = []
     for shard in shards[np.argsort(first_need, kind="stable")].tolist():
         indices = group_of[shard]
+        if source.read_whole:
+            begin, end = source.sample_begin[indices[0]], source.sample_end[indices[0]]
+            chunks.append(Chunk(source.urls[shard], int(begin), int(end), indices.tolist()))
+            continue
         breaks = np.flatnonzero(np.diff(indices) != 1) + 1
         for run in np.split(indices, breaks):
             chunks.extend(_split_run(source, shard, run, chunk_bytes))
@@ -168,7 +174,10 @@ class ShardStream:
             self.slots.release()
         if len(data) < end - start:
             raise ShardTruncated(f"{url} ends at byte {start + len(data)}, its index has a sample up to byte {end}")
-        return self.source.split_chunk(memoryview(data), start, [index])[index]
+        sample = self.source.split_chunk(memoryview(data), start, [index])[index]
+        if isinstance(sample, BaseException):
+            raise sample
+        return sample
 
     def _take(self, index: int) -> Any:
         more = self.repeats.get(index, 1) - 1
@@ -201,7 +210,10 @@ class ShardStream:
                 self._settle(index, error=error)
             return
         for index, sample in samples.items():
-            self._settle(index, sample)
+            if isinstance(sample, BaseException):  # the source's verdict on this sample alone
+                self._settle(index, error=sample)
+            else:
+                self._settle(index, sample)
 
     def _settle(self, index: int, sample: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
