@@ -49,7 +49,7 @@ def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> li
     chunks: list[Chunk] = []
     for shard in shards[np.argsort(first_need, kind="stable")].tolist():
         indices = group_of[shard]
-        if source.read_whole:
+        if getattr(source, "read_whole", False):
             begin, end = source.sample_begin[indices[0]], source.sample_end[indices[0]]
             chunks.append(Chunk(source.urls[shard], int(begin), int(end), indices.tolist()))
             continue
@@ -126,9 +126,12 @@ class ShardStream:
     """
 
     def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
-                 cache: Any = None) -> None:
+                 cache: Any = None, run_blocking: Any = None) -> None:
         self.source = source
         self.read_range = read_range  # async (url, start, end) -> bytes
+        # where a source that parses a whole shard (Parquet) does it: off the loop, which a
+        # row group's parse (tens of ms) would otherwise stall; tar's cuts stay on the loop
+        self.run_blocking = run_blocking if getattr(source, "read_whole", False) else None
         self.cache = cache  # the ShardCache behind read_range, if any: its downloads end with us
         self.chunks = plan.chunks
         self.chunk_of = np.full(len(source), -1, dtype=np.int32)
@@ -202,7 +205,10 @@ class ShardStream:
                 self.slots.release()
             if len(data) < chunk.end - chunk.start:
                 raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
-            samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
+            if self.run_blocking is not None:
+                samples = await self.run_blocking(self.source.split_chunk, memoryview(data), chunk.start, chunk.indices)
+            else:
+                samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
         except asyncio.CancelledError:
             raise
         except BaseException as error:
@@ -253,4 +259,4 @@ def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, co
                 return await reader.read_range(url, start, end)
             return await cache.read_range(url, start, end, sizes[url])
 
-    return ShardStream(source, plan, read_range, concurrent_reads, cache=cache)
+    return ShardStream(source, plan, read_range, concurrent_reads, cache=cache, run_blocking=reader.run_blocking)
