@@ -52,13 +52,19 @@ def compare(name: str, sources: dict[str, Any], batch_size: int, epochs: int, op
 
 
 def upload(endpoint_url: str, folder: Path, prefix: str) -> None:
-    """Copies ``folder``'s files to ``s3://asyncload-bench/<prefix>/``."""
+    """Copies ``folder``'s files to ``s3://asyncload-bench/<prefix>/``, then closes the client's
+    connections (left open, aiobotocore closes them at exit on a loop that is gone, noisily)."""
+    import fsspec.asyn
     import s3fs
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **storage_options(endpoint_url))
-    if not fs.exists("asyncload-bench"):
-        fs.mkdir("asyncload-bench")
-    fs.put(str(folder) + "/", f"asyncload-bench/{prefix}/", recursive=True)
+    try:
+        if not fs.exists("asyncload-bench"):
+            fs.mkdir("asyncload-bench")
+        fs.put(str(folder) + "/", f"asyncload-bench/{prefix}/", recursive=True)
+    finally:
+        session = fsspec.asyn.sync(fs.loop, fs.set_session)
+        fsspec.asyn.sync(fs.loop, session.close)
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ class RangeFile(io.RawIOBase):
         self.position = offset if whence == 0 else self.position + offset if whence == 1 else self.size + offset
         return self.position
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int = -1) -> memoryview:  # type: ignore[override]
         if size is None or size < 0:
             size = self.size - self.position
         size = min(size, self.size - self.position)
@@ -65,7 +65,7 @@ class RangeFile(io.RawIOBase):
             if offset <= self.position and self.position + size <= offset + len(view):
                 start = self.position - offset
                 self.position += size
-                return bytes(view[start : start + size])
+                return view[start : start + size]  # pyarrow takes any buffer: no copy of a whole row group
         raise ValueError(f"bytes [{self.position}, {self.position + size}) were not read (parsing a row group "
                          f"needs only its column chunks and the footer)")
 
