@@ -160,14 +160,15 @@ def test_bad_rows_are_skipped_or_raised_naming_the_row(tmp_path, processes):
             list(loader)
 
 
-def test_numeric_columns_come_as_batch_fields(tmp_path, jpeg_folder):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_numeric_columns_come_as_batch_fields(tmp_path, jpeg_folder, processes):
     items = list(image_folder(str(jpeg_folder)))[:6]
     table = pa.table({"image": [open(url, "rb").read() for url, _ in items], "label": [label for _, label in items],
                       "weight": pa.array([0.5 * i for i in range(6)], pa.float32()), "id": list(range(100, 106))})
     pq.write_table(table, tmp_path / "cols.parquet", row_group_size=4)
     source = parquet(str(tmp_path / "cols.parquet"), columns=["weight", "id"])
-    with AsyncLoader(source, batch_size=6, shuffle=False, decode=DECODE) as loader:
-        (fields, labels), = list(loader)
+    with AsyncLoader(source, batch_size=6, shuffle=False, decode=DECODE, processes=processes) as loader:
+        (fields, labels), = [({k: v.clone() for k, v in f.items()}, l.clone()) for f, l in loader]
     assert fields["image"].shape == (6, 32, 32, 3) and labels.tolist() == [label for _, label in items]
     assert fields["id"].tolist() == list(range(100, 106)) and fields["weight"].dtype == torch.float32
     assert fields["weight"].tolist() == [0.5 * i for i in range(6)]
