@@ -79,6 +79,13 @@ def test_every_row_once_with_its_label_in_one_ranged_read_per_row_group(parquet_
     assert stats["read/bytes"] == 2 * image_bytes < 2 * len(open(parquet_file, "rb").read())
 
 
+def test_a_row_group_larger_than_chunk_bytes_is_still_one_read(parquet_file):
+    """A row group is parsed whole: ``chunk_bytes`` (the cache's download size) never splits it."""
+    with AsyncLoader(parquet(parquet_file, chunk_bytes=1000), batch_size=6, decode=DECODE) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+        assert loader.stats.as_dict()["read/items"] == 5
+
+
 def test_pixels_equal_the_folder_loader(parquet_file, jpeg_folder):
     """Same JPEG bytes, same decode: a row of the file is the image from the folder."""
     with AsyncLoader(parquet(parquet_file), batch_size=24, shuffle=False, decode=DECODE) as loader:
