@@ -27,6 +27,8 @@ _PUBLIC = {
     "tar_shards": "asyncload.sources.shards",
     "write_shards": "asyncload.sources.writer",
     "index_shards": "asyncload.sources.writer",
+    "parquet": "asyncload.sources.parquet",
+    "write_parquet": "asyncload.sources.parquet_writer",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from .loader import AsyncLoader
     from .sources.items import Source, image_folder, list_files, manifest
     from .sources.mix import MixedSource, mix
+    from .sources.parquet import parquet
+    from .sources.parquet_writer import write_parquet
     from .sources.shards import tar_shards
     from .sources.writer import index_shards, write_shards
 

@@ -86,6 +86,17 @@ def make_tuner(stats: LoaderStats, pipes: Pipes, most_threads: int, auto_threads
     return AutoTuner(stats, thread_knob, io_knob)
 
 
+def default_decode(source: Sequence[Any], decode: Any) -> Any:
+    """The decode the runs use: the user's or ``ImageDecoder()``; for Parquet rows with
+    ``columns``, that image decode with the columns beside it (``{"image": ..., name: ...}``)."""
+    decode = decode if decode is not None else ImageDecoder()
+    if getattr(source, "columns", None) and isinstance(source, ShardSource):
+        from .sources.parquet import ColumnsDecoder
+
+        return ColumnsDecoder(decode)
+    return decode
+
+
 def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, drop_last: bool, threads: int,
                   cores: int, auto_threads: bool, io: int, prefetch: int, in_order: bool, on_error: str,
                   max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
@@ -93,7 +104,7 @@ def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: 
     """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
     cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
     return Settings(
-        source=source, read=read, decode=decode if decode is not None else ImageDecoder(),
+        source=source, read=read, decode=default_decode(source, decode),
         labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
         batch_size=batch_size, drop_last=drop_last,
         num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,

@@ -38,7 +38,9 @@ class Chunk:
 def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> list[Chunk]:
     """Ranged reads for the samples ``wanted`` (sample numbers in the order the epoch needs them):
     shards in the order of their first need, and within a shard runs of neighbouring samples,
-    each read at most ``chunk_bytes`` long (a sample larger than that is read alone)."""
+    each read at most ``chunk_bytes`` long (a sample larger than that is read alone). A source
+    that is parsed a shard at a time (``read_whole``: Parquet row groups) reads each shard's
+    wanted samples in one read of the shard."""
     unique = np.flatnonzero(np.bincount(wanted, minlength=len(source)))  # ascending: storage order, so by shard
     shard_of = source.shard_of[unique]
     groups = np.split(unique, np.flatnonzero(np.diff(shard_of)) + 1) if len(unique) else []
@@ -47,6 +49,10 @@ def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> li
     chunks: list[Chunk] = []
     for shard in shards[np.argsort(first_need, kind="stable")].tolist():
         indices = group_of[shard]
+        if getattr(source, "read_whole", False):
+            begin, end = source.sample_begin[indices[0]], source.sample_end[indices[0]]
+            chunks.append(Chunk(source.urls[shard], int(begin), int(end), indices.tolist()))
+            continue
         breaks = np.flatnonzero(np.diff(indices) != 1) + 1
         for run in np.split(indices, breaks):
             chunks.extend(_split_run(source, shard, run, chunk_bytes))
@@ -120,9 +126,12 @@ class ShardStream:
     """
 
     def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
-                 cache: Any = None) -> None:
+                 cache: Any = None, run_blocking: Any = None) -> None:
         self.source = source
         self.read_range = read_range  # async (url, start, end) -> bytes
+        # where a source that parses a whole shard (Parquet) does it: off the loop, which a
+        # row group's parse (tens of ms) would otherwise stall; tar's cuts stay on the loop
+        self.run_blocking = run_blocking if getattr(source, "read_whole", False) else None
         self.cache = cache  # the ShardCache behind read_range, if any: its downloads end with us
         self.chunks = plan.chunks
         self.chunk_of = np.full(len(source), -1, dtype=np.int32)
@@ -168,7 +177,10 @@ class ShardStream:
             self.slots.release()
         if len(data) < end - start:
             raise ShardTruncated(f"{url} ends at byte {start + len(data)}, its index has a sample up to byte {end}")
-        return self.source.split_chunk(memoryview(data), start, [index])[index]
+        sample = self.source.split_chunk(memoryview(data), start, [index])[index]
+        if isinstance(sample, BaseException):
+            raise sample
+        return sample
 
     def _take(self, index: int) -> Any:
         more = self.repeats.get(index, 1) - 1
@@ -193,7 +205,10 @@ class ShardStream:
                 self.slots.release()
             if len(data) < chunk.end - chunk.start:
                 raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
-            samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
+            if self.run_blocking is not None:
+                samples = await self.run_blocking(self.source.split_chunk, memoryview(data), chunk.start, chunk.indices)
+            else:
+                samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
         except asyncio.CancelledError:
             raise
         except BaseException as error:
@@ -201,7 +216,10 @@ class ShardStream:
                 self._settle(index, error=error)
             return
         for index, sample in samples.items():
-            self._settle(index, sample)
+            if isinstance(sample, BaseException):  # the source's verdict on this sample alone
+                self._settle(index, error=sample)
+            else:
+                self._settle(index, sample)
 
     def _settle(self, index: int, sample: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
@@ -241,4 +259,4 @@ def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, co
                 return await reader.read_range(url, start, end)
             return await cache.read_range(url, start, end, sizes[url])
 
-    return ShardStream(source, plan, read_range, concurrent_reads, cache=cache)
+    return ShardStream(source, plan, read_range, concurrent_reads, cache=cache, run_blocking=reader.run_blocking)

@@ -61,6 +61,8 @@ class ShardSource(Sequence):
     remote shards on local disk, at most ``cache_bytes`` (see ``cache.py``).
     """
 
+    read_whole = False  # True: a shard is parsed whole (a Parquet row group), one read per shard
+
     def __init__(
         self,
         index: dict[str, Any],
@@ -134,7 +136,8 @@ class ShardSource(Sequence):
     def split_chunk(self, view: memoryview, base: int, indices: list[int]) -> dict[int, Any]:
         """What each sample of ``indices`` reads as, cut from ``view``, the bytes of its shard
         from offset ``base`` on (one ranged read): the image member's bytes, or with
-        ``members="all"`` a dict ``{extension: bytes}``. Each is a copy, so a sample that waits
+        ``members="all"`` a dict ``{extension: bytes}``. (A source may give an exception for a
+        sample instead: that sample's read fails with it.) Each is a copy, so a sample that waits
         long in the shuffle does not keep the whole read alive."""
         if self.members == "image":
             out = {}

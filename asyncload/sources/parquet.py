@@ -1,0 +1,241 @@
+"""Parquet files (a folder or bucket prefix of ``*.parquet``, including the layout Hugging Face
+``datasets`` writes: ``data/train-00000-of-00004.parquet``, the image column as bytes or as a
+``{"bytes", "path"}`` struct) read as a tar shard set is: row groups play the shards' role.
+
+Why it is a ``ShardSource``: the order (``ShardSampler``: row groups shuffled from ``(seed,
+epoch)``, a contiguous part per rank, a buffer shuffle within), the read plan (one ranged read
+per row group, of its image column chunk only), the processes' chunk ownership, resume and the
+disk cache (``cache_dir``) are the tar shards' code, unchanged. What differs is how a read's
+bytes become samples (``split_chunk``: pyarrow parses the row group from the ranged read and the
+footer) and what is read up front: each file's footer, and the label and numeric ``columns=`` of
+every row group (small: a few bytes a row), so labels are known before any image is read, as a
+tar shard index knows them.
+
+A row whose image or label (or a ``columns=`` value) is null fails its read, naming the row
+(``file.parquet#row``), and follows ``on_error`` like any unreadable sample.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from .parquet_files import (TAIL_BYTES, column_values, footer_of, leaf_range, list_parquet, metadata_of,
+                            pyarrow_parquet, read_group, read_ranges)
+from .shards import ShardSample, ShardSource
+
+
+class ParquetSource(ShardSource):
+    """The rows of Parquet files as ``(ShardSample, label)`` items (``ShardSample`` items with
+    ``label=None``); a row reads as its image's bytes, or with ``columns`` as ``(bytes, {name:
+    value})`` (the loader then gives each batch as ``({"image": images, name: values}, labels)``).
+    Build it with ``parquet(url)``. ``shuffle_buffer``, ``chunk_bytes`` (here: the cache's
+    download size), ``cache_dir`` and ``cache_bytes`` are ``ShardSource``'s."""
+
+    read_whole = True  # a row group is parsed whole: one read per row group, never split
+
+    def __init__(self, files: Sequence[tuple[str, int]], image: str = "image", label: str | None = "label", *,
+                 columns: Sequence[str] | None = None, storage_options: dict | None = None,
+                 shuffle_buffer: int = 1000, chunk_bytes: int = 16 << 20, cache_dir: str | None = None,
+                 cache_bytes: int = 64 << 30, timeout: float | None = None, retries: int | None = None) -> None:
+        self.storage_options = storage_options
+        self.members = "image"
+        self.shuffle_buffer = max(1, shuffle_buffer)
+        self.chunk_bytes = chunk_bytes
+        self.cache_dir = cache_dir
+        self.cache_bytes = cache_bytes
+        self.image, self.label, self.columns = image, label, list(columns or [])
+        self.files = [url for url, _ in files]
+        self.file_bytes = np.array([size for _, size in files], dtype=np.int64)
+        self.footers = self._read_footers(timeout, retries)
+        self._metadata: dict[int, Any] = {}
+        self._index_groups()
+        self._read_small_columns(timeout, retries)
+
+    def _read_footers(self, timeout: float | None, retries: int | None) -> list[bytes]:
+        sizes = self.file_bytes.tolist()
+        starts = [max(0, size - TAIL_BYTES) for size in sizes]
+        tails = read_ranges(self.files, starts, sizes, self.storage_options, timeout, retries)
+        footers = [footer_of(tail, url) for tail, url in zip(tails, self.files)]
+        long = [n for n, footer in enumerate(footers) if not footer]  # a footer larger than the tail
+        if long:
+            ends = [sizes[n] for n in long]
+            whole = read_ranges([self.files[n] for n in long], [0] * len(long), ends, self.storage_options, timeout, retries)
+            for n, data in zip(long, whole):
+                footers[n] = footer_of(data, self.files[n])
+        return footers
+
+    def metadata(self, file: int) -> Any:
+        """File ``file``'s ``FileMetaData``, parsed once per process from its footer."""
+        if file not in self._metadata:
+            self._metadata[file] = metadata_of(self.footers[file])
+        return self._metadata[file]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_metadata": {}}  # footers travel as bytes; each process parses its own
+
+    def _index_groups(self) -> None:
+        """Row groups as shards: their file, number, rows and image chunk's byte range."""
+        group_file, group_number, rows, begin, end, leaves = [], [], [], [], [], []
+        self.classes: list[str] = []
+        for file, url in enumerate(self.files):
+            metadata = self.metadata(file)
+            leaf = self._image_leaf(metadata, url)
+            leaves.append(leaf)
+            if not self.classes:
+                self.classes = _class_names(metadata, self.label)
+            for number in range(metadata.num_row_groups):
+                group = metadata.row_group(number)
+                if group.num_rows == 0:
+                    continue
+                start, stop = leaf_range(group, [leaf])
+                group_file.append(file), group_number.append(number), rows.append(group.num_rows)
+                begin.append(start), end.append(stop)
+        self.image_leaf = leaves
+        self.group_file = np.array(group_file, dtype=np.int32)
+        self.group_number = np.array(group_number, dtype=np.int32)
+        self.urls = [self.files[f] for f in group_file]
+        self.shard_bytes = self.file_bytes[self.group_file] if group_file else np.zeros(0, np.int64)
+        counts = np.array(rows, dtype=np.int64)
+        self.shard_of = np.repeat(np.arange(len(rows), dtype=np.int32), counts)
+        self.shard_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.sample_begin = np.repeat(np.array(begin, dtype=np.int64), counts)
+        self.sample_end = np.repeat(np.array(end, dtype=np.int64), counts)
+        file_rows = np.bincount(self.group_file, weights=counts, minlength=len(self.files)).astype(np.int64)
+        self.file_first = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
+
+    def _image_leaf(self, metadata: Any, url: str) -> str:
+        """The column chunk that holds the image bytes: ``image``, or ``image.bytes`` for HF's struct."""
+        import pyarrow as pa
+
+        schema = metadata.schema.to_arrow_schema()
+        names = schema.names
+        for name in [self.image, *([self.label] if self.label else []), *self.columns]:
+            if name not in names:
+                raise KeyError(f"{url} has no column {name!r} (its columns: {', '.join(names)})"
+                               + ("; pass label=None for unlabelled rows" if name == self.label else ""))
+        kind = schema.field(self.image).type
+        if pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0:
+            return f"{self.image}.bytes"
+        if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+            return self.image
+        raise TypeError(f"{url}: column {self.image!r} is {kind}, not image bytes (binary, or a struct with 'bytes')")
+
+    def _read_small_columns(self, timeout: float | None, retries: int | None) -> None:
+        """The label and ``columns`` of every row group, one ranged read each, as arrays."""
+        names = [*([self.label] if self.label else []), *self.columns]
+        self.values: dict[str, np.ndarray] = {}
+        self.nulls = np.zeros(len(self), dtype=bool)
+        self._null_columns: dict[str, np.ndarray] = {}
+        if not names:
+            self.labels = None
+            return
+        ranges = [leaf_range(self.metadata(f).row_group(n), names)
+                  for f, n in zip(self.group_file.tolist(), self.group_number.tolist())]
+        datas = read_ranges(self.urls, [r[0] for r in ranges], [r[1] for r in ranges], self.storage_options, timeout, retries)
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        masks: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        for group, ((start, _), data) in enumerate(zip(ranges, datas)):
+            file = int(self.group_file[group])
+            table = read_group(self.metadata(file), int(self.file_bytes[file]), self.footers[file],
+                               int(self.group_number[group]), [(start, data)], names)
+            for name in names:
+                values, nulls = column_values(table, name)
+                parts[name].append(values)
+                masks[name].append(np.zeros(len(values), bool) if nulls is None else nulls)
+        for name in names:
+            self.values[name] = np.concatenate(parts[name]) if parts[name] else np.zeros(0)
+            mask = np.concatenate(masks[name]) if masks[name] else np.zeros(0, bool)
+            if mask.any():
+                self._null_columns[name] = mask
+                self.nulls |= mask
+        self.labels = self.values.pop(self.label).astype(np.int64) if self.label else None
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        index = int(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"ParquetSource index {index} out of range for {len(self)} rows")
+        index %= len(self)
+        file = int(self.group_file[self.shard_of[index]])
+        sample = ShardSample(self.files[file], str(index - int(self.file_first[file])), index)
+        return sample if self.labels is None else (sample, int(self.labels[index]))
+
+    def __len__(self) -> int:
+        return int(self.shard_first[-1])
+
+    def __repr__(self) -> str:
+        return f"ParquetSource({len(self)} rows in {len(self.urls)} row groups of {len(self.files)} files)"
+
+    def split_chunk(self, view: memoryview, base: int, indices: list[int]) -> dict[int, Any]:
+        """Each row of ``indices`` (all of one row group) as it reads: its image's bytes (with
+        ``columns``, ``(bytes, {name: value})``), or the ValueError that fails a null row. pyarrow
+        parses the row group's image chunk from ``view`` (its bytes from offset ``base``) and the
+        footer; each image is a copy, so a row waiting in the shuffle does not hold the read."""
+        group = int(self.shard_of[indices[0]])
+        file = int(self.group_file[group])
+        table = read_group(self.metadata(file), int(self.file_bytes[file]), self.footers[file],
+                           int(self.group_number[group]), [(base, view)], [self.image_leaf[file]])
+        column = table.column(0).combine_chunks()
+        if self.image_leaf[file] != self.image:
+            column = column.flatten()[0]  # the struct's "bytes" (the only child read), null where the struct is
+        images = column.to_pylist()
+        first = int(self.shard_first[group])
+        out: dict[int, Any] = {}
+        for index in indices:
+            image = images[index - first]
+            if image is None or self.nulls[index]:
+                row = index - int(self.file_first[file])
+                out[index] = ValueError(f"row {row} of {self.files[file]}: {self._null_what(index, image is None)} is null")
+            elif self.columns:
+                out[index] = (image, {name: self.values[name][index] for name in self.columns})
+            else:
+                out[index] = image
+        return out
+
+    def _null_what(self, index: int, image: bool) -> str:
+        names = [self.image] if image else []
+        names += [name for name, mask in self._null_columns.items() if mask[index]]
+        return "column " + ", ".join(repr(name) for name in names)
+
+
+class ColumnsDecoder:
+    """A row with ``columns``, ``(image bytes, {name: value})`` -> ``{"image": decoded, name:
+    value}``: the image through ``decode`` (the user's or the default), the numbers as they are,
+    so each becomes a batch field (a tensor of ``[batch]``)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode
+
+    def __call__(self, row: tuple[bytes, dict[str, Any]]) -> dict[str, Any]:
+        image, values = row
+        return {"image": self.decode(image), **{name: np.asarray(value) for name, value in values.items()}}
+
+
+def _class_names(metadata: Any, label: str | None) -> list[str]:
+    """The label's class names where Hugging Face ``datasets`` recorded them (a ClassLabel)."""
+    raw = (metadata.metadata or {}).get(b"huggingface")
+    if not raw or not label:
+        return []
+    try:
+        feature = json.loads(raw)["info"]["features"][label]
+        return list(feature.get("names", [])) if feature.get("_type") == "ClassLabel" else []
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def parquet(url: str | Sequence[str], image: str = "image", label: str | None = "label", *,
+            columns: Sequence[str] | None = None, storage_options: dict | None = None,
+            timeout: float | None = None, retries: int | None = None, **options: Any) -> ParquetSource:
+    """The rows of the Parquet files at ``url``: a file, a folder or bucket prefix (every
+    ``*.parquet`` under it), a glob (``.../data/train-*.parquet``: one split of a Hugging Face
+    dataset) or a list of them. ``image``: the column of encoded images (binary, or HF's
+    ``{"bytes", "path"}`` struct); ``label``: an integer column (None: no labels); ``columns``:
+    numeric columns delivered as batch fields. Reads each file's footer and the small columns now
+    (ranged reads); the images are read by the loader, one ranged read per row group. ``options``
+    are ``ShardSource``'s: ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
+    pyarrow_parquet()
+    files = list_parquet(url, storage_options, timeout, retries)
+    return ParquetSource(files, image, label, columns=columns, storage_options=storage_options,
+                         timeout=timeout, retries=retries, **options)
