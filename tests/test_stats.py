@@ -69,8 +69,14 @@ def test_cpu_bound_decode_is_named():
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the GIL shows only with two cores or more")
 def test_a_decode_that_holds_the_gil_is_named():
-    loader = run(False, python_decode, n=400, batch_size=8, num_threads=2)
-    name, evidence = diagnose(loader.stats.as_dict())
+    """The verdict needs a core the decode threads could have used: while other processes take
+    about one core of two (a shared CI box), "decode CPU" is the right answer. Such a run is
+    measured again, up to three times; an uncontended run must say GIL."""
+    for _ in range(3):
+        figures = run(False, python_decode, n=400, batch_size=8, num_threads=2).stats.as_dict()
+        if figures["other_processes_cpu_seconds"] / figures["active_seconds"] < 0.3:
+            break
+    name, evidence = diagnose(figures)
     assert name == "GIL", evidence
 
 
