@@ -64,10 +64,11 @@ def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
 def make_sampler(source: Sequence[Any], batch_size: int, read: Any, decode: Any, **order: Any) -> EpochSampler:
     """The epoch's order over ``source``: a tar shard source's keeps each rank on a few shards; a
     mix's is its seeded mixed sequence."""
+    if isinstance(source, ShardSource):  # a mix of shard sources too
+        check_shard_arguments(source, read, decode)
     if isinstance(source, MixedSource):
         return MixSampler(source, batch_size, **order)
     if isinstance(source, ShardSource):
-        check_shard_arguments(source, read, decode)
         return ShardSampler(source, batch_size, **order)
     return EpochSampler(len(source), batch_size, **order)
 

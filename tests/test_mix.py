@@ -6,6 +6,7 @@ for labels and source ids, ``processes=0`` and ``processes=2`` where a loader ru
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 
@@ -13,9 +14,9 @@ import numpy as np
 import pytest
 
 import asyncload
-from asyncload import AsyncLoader, ImageDecoder, image_folder, mix
+from asyncload import AsyncLoader, ImageDecoder, image_folder, mix, parquet, tar_shards, write_parquet, write_shards
 from asyncload.sources.mix import name_key
-from tests.conftest import CLASSES, identify
+from tests.conftest import CLASSES, PER_CLASS, identify
 
 
 def as_array(item: int) -> np.ndarray:
@@ -60,8 +61,16 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
     from asyncload.sources.shards import ShardSource
 
     shards = ShardSource.__new__(ShardSource)  # refused by its type, before anything is read
-    with pytest.raises(TypeError, match="source 'b' is a ShardSource: only item sources"):
+    with pytest.raises(TypeError, match=r"shard sources mix only with shard sources of the same kind .* "
+                                         r"\{'a': 'items', 'b': 'ShardSource'\}"):
         mix({"a": a, "b": shards}, {"a": 1, "b": 1})
+    from asyncload.sources.parquet import ParquetSource
+
+    rows = ParquetSource.__new__(ParquetSource)
+    with pytest.raises(TypeError, match=r"\{'a': 'ShardSource', 'b': 'ParquetSource'\}"):
+        mix({"a": shards, "b": rows}, {"a": 1, "b": 1})
+    with pytest.raises(TypeError, match="source 'b' is a MixedSource: a mix cannot be mixed again"):
+        mix({"a": a, "b": mix({"c": a}, {"c": 1})}, {"a": 1, "b": 1})
 
 
 # ----- the sequence -----
@@ -225,3 +234,116 @@ def test_stats_count_the_samples_handed_out_per_source(processes):
     assert counted["b"] - 60 == 64 - (counted["a"] - 100)
     assert figures["mix/a/samples"] == counted["a"] and figures["mix/b/samples"] == counted["b"]
     assert np.bincount(ids).tolist() == [100, 60]
+
+
+# ----- shard sources: tar shards, Parquet files -----
+
+HALF = len(CLASSES) * PER_CLASS // 2  # the test JPEGs split in two halves of 12
+SHARD = 5  # samples per shard (row group): each half is 3 shards of 5, 5, 2
+
+
+@pytest.fixture(scope="module")
+def two_shard_sets(jpeg_folder, tmp_path_factory):
+    """The two halves of the test JPEGs, each as its own tar shard set of ``SHARD`` samples."""
+    items = list(image_folder(str(jpeg_folder)))
+    root = tmp_path_factory.mktemp("mixshards")
+    for name, part in (("first", items[:HALF]), ("second", items[HALF:])):
+        write_shards(part, str(root / name), samples_per_shard=SHARD)
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_parquet_files(jpeg_folder, tmp_path_factory):
+    """The same halves as two Parquet files of ``SHARD``-row row groups."""
+    items = list(image_folder(str(jpeg_folder)))
+    root = tmp_path_factory.mktemp("mixparquet")
+    return [write_parquet(part, str(root / f"{name}.parquet"), rows_per_group=SHARD)
+            for name, part in (("first", items[:HALF]), ("second", items[HALF:]))]
+
+
+def shard_mix(kind: str, where, **options) -> asyncload.MixedSource:
+    if kind == "tar":
+        sources = {name: tar_shards(str(where / name), **options) for name in ("first", "second")}
+    else:
+        sources = {name: parquet(path, **options) for name, path in zip(("first", "second"), where)}
+    return mix(sources, {"first": 1, "second": 1}, seed=3, stop="all")
+
+
+def delivered_with_ids(loader: AsyncLoader, batches: int | None = None) -> list[tuple[int, int, int]]:
+    """(source id, class, index) of each image of a pass; checks each label against its image."""
+    seen = []
+    for count, (images, labels, ids) in enumerate(loader, 1):
+        for image, label, source_id in zip(images.numpy(), labels.tolist(), ids.tolist()):
+            true_class, index = identify(image)
+            assert label == true_class
+            seen.append((source_id, true_class, index))
+        if count == batches:
+            break
+    return seen
+
+
+def expected_images() -> list[tuple[int, int, int]]:
+    """Every test image once, with the number of the half (source) that holds it."""
+    ordered = [(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)]  # image_folder's order
+    return sorted((int(n >= HALF), label, index) for n, (label, index) in enumerate(ordered))
+
+
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
+@pytest.mark.parametrize("processes", [0, 2])
+def test_shard_sources_mix_every_image_once_in_about_one_read_per_shard(kind, processes, two_shard_sets,
+                                                                        two_parquet_files):
+    mixed = shard_mix(kind, two_shard_sets if kind == "tar" else two_parquet_files, shuffle_buffer=4)
+    assert len(mixed) == 2 * HALF and len(mixed.urls) == 6  # one shard set of both halves' shards
+    with AsyncLoader(mixed, batch_size=5, decode=ImageDecoder(16), num_threads=2, processes=processes) as loader:
+        seen = delivered_with_ids(loader)
+        order = loader.sampler.order(0)
+        reads = loader.stats.as_dict()["read/items"]
+        assert sorted(seen) == expected_images()
+        assert [source_id for source_id, _, _ in seen] == mixed.source_of(order).tolist()
+        assert reads == 6, "one ranged read per shard, not one per sample"
+        assert sorted(delivered_with_ids(loader)) == expected_images()  # a second epoch, another order
+        assert loader.stats.as_dict()["read/items"] == 12
+        assert loader.stats.sources == {"first": 2 * HALF, "second": 2 * HALF}
+
+
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
+def test_a_shard_mix_resumes_mid_epoch_with_the_exact_rest(kind, two_shard_sets, two_parquet_files):
+    where = two_shard_sets if kind == "tar" else two_parquet_files
+    kwargs = dict(batch_size=4, decode=ImageDecoder(16), num_threads=2, seed=1)
+    with AsyncLoader(shard_mix(kind, where), **kwargs) as loader:
+        loader.set_epoch(2)
+        whole = delivered_with_ids(loader)
+    with AsyncLoader(shard_mix(kind, where), **kwargs) as loader:
+        loader.set_epoch(2)
+        head = delivered_with_ids(loader, batches=3)
+        state = json.loads(json.dumps(loader.state_dict()))
+    with AsyncLoader(shard_mix(kind, where), **kwargs) as loader:
+        loader.load_state_dict(state)
+        rest = delivered_with_ids(loader)
+    assert head == whole[:12] and rest == whole[12:]
+    with AsyncLoader(shard_mix(kind, where, shuffle_buffer=2), **kwargs) as changed:
+        with pytest.raises(ValueError, match="mix"):
+            changed.load_state_dict(state)  # another shuffle buffer: another order
+
+
+def test_each_source_of_a_shard_mix_comes_in_its_shard_order(two_shard_sets):
+    """Within a source, shards one after another (then a buffer shuffle, here of one sample):
+    neighbouring draws of a source share a shard, so a run reads few shards at once."""
+    mixed = shard_mix("tar", two_shard_sets, shuffle_buffer=1)
+    sequence = mixed.sequence(epoch=0)
+    assert sorted(sequence.tolist()) == list(range(2 * HALF))
+    for number in range(2):
+        shards = mixed.shard_of[sequence[mixed.source_of(sequence) == number]]
+        changes = np.flatnonzero(np.diff(shards)) + 1
+        assert len(changes) == 2 and len(set(shards.tolist())) == 3  # each of its 3 shards in one stretch
+    assert not np.array_equal(sequence, mixed.sequence(epoch=1))
+
+
+def test_ranks_take_contiguous_disjoint_parts_of_a_shard_mix(two_shard_sets):
+    mixed = shard_mix("tar", two_shard_sets)
+    with AsyncLoader(mixed, batch_size=4, decode=ImageDecoder(16), rank=0, world_size=2) as first, \
+            AsyncLoader(mixed, batch_size=4, decode=ImageDecoder(16), rank=1, world_size=2) as second:
+        orders = [first.sampler.order(0), second.sampler.order(0)]
+        sequence = first.sampler.permutation(0)
+        assert np.array_equal(np.concatenate(orders), sequence)
+        assert sorted(delivered_with_ids(first) + delivered_with_ids(second)) == expected_images()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..sources.mix import MixedSource
+from ..sources.shards import ShardSource
 from .sampler import EpochSampler, deal
 
 
@@ -35,7 +36,17 @@ class MixSampler(EpochSampler):
         return self._cached[1]
 
     def order(self, epoch: int) -> np.ndarray:
-        return deal(self.permutation(epoch), self.rank, self.world_size, self.drop_last)
+        """This rank's part: dealt as ``DistributedSampler`` does; for a mix of shard sources a
+        contiguous part of the sequence (same lengths and padding), so that each rank reads a
+        stretch of each source's shard order, not every ``world_size``-th sample of every shard
+        (which would break each shard's chunks into reads of a sample or two)."""
+        sequence = self.permutation(epoch)
+        if not isinstance(self.source, ShardSource) or self.world_size == 1:
+            return deal(sequence, self.rank, self.world_size, self.drop_last)
+        per_rank = self.samples_per_rank
+        if per_rank * self.world_size > len(sequence) and len(sequence) > 0:
+            sequence = np.resize(sequence, per_rank * self.world_size)  # pads by repeating from the start
+        return np.asarray(sequence[self.rank * per_rank : (self.rank + 1) * per_rank], dtype=np.int64)
 
     def orders_at(self, epoch: int, world_size: int) -> list[np.ndarray]:
         """Elastic resume counts source indices left, which a mix may repeat (``"never"``): not

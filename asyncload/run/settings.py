@@ -21,6 +21,7 @@ from ..device import DeviceStage
 from ..errors import SampleError
 from ..sources.items import is_labelled
 from ..sources.mix import MixedSource
+from ..sources.shards import ShardSource
 from ..stats.figures import LoaderStats
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
@@ -30,19 +31,23 @@ def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any,
     """The source item at ``index`` -> (what to read, label or None). In a mix, the label is a
     tuple of the extra int64 fields the rows take: ``(label, source number)``, or
     ``(source number,)`` for unlabelled items (``jobs.write_label`` writes them)."""
-    if type(source) is MixedSource:
+    number = None
+    if isinstance(source, MixedSource):
         part, local, number = source.locate(index)
-        key, label = split(part, labelled_items, local)
-        return key, (number,) if label is None else (label, number)
+        if not isinstance(source, ShardSource):  # a shard mix's own items carry the mix's index: its stream reads by it
+            source, index = part, local
     try:
         item = source[index]
     except Exception as error:
         raise SampleError(f"source[{index}]", "source", error) from error
-    if not labelled_items:
-        return item, None
-    if not is_labelled(item):
-        raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
-    return item[0], int(item[1])
+    label = None
+    if labelled_items:
+        if not is_labelled(item):
+            raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
+        item, label = item[0], int(item[1])
+    if number is None:
+        return item, label
+    return item, (number,) if label is None else (label, number)
 
 
 @dataclass

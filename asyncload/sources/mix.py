@@ -130,11 +130,16 @@ class MixedSource(Sequence):
             rows = np.flatnonzero(ids == number)
             size = int(self.lengths[number])
             cycles = -(-len(rows) // size) if size else 0
-            orders = [np.random.default_rng([self.seed, seed, epoch, name_key(name), cycle]).permutation(size)
+            orders = [self.own_order(number, np.random.default_rng([self.seed, seed, epoch, name_key(name), cycle]))
                       if shuffle else np.arange(size) for cycle in range(cycles)]
             items = np.concatenate(orders)[: len(rows)] if orders else np.zeros(0, dtype=np.int64)
             out[rows] = self.offsets[number] + items
         return out
+
+    def own_order(self, number: int, rng: np.random.Generator) -> np.ndarray:
+        """One shuffled pass over source ``number``'s items (its local indices): a permutation
+        here; shard sources read in shard order (``MixedShards``)."""
+        return rng.permutation(int(self.lengths[number]))
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}: {len(s)} items x {w:.3g}" for n, s, w in zip(self.names, self.sources, self.weights))
@@ -147,7 +152,8 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
     ``AsyncLoader`` as its source.
 
     The draw is seeded: the same ``seed``, loader ``seed``, epoch and rank give the same sequence;
-    within a source, items come in its own shuffled order from ``(seed, epoch, name)``. With
+    within a source, items come in its own shuffled order from ``(seed, epoch, name)`` (for shard
+    sources a shard order: shards shuffled, then a buffer shuffle, so reads stay large). With
     ``stop="first"`` and ``"never"`` each source gives exactly its weighted share of the epoch, in
     a seeded order; with ``"all"`` each sample's source is drawn by weight, a source that runs out
     drops out and the others' weights are renormalised.
@@ -161,8 +167,8 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
 
     Args:
         sources (dict of str -> source): name -> a source: ``image_folder``, ``list_files``,
-            ``manifest`` or any sized, indexable sequence of items (``tar_shards`` is not mixed).
-            All labelled or none.
+            ``manifest`` or any sized, indexable sequence of items; or all ``tar_shards``, or all
+            ``parquet`` (read as one shard set: see ``mix_shards.py``). All labelled or none.
         weights (dict of str -> float): the same names, positive numbers, normalised to sum 1.
         seed (int): the draw's and the sources' shuffles' seed (the loader's ``seed`` is added).
         stop ("first", "all" or "never"): when an epoch ends: "first" as soon as one source
@@ -175,7 +181,8 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
         ValueError: names that differ between ``sources`` and ``weights``, a weight that is not
             a positive number, an empty source, labelled and unlabelled sources mixed, a ``stop``
             or ``length`` that does not fit.
-        TypeError: a source that is a ``tar_shards`` (or another mix).
+        TypeError: another mix as a source; shard sources mixed with item sources, or
+            ``tar_shards`` with ``parquet``.
     """
     from .shards import ShardSource
 
@@ -184,6 +191,12 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
     if set(sources) != set(weights):
         raise ValueError(f"mix(): weights must name exactly the sources: sources {sorted(sources)}, "
                          f"weights {sorted(weights)}")
+    kinds = {type(source) if isinstance(source, ShardSource) else None for source in sources.values()}
+    if len(kinds) > 1:  # one shard stream reads a shard mix: every source must read the same way
+        found = {name: type(source).__name__ if isinstance(source, ShardSource) else "items"
+                 for name, source in sources.items()}
+        raise TypeError(f"mix(): shard sources mix only with shard sources of the same kind (all tar_shards or all "
+                        f"parquet), not with each other or with item sources: {found}")
     for name in sources:
         if not isinstance(name, str):
             raise ValueError(f"mix(): source names must be strings, got {name!r}")
@@ -192,9 +205,8 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
                 or not np.isfinite(weight) or weight <= 0:
             raise ValueError(f"mix(): the weight of {name!r} must be a positive number, got {weight!r}")
         source = sources[name]
-        if isinstance(source, (ShardSource, MixedSource)):
-            raise TypeError(f"mix(): source {name!r} is a {type(source).__name__}: only item sources (image_folder, "
-                            "list_files, manifest, a list of items) can be mixed")
+        if isinstance(source, MixedSource):
+            raise TypeError(f"mix(): source {name!r} is a {type(source).__name__}: a mix cannot be mixed again")
         if len(source) == 0:
             raise ValueError(f"mix(): source {name!r} is empty")
     labelled = {name: is_labelled(sources[name][0]) for name in sources}
@@ -206,4 +218,8 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
         raise ValueError(f"mix(stop='never') needs length=, a positive number of samples per epoch, got {length!r}")
     if stop != "never" and length is not None:
         raise ValueError(f"mix(): length= is for stop='never' (stop={stop!r} decides the epoch's length)")
-    return MixedSource(sources, weights, seed, stop, length)
+    if kinds == {None}:
+        return MixedSource(sources, weights, seed, stop, length)
+    from .mix_shards import MixedShards
+
+    return MixedShards(sources, weights, seed, stop, length)
