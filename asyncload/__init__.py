@@ -23,7 +23,7 @@ _PUBLIC = {
     "list_files": "asyncload.sources.items",
     "manifest": "asyncload.sources.items",
     "mix": "asyncload.sources.mix",
-    "MixedSource": "asyncload.sources.mix",
+    "MixedSource": "asyncload.sources.mixed",
     "tar_shards": "asyncload.sources.shards",
     "write_shards": "asyncload.sources.writer",
     "index_shards": "asyncload.sources.writer",
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from .errors import SampleError, StorageError, TooManyFailures
     from .loader import AsyncLoader
     from .sources.items import Source, image_folder, list_files, manifest
-    from .sources.mix import MixedSource, mix
+    from .sources.mix import mix
+    from .sources.mixed import MixedSource
     from .sources.parquet import parquet
     from .sources.parquet_writer import write_parquet
     from .sources.shards import tar_shards

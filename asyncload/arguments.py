@@ -18,7 +18,7 @@ from .order.shard_order import ShardSampler
 from .run.pipes import Pipes
 from .run.settings import Settings
 from .sources.items import is_labelled
-from .sources.mix import MixedSource
+from .sources.mixed import MixedSource
 from .sources.shards import ShardSource
 from .stats.figures import LoaderStats
 

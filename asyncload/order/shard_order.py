@@ -12,30 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..sources.shards import ShardSource
+from ..sources.shards import ShardSource, buffer_shuffle
 from .sampler import EpochSampler
-
-
-def buffer_shuffle(stream: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
-    """What a streaming shuffle buffer of ``size`` outputs for ``stream``: each step emits a
-    random sample of the buffer and puts the next one of the stream in its place. So the sample
-    at output position ``p`` was at most ``p + size`` samples into the stream: reading the stream
-    in order, about ``size`` samples wait in memory."""
-    values = stream.tolist()
-    buffer = values[:size]
-    picks = rng.random(len(values)).tolist()
-    out = []
-    upcoming = size
-    for pick in picks:
-        slot = int(pick * len(buffer))
-        out.append(buffer[slot])
-        if upcoming < len(values):
-            buffer[slot] = values[upcoming]
-            upcoming += 1
-        else:
-            buffer[slot] = buffer[-1]
-            buffer.pop()
-    return np.array(out, dtype=np.int64)
 
 
 class ShardSampler(EpochSampler):

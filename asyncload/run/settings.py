@@ -20,7 +20,7 @@ from ..batch.layout import Field, SampleLayout
 from ..device import DeviceStage
 from ..errors import SampleError
 from ..sources.items import is_labelled
-from ..sources.mix import MixedSource
+from ..sources.mixed import MixedSource
 from ..sources.shards import ShardSource
 from ..stats.figures import LoaderStats
 

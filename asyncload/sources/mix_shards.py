@@ -23,10 +23,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..order.shard_order import buffer_shuffle
 from .items import checked_index
-from .mix import MixedSource
-from .shards import ShardSample, ShardSource
+from .mixed import MixedSource
+from .shards import ShardSample, ShardSource, buffer_shuffle
 
 
 def _same(parts: Sequence[ShardSource], what: str) -> Any:

@@ -37,6 +37,28 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 LABEL_MEMBER = "cls"
 
 
+def buffer_shuffle(stream: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """What a streaming shuffle buffer of ``size`` outputs for ``stream``: each step emits a
+    random sample of the buffer and puts the next one of the stream in its place. So the sample
+    at output position ``p`` was at most ``p + size`` samples into the stream: reading the stream
+    in order, about ``size`` samples wait in memory."""
+    values = stream.tolist()
+    buffer = values[:size]
+    picks = rng.random(len(values)).tolist()
+    out = []
+    upcoming = size
+    for pick in picks:
+        slot = int(pick * len(buffer))
+        out.append(buffer[slot])
+        if upcoming < len(values):
+            buffer[slot] = values[upcoming]
+            upcoming += 1
+        else:
+            buffer[slot] = buffer[-1]
+            buffer.pop()
+    return np.array(out, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class ShardSample:
     """Where one sample lives: its shard's URL, its key inside the shard, and its number in the
