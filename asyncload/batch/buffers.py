@@ -34,6 +34,20 @@ class OnDevice:
     stream: Any  # torch.cuda.Stream
 
 
+def hole_moves(size: int, holes: set[int]) -> tuple[list[tuple[int, int]], int]:
+    """How ``close_holes`` makes the first ``size`` rows contiguous: ``(hole, row)`` pairs, row
+    ``row`` copied into ``hole`` in that order, the first hole taking the last filled row; and how
+    many rows are filled. One function, so that what rides beside the buffer (the strings of
+    ``run/handout.py``) moves exactly as its rows do."""
+    filled = [row for row in range(size) if row not in holes]
+    moves = []
+    for hole, row in zip(sorted(holes), reversed(filled)):
+        if row < hole:
+            break
+        moves.append((hole, row))
+    return moves, len(filled)
+
+
 class BatchBuffer:
     """The tensors of one batch, ``[capacity, *field.shape]`` each, and NumPy views for writing rows.
 
@@ -93,13 +107,9 @@ class BatchBuffer:
 
     def close_holes(self, size: int, holes: set[int]) -> int:
         """Moves the last filled rows into the empty rows ``holes`` (skipped samples the epoch
-        had no replacement for); returns how many rows are filled."""
-        filled = [row for row in range(size) if row not in holes]
-        moves = []
-        for hole, row in zip(sorted(holes), reversed(filled)):
-            if row < hole:
-                break
-            moves.append((hole, row))
+        had no replacement for, see ``hole_moves``); returns how many rows are filled."""
+        moves, filled = hole_moves(size, holes)
+        for hole, row in moves:
             for array in self._arrays:
                 if array is not None:
                     array[hole] = array[row]
@@ -110,7 +120,7 @@ class BatchBuffer:
                         tensor[hole].copy_(tensor[row])
                 self.writes.append(torch.cuda.Event())  # one more write for the device stage to wait on
                 self.writes[-1].record()
-        return len(filled)
+        return filled
 
     def views(self, size: int) -> list[torch.Tensor]:
         """The first ``size`` rows of every field, as tensors the ring tracks (see the class

@@ -45,7 +45,7 @@ class EpochDriver:
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
-        self.handout = HandOut(settings)
+        self.handout = HandOut(settings, order)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
@@ -217,7 +217,7 @@ class EpochDriver:
                 self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
                 continue
             assert batch.buffer is not None
-            out = self.handout.hand_out(batch.number, batch.buffer, len(batch.positions), batch.holes)
+            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes)
             self.progress.handed_out(delivered, batch.skipped, batch.padded)
             self.progress.batches += 1
             self._assign()

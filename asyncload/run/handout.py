@@ -6,14 +6,20 @@ Without a device the user gets tracked views of the batch buffer (converted firs
 ``BatchBuffer.released``). With a device stage the batch is copied on the side stream; the copy
 of batch k+1 starts when batch k is handed out, if k+1 is complete by then, so it overlaps the
 user's step.
+
+Fields the source holds in this process (Parquet's string columns: ``host_fields``) never go
+through a buffer: the hand-out takes them from the source for the rows delivered, moved as
+``close_holes`` moves the rows, and adds them to the batch's dict as lists.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
-from ..batch.buffers import BatchBuffer
+import numpy as np
+
+from ..batch.buffers import BatchBuffer, hole_moves
 from ..device import PendingCopy, convert_batch
 from .in_flight import Batch
 from .settings import Settings
@@ -22,15 +28,21 @@ from .settings import Settings
 class HandOut:
     """Turns complete batch buffers into the user's batches, on the user's thread."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, order: np.ndarray) -> None:
         self.s = settings
+        self.order = order  # epoch position -> source index
+        # Checked once, not per batch: only a source with host fields costs anything at hand-out.
+        self._host = settings.source if getattr(settings.source, "string_columns", None) else None
         self.pending_copies: dict[int, PendingCopy] = {}  # batch number -> its copy, started early
         self._handed: BatchBuffer | None = None  # the buffer of the batch the user holds
 
-    def hand_out(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int]) -> Any:
-        """The user's view of batch ``number``, whose ``rows`` rows are complete but ``holes``."""
+    def hand_out(self, number: int, buffer: BatchBuffer, positions: Sequence[int], holes: set[int]) -> Any:
+        """The user's view of batch ``number``, whose rows (epoch ``positions``) are complete but
+        ``holes``."""
         started = time.perf_counter()
-        out = self._view(number, buffer, rows, holes)
+        out = self._view(number, buffer, len(positions), holes)
+        if self._host is not None:
+            add_fields(out, self._host.host_fields(self.order[delivered_rows(positions, holes)]))
         if self.s.stats.tracer is not None:
             self.s.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
         return out
@@ -85,3 +97,22 @@ class HandOut:
         handed, self._handed = self._handed, None
         if handed is not None:
             handed.released()
+
+
+def delivered_rows(positions: Sequence[int], holes: set[int]) -> list[int]:
+    """The epoch positions of a batch's rows as the user gets them: ``close_holes``'s moves
+    (``hole_moves``) applied to the list, then cut to the rows filled."""
+    rows = list(positions)
+    moves, filled = hole_moves(len(rows), holes)
+    for hole, row in moves:
+        rows[hole] = rows[row]
+    return rows[:filled]
+
+
+def add_fields(out: Any, fields: dict[str, list[Any]]) -> None:
+    """Puts ``fields`` into the user's batch: its dict of fields, the batch itself or, labelled,
+    its first element (a source with host fields decodes each row to a dict, see ``ColumnsDecoder``)."""
+    target = out[0] if isinstance(out, tuple) else out
+    if not isinstance(target, dict):
+        raise TypeError(f"fields {sorted(fields)} need a batch that is a dict of fields, not {type(target).__name__}")
+    target.update(fields)

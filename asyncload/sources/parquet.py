@@ -7,12 +7,18 @@ epoch)``, a contiguous part per rank, a buffer shuffle within), the read plan (o
 per row group, of its image column chunk only), the processes' chunk ownership, resume and the
 disk cache (``cache_dir``) are the tar shards' code, unchanged. What differs is how a read's
 bytes become samples (``split_chunk``: pyarrow parses the row group from the ranged read and the
-footer) and what is read up front: each file's footer, and the label and numeric ``columns=`` of
-every row group (small: a few bytes a row), so labels are known before any image is read, as a
-tar shard index knows them.
+footer) and what is read up front: each file's footer, and the label and ``columns=`` of every
+row group (small: a few bytes a row), so labels are known before any image is read, as a tar
+shard index knows them.
 
-A row whose image or label (or a ``columns=`` value) is null fails its read, naming the row
-(``file.parquet#row``), and follows ``on_error`` like any unreadable sample.
+Why string ``columns`` never enter the pipeline: a batch buffer holds fixed-shape arrays, and the
+strings are in this (the parent) process already. The hand-out (``run/handout.py``), on the user's
+thread, asks ``host_fields`` for the strings of the rows it delivers and puts them in the batch as
+lists, so ``processes=N`` moves no string per sample and a child never reads them.
+
+A row whose image or label (or a numeric ``columns=`` value) is null fails its read, naming the
+row (``file.parquet#row``), and follows ``on_error`` like any unreadable sample; a null string is
+``None`` in its list.
 """
 
 from __future__ import annotations
@@ -22,15 +28,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .parquet_files import (TAIL_BYTES, column_values, footer_of, leaf_range, list_parquet, metadata_of,
-                            pyarrow_parquet, read_group, read_ranges)
+from .parquet_files import (TAIL_BYTES, column_text, column_values, footer_of, is_number, is_text, leaf_range,
+                            list_parquet, metadata_of, pyarrow_parquet, read_group, read_ranges, refuse_kind)
 from .shards import ShardSample, ShardSource
 
 
 class ParquetSource(ShardSource):
     """The rows of Parquet files as ``(ShardSample, label)`` items (``ShardSample`` items with
     ``label=None``); a row reads as its image's bytes, or with ``columns`` as ``(bytes, {name:
-    value})`` (the loader then gives each batch as ``({"image": images, name: values}, labels)``).
+    value})`` (the loader then gives each batch as ``({"image": images, name: values}, labels)``:
+    a tensor for a numeric column, a ``list`` of ``str`` for a string column, see ``host_fields``).
     Build it with ``parquet(url)``. ``shuffle_buffer``, ``chunk_bytes`` (here: the cache's
     download size), ``cache_dir`` and ``cache_bytes`` are ``ShardSource``'s."""
 
@@ -124,9 +131,19 @@ class ParquetSource(ShardSource):
         raise TypeError(f"{url}: column {self.image!r} is {kind}, not image bytes (binary, or a struct with 'bytes')")
 
     def _read_small_columns(self, timeout: float | None, retries: int | None) -> None:
-        """The label and ``columns`` of every row group, one ranged read each, as arrays."""
+        """The label and ``columns`` of every row group, one ranged read each: numbers as NumPy
+        arrays (``values``, sent to the pipeline with each row), strings as Arrow arrays
+        (``strings``, kept here for ``host_fields``); a column's kind is its type in the first file."""
         names = [*([self.label] if self.label else []), *self.columns]
+        schema = self.metadata(0).schema.to_arrow_schema() if self.files else None
+        texts = {name for name in self.columns if schema is not None and is_text(schema.field(name).type)}
+        for name in names:  # before any read: a list or struct column has no single column chunk
+            if schema is not None and name not in texts and not is_number(schema.field(name).type):
+                raise refuse_kind(name, schema.field(name).type)
+        self.number_columns = [name for name in self.columns if name not in texts]
+        self.string_columns = [name for name in self.columns if name in texts]
         self.values: dict[str, np.ndarray] = {}
+        self.strings: dict[str, Any] = {}
         self.nulls = np.zeros(len(self), dtype=bool)
         self._null_columns: dict[str, np.ndarray] = {}
         if not names:
@@ -135,23 +152,39 @@ class ParquetSource(ShardSource):
         ranges = [leaf_range(self.metadata(f).row_group(n), names)
                   for f, n in zip(self.group_file.tolist(), self.group_number.tolist())]
         datas = read_ranges(self.urls, [r[0] for r in ranges], [r[1] for r in ranges], self.storage_options, timeout, retries)
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
-        masks: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        parts: dict[str, list[Any]] = {name: [] for name in names}
+        masks: dict[str, list[np.ndarray]] = {name: [] for name in names if name not in texts}
         for group, ((start, _), data) in enumerate(zip(ranges, datas)):
             file = int(self.group_file[group])
             table = read_group(self.metadata(file), int(self.file_bytes[file]), self.footers[file],
                                int(self.group_number[group]), [(start, data)], names)
             for name in names:
+                if name in texts:
+                    parts[name].append(column_text(table, name))
+                    continue
                 values, nulls = column_values(table, name)
                 parts[name].append(values)
                 masks[name].append(np.zeros(len(values), bool) if nulls is None else nulls)
-        for name in names:
+        import pyarrow as pa
+
+        for name in texts:
+            self.strings[name] = pa.concat_arrays(parts[name]) if parts[name] else pa.array([], pa.large_string())
+        for name in masks:
             self.values[name] = np.concatenate(parts[name]) if parts[name] else np.zeros(0)
             mask = np.concatenate(masks[name]) if masks[name] else np.zeros(0, bool)
             if mask.any():
                 self._null_columns[name] = mask
                 self.nulls |= mask
         self.labels = self.values.pop(self.label).astype(np.int64) if self.label else None
+
+    def host_fields(self, indices: Sequence[int] | np.ndarray) -> dict[str, list[str | None]]:
+        """The string columns of rows ``indices`` (source indices, in the batch's row order), one
+        list a column, ``None`` where a value is null. The hand-out calls it on the user's thread
+        for each batch when ``string_columns`` is not empty: one Arrow take a column, no I/O."""
+        import pyarrow as pa
+
+        rows = pa.array(np.asarray(indices, dtype=np.int64))
+        return {name: self.strings[name].take(rows).to_pylist() for name in self.string_columns}
 
     def __getitem__(self, index: int) -> Any:  # type: ignore[override]
         index = int(index)
@@ -188,8 +221,8 @@ class ParquetSource(ShardSource):
             if image is None or self.nulls[index]:
                 row = index - int(self.file_first[file])
                 out[index] = ValueError(f"row {row} of {self.files[file]}: {self._null_what(index, image is None)} is null")
-            elif self.columns:
-                out[index] = (image, {name: self.values[name][index] for name in self.columns})
+            elif self.columns:  # strings are not sent: the hand-out adds them (host_fields)
+                out[index] = (image, {name: self.values[name][index] for name in self.number_columns})
             else:
                 out[index] = image
         return out
@@ -232,8 +265,12 @@ def parquet(url: str | Sequence[str], image: str = "image", label: str | None = 
     ``*.parquet`` under it), a glob (``.../data/train-*.parquet``: one split of a Hugging Face
     dataset) or a list of them. ``image``: the column of encoded images (binary, or HF's
     ``{"bytes", "path"}`` struct); ``label``: an integer column (None: no labels); ``columns``:
-    numeric columns delivered as batch fields. Reads each file's footer and the small columns now
-    (ranged reads); the images are read by the loader, one ranged read per row group. ``options``
+    columns delivered as batch fields: with any, a batch is ``({"image": images, name: values},
+    labels)``, a numeric column's values a tensor, a string column's a ``list`` of ``str`` in the
+    batch's row order (``None`` for a null string; a null number fails its row). Reads each file's
+    footer and these small columns now (ranged reads) and keeps them in memory (strings as
+    compact Arrow arrays); the loader's hand-out adds the strings to each batch, so they cost no
+    pipeline or child process work. The images are read by the loader, one ranged read per row group. ``options``
     are ``ShardSource``'s: ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
     pyarrow_parquet()
     files = list_parquet(url, storage_options, timeout, retries)

@@ -1,6 +1,7 @@
 """What ``parquet()`` reads once, before a loader runs: the files (a folder, a prefix, a glob or
 a list), each file's footer (the metadata of its row groups) by one ranged read of its tail, and
-the small columns (the label, numeric ``columns=``) of every row group by one ranged read each.
+the small columns (the label, numeric and string ``columns=``) of every row group by one ranged
+read each.
 
 Why footers are kept as bytes: they are what a child process (``processes=N``) needs to parse a
 row group, they pickle as they are, and pyarrow parses one in microseconds. Why a ``RangeFile``:
@@ -150,6 +151,38 @@ def read_ranges(urls: Sequence[str], starts: Sequence[int], ends: Sequence[int],
                                 lambda: fs.cat_ranges(paths, list(starts), list(ends)))
 
 
+def is_number(kind: Any) -> bool:
+    """Whether a pyarrow type is numbers (integers, floats, booleans): a label, or a column
+    delivered as a tensor."""
+    import pyarrow as pa
+
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+
+
+def refuse_kind(name: str, kind: Any) -> TypeError:
+    """The error for a label or ``columns=`` column of a type that cannot be one."""
+    return TypeError(f"column {name!r} is {kind}: a label must be numbers, a batch field numbers or strings")
+
+
+def is_text(kind: Any) -> bool:
+    """Whether a pyarrow type is strings (plain, large, view, or dictionary-encoded): a column
+    delivered as a list of ``str`` per batch rather than a tensor."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view", bool)(kind)
+
+
+def column_text(table: Any, name: str) -> Any:
+    """A string column of ``table`` as one ``large_string`` Arrow array (nulls kept): compact
+    (one buffer, not a Python object a row), and large offsets, so that the row groups of a big
+    dataset concatenate past 2 GiB of text."""
+    import pyarrow as pa
+
+    return table.column(name).cast(pa.large_string()).combine_chunks()
+
+
 def column_values(table: Any, name: str) -> tuple[np.ndarray, np.ndarray | None]:
     """A numeric column of ``table`` as a NumPy array (nulls as 0) and its null mask (None if no
     null); raises TypeError for a column that is not numbers."""
@@ -157,8 +190,8 @@ def column_values(table: Any, name: str) -> tuple[np.ndarray, np.ndarray | None]
     import pyarrow.compute as pc
 
     column = table.column(name)
-    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type)):
-        raise TypeError(f"column {name!r} is {column.type}: only numeric columns can be batch fields or labels")
+    if not is_number(column.type):
+        raise refuse_kind(name, column.type)
     nulls = None
     if column.null_count:
         nulls = np.asarray(pc.is_null(column).to_numpy(zero_copy_only=False), dtype=bool)
