@@ -262,6 +262,8 @@ class AsyncLoader:
         no old rank delivered or skipped, each once, in a seeded order dealt to the new ranks
         (equal batch counts, fewer than ``len(loader)``); the next epoch is the new world size's."""
         state, elastic = resume_point(state, self.sampler, self.state_dict())
+        if elastic is not None:
+            elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()
         self._epochs.load(state, self.sampler.batch_size, elastic)
 
     def _stop_run(self) -> None:

@@ -160,6 +160,19 @@ def test_the_probed_first_sample_is_read_and_decoded_once(processes, tmp_path):
 
 
 @pytest.mark.parametrize("processes", MODES)
+def test_a_source_whose_samples_all_fail_stops_at_its_budget_while_learning_the_layout(processes, tmp_path):
+    """The layout is learnt from the first sample that loads; while none does, each failure is
+    on the budget, so a source of bad samples raises TooManyFailures after max_failures + 1
+    reads, not after reading the whole epoch one at a time."""
+    log = tmp_path / "reads.log"
+    with AsyncLoader(list(range(2000)), batch_size=8, shuffle=False, read=LoggedRead(log),
+                     decode=FailsOn(range(2000)), on_error="skip", max_failures=5, processes=processes) as loader:
+        with pytest.raises(TooManyFailures, match="6 samples failed, more than max_failures=5"):
+            list(loader)
+    assert sorted(reads(log)) == list(range(6))
+
+
+@pytest.mark.parametrize("processes", MODES)
 def test_leaving_the_loop_during_stalled_reads_returns_within_seconds(processes):
     """A synchronous read stuck in the user's code cannot be interrupted: closing must not wait
     for it (it took 10 s). Its thread, abandoned, ends by itself when the call returns."""

@@ -347,3 +347,19 @@ def test_ranks_take_contiguous_disjoint_parts_of_a_shard_mix(two_shard_sets):
         sequence = first.sampler.permutation(0)
         assert np.array_equal(np.concatenate(orders), sequence)
         assert sorted(delivered_with_ids(first) + delivered_with_ids(second)) == expected_images()
+
+
+def test_a_mix_at_another_world_size_is_refused_when_its_states_are_loaded():
+    """Elastic resume of a mix is not supported: the states are refused at load_state_dict, so
+    the epoch they describe is not lost by a pass that fails at iter() and moves on."""
+    mixed = mix({"a": list(range(0, 40)), "b": list(range(100, 140))}, {"a": 1, "b": 1})
+    states = []
+    for rank in range(2):
+        with AsyncLoader(mixed, batch_size=4, read=False, decode=as_array, rank=rank, world_size=2) as loader:
+            batches = iter(loader)
+            next(batches)
+            states.append(loader.state_dict())
+    with AsyncLoader(mixed, batch_size=4, read=False, decode=as_array, rank=0, world_size=1) as loader:
+        with pytest.raises(ValueError, match="resuming a mixed source at another world size is not supported"):
+            loader.load_state_dict(states)
+        assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["delivered"] == []

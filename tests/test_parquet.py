@@ -244,3 +244,29 @@ def test_remote_row_groups_are_cached_on_disk(parquet_file, s3_parquet, s3_optio
             assert sorted(flat(delivered(loader))) == sorted(ALL)
     kept = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == len(open(parquet_file, "rb").read())]
     assert len(kept) == 1  # the file, downloaded once, served both epochs
+
+
+def test_a_footer_larger_than_the_first_tail_is_read_alone_not_with_the_whole_file(tmp_path, jpeg_folder, monkeypatch):
+    """Many row groups make a footer past the 64 KiB first read: its length (the file's last 8
+    bytes) says where it starts; the file itself was read whole before, at construction."""
+    from asyncload.sources import parquet as parquet_module
+
+    images = [path.read_bytes() for path in sorted(jpeg_folder.rglob("*.jpg"))]
+    rows = 1500
+    table = pa.table({"image": [images[i % len(images)] for i in range(rows)], "label": list(range(rows))})
+    path = tmp_path / "many-groups.parquet"
+    pq.write_table(table, path, row_group_size=1)
+    size = path.stat().st_size
+    footer = int.from_bytes(path.read_bytes()[-8:-4], "little")
+    assert footer + 8 > 64 << 10, "the footer does not fit the first read"
+    ranges = []
+    real = parquet_module.read_ranges
+
+    def spy(urls, starts, ends, *args):
+        ranges.extend(zip(starts, ends))
+        return real(urls, starts, ends, *args)
+
+    monkeypatch.setattr(parquet_module, "read_ranges", spy)
+    source = parquet(str(path))
+    assert len(source) == rows and source[rows - 1][1] == rows - 1
+    assert (size - footer - 8, size) in ranges and all(start > 0 for start, _ in ranges[:2])

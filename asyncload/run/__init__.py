@@ -1,1 +1,2 @@
-"""One epoch in this process: the producer on the event loop, decode jobs on threads, the failure policy and the hand-out to the user."""
+"""One epoch: the driver deciding every policy on the user's thread (``driver.py``) and the
+pipeline moving samples (``pipeline.py``), in this process or in child processes (``procs/``)."""

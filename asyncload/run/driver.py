@@ -124,7 +124,8 @@ class EpochDriver:
         then the cursor's next. False when none can: raising, the first batch carries the
         error; skipping, the epoch delivers nothing (every sample failed)."""
         layout, self._known = probe_layout(self.pipes, self.run, self._epoch_ahead(positions), self.order,
-                                           self.dispatch.pipe_for, self.s.skip_errors)
+                                           self.dispatch.pipe_for,
+                                           self.plan.failures_left() if self.s.skip_errors else 0)
         if layout is not None:
             self.pipes.ring.configure(layout, self.s.batch_size)
             return True

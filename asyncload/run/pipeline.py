@@ -1,13 +1,10 @@
-"""The pipeline: moves samples and decides nothing. The same code runs in this process and in
-each child process of ``processes=N``.
-
-It takes the driver's messages (``messages.py``): ``Start`` a run, ``Fill`` rows of a batch
-buffer with given source indices, ``Probe`` the first sample's layout, ``Stop`` a run. For each
-fill it reads (local files on the decode threads, by chunks of rows; other items on the event
-loop, at most ``io_concurrency`` in flight; tar shards through the run's one ``ShardStream``),
-decodes straight into the rows (``jobs.py``, ``batched.py`` on ``workers.py``'s threads), counts
-the rows, and answers one ``Done`` with the rows that failed. What a failure means (raise, skip,
-a replacement, the budget) is the driver's: a row that fails is reported, nothing more.
+"""The pipeline: moves samples and decides nothing; the same code in this process and in each
+child of ``processes=N``. It takes the driver's messages (``messages.py``): ``Start`` a run,
+``Fill`` rows of a batch buffer with given source indices, ``Probe`` the first sample's layout,
+``Stop`` a run. A fill reads (local files on the decode threads, by chunks of rows; other items
+on the event loop, at most ``io_concurrency`` in flight; tar shards through the run's one
+``ShardStream``), decodes straight into the rows (``jobs.py``, ``batched.py``, on ``workers.py``'s
+threads) and answers one ``Done`` with the rows that failed; what a failure means is the driver's.
 
 A row ends exactly once: the loop task that reads it (failed, or cancelled before its decode was
 queued) or the decode job (which, for a stopped run, ends its rows without decoding). So the
@@ -241,6 +238,8 @@ class Pipeline:
         if state is None:
             self.send(Stopped(run))
             return
+        with self._lock:  # the control thread's mark may have come before the run's Start
+            state.stop_jobs()
         tasks = list(state.tasks)
         for task in tasks:
             task.cancel()
@@ -256,10 +255,12 @@ class Pipeline:
             self.send(Stopped(run))
 
     async def _shut(self) -> None:
-        for run in list(self.runs):
-            await self._stop(run)
-        await self.reader.aclose()
-        self.loop.stop()
+        try:
+            for run in list(self.runs):
+                await self._stop(run)
+            await self.reader.aclose()
+        finally:  # whatever closing raised, the loop ends: close() waits for its thread
+            self.loop.stop()
 
     def _set_io(self, limit: int) -> None:
         self.io_limit = limit

@@ -102,6 +102,10 @@ class EpochPlan:
         self.padding_given += taken
         return taken
 
+    def failures_left(self) -> int:
+        """Failures the budget still allows this epoch (skipping)."""
+        return self.failure_limit - self._earlier_failures - len(self.failures)
+
     def record(self, position: int, error: SampleError) -> SampleError | None:
         """Counts the failure of the sample at ``position``; returns the error its batch must
         raise, or None to skip the sample. A sample that fails again (padding repeated it) is

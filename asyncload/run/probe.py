@@ -21,10 +21,11 @@ from .pipes import Pipes
 
 
 def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.ndarray,
-                 pipe_for: Callable[[int], int], keep_going: bool) -> tuple[SampleLayout | None, dict[int, SampleError]]:
+                 pipe_for: Callable[[int], int], keep_going: int) -> tuple[SampleLayout | None, dict[int, SampleError]]:
     """Probes ``positions`` (epoch positions, in order) until one sample gives its layout.
-    Returns the layout (None when none did) and the positions whose sample failed. Without
-    ``keep_going`` (errors raise) the first failure ends the probing: its batch raises anyway.
+    Returns the layout (None when none did) and the positions whose sample failed. Probing ends
+    after ``keep_going`` + 1 failures: the failure budget left (0 when errors raise: the first
+    failure's batch raises anyway), so a source whose samples all fail stops at its budget.
     ``pipe_for``: which pipeline probes a source index (tar shards: the one that reads it)."""
     failed: dict[int, SampleError] = {}
     for position in positions:
@@ -37,6 +38,6 @@ def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.nda
             return answer.layout, failed
         assert answer.error is not None
         failed[position] = answer.error
-        if not keep_going:
+        if len(failed) > keep_going:
             break
     return None, failed

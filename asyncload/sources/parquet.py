@@ -24,6 +24,7 @@ row (``file.parquet#row``), and follows ``on_error`` like any unreadable sample;
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Sequence
 
 import numpy as np
@@ -67,10 +68,11 @@ class ParquetSource(ShardSource):
         tails = read_ranges(self.files, starts, sizes, self.storage_options, timeout, retries)
         footers = [footer_of(tail, url) for tail, url in zip(tails, self.files)]
         long = [n for n, footer in enumerate(footers) if not footer]  # a footer larger than the tail
-        if long:
-            ends = [sizes[n] for n in long]
-            whole = read_ranges([self.files[n] for n in long], [0] * len(long), ends, self.storage_options, timeout, retries)
-            for n, data in zip(long, whole):
+        if long:  # its length is in the tail's last 8 bytes: read exactly the footer, not the file
+            starts = [sizes[n] - 8 - struct.unpack("<I", tails[n][-8:-4])[0] for n in long]
+            exact = read_ranges([self.files[n] for n in long], starts, [sizes[n] for n in long],
+                                self.storage_options, timeout, retries)
+            for n, data in zip(long, exact):
                 footers[n] = footer_of(data, self.files[n])
         return footers
 
