@@ -211,3 +211,14 @@ def test_close_from_another_thread_ends_the_iteration(processes):
     assert time.monotonic() - started < 5.0
     assert not consumer.is_alive() and "ended" in str(outcome[0])
     assert wait_until(lambda: not asyncload_threads(), timeout=10)
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_pipeline_task_that_fails_outside_any_sample_raises_instead_of_hanging(processes):
+    """A fill's task raised (here: the reader cannot build the filesystem for memory:// with a
+    bad option, before any row was handed on): its rows would never end, and the loop waited
+    for ever. Now the pipeline reports the failure and the loop raises it."""
+    with AsyncLoader(["memory://bucket/a.jpg", "memory://bucket/b.jpg"], batch_size=2, shuffle=False,
+                     storage_options={"client": "nonsense"}, processes=processes) as loader:
+        with pytest.raises(RuntimeError, match="the loader's pipeline failed: ValueError: storage_options.'client'. must"):
+            list(loader)

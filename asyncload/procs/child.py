@@ -26,7 +26,7 @@ from ..run.settings import PipelineSettings
 from ..stats.figures import LoaderStats
 from ..stats.trace import Tracer
 from . import shm
-from .protocol import Broken, Close, Done, Limits, Map, Probed, Start, Stop, Unmap, portable, unpickle
+from .protocol import Broken, Close, Done, Failed, Limits, Map, Probed, Start, Stop, Unmap, portable, unpickle
 
 CLOSE_WAIT_S = 1.5  # Close: how long the pipeline's threads may take to end (the parent kills at 2 s)
 
@@ -154,6 +154,8 @@ class _Child:
         A broken pipe means the parent is gone: the lifeline thread ends the process."""
         if isinstance(message, Done) and message.failures:
             message.failures = [(row, portable(error)) for row, error in message.failures]  # type: ignore[misc]
+        elif isinstance(message, Failed):
+            message.error = portable(message.error)
         elif isinstance(message, Probed) and message.error is not None:
             message.error = portable(message.error)  # type: ignore[assignment]
         message.figures = self.stats.as_dict()

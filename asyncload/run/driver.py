@@ -19,10 +19,10 @@ from ..errors import SampleError
 from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import Batch
-from .messages import Done
+from .messages import Done, Failed
 from .pipes import ENDED, Pipes
 from .plan import EpochPlan
-from .probe import probe_layout
+from .probe import pipeline_failed, probe_layout
 from .settings import BatchQuota, Settings
 from .state import Progress
 
@@ -153,6 +153,8 @@ class EpochDriver:
     # ----- the pipelines' answers -----
 
     def _answer(self, message: Any) -> None:
+        if isinstance(message, Failed):
+            raise pipeline_failed(message)
         if not isinstance(message, Done):
             return
         with self._lock:

@@ -85,6 +85,17 @@ class Probed:
 
 
 @dataclass
+class Failed:
+    """A task of run ``run`` raised what no row owns (a bug, a broken setting): the run cannot
+    complete, and the driver raises rather than wait for it."""
+
+    run: int
+    error: BaseException
+    figures: dict[str, Any] | None = None
+    trace: Any = None
+
+
+@dataclass
 class Stopped:
     run: int
     figures: dict[str, Any] | None = None

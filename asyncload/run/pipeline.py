@@ -122,8 +122,7 @@ class Pipeline:
             coroutine.close()
             return None
         task = self.loop.create_task(coroutine)
-        state.tasks.add(task)
-        task.add_done_callback(state.tasks.discard)
+        state.track(task, self.send)
         return task
 
     async def _fill(self, message: Fill) -> None:

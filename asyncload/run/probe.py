@@ -16,7 +16,7 @@ import numpy as np
 
 from ..batch.layout import SampleLayout
 from ..errors import SampleError
-from .messages import Probe, Probed
+from .messages import Failed, Probe, Probed
 from .pipes import Pipes
 
 
@@ -33,6 +33,8 @@ def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.nda
         pipes.send(pipe_for(index), Probe(run, index))
         answer = pipes.receive(run)
         while not isinstance(answer, Probed):
+            if isinstance(answer, Failed):
+                raise pipeline_failed(answer)
             answer = pipes.receive(run)
         if answer.layout is not None:
             return answer.layout, failed
@@ -41,3 +43,10 @@ def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.nda
         if len(failed) > keep_going:
             break
     return None, failed
+
+
+def pipeline_failed(message: Failed) -> RuntimeError:
+    """The error the user's loop gets when a pipeline task failed outside any sample."""
+    error = RuntimeError(f"the loader's pipeline failed: {type(message.error).__name__}: {message.error}")
+    error.__cause__ = message.error
+    return error

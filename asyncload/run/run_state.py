@@ -15,6 +15,7 @@ from typing import Any
 from ..sources.shard_stream import ShardStream
 from .batched import BatchJobs
 from .jobs import RowFiller, RowJobs, Work
+from .messages import Failed
 
 
 @dataclass
@@ -32,6 +33,13 @@ class RunState:
     by_id: dict[int, Work] = field(default_factory=dict)
     tasks: set[asyncio.Task] = field(default_factory=set)
     probed: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # index -> (key, labelled sample)
+
+    def track(self, task: asyncio.Task, send: Any) -> None:
+        """Keeps the run's task until it ends; one that raised is reported with ``Failed``."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda done: None if done.cancelled() or done.exception() is None
+                               else send(Failed(self.run, done.exception())))
 
     def stop_jobs(self) -> None:
         """Under the pipeline's lock: no job of the run starts any more (the decode threads look
