@@ -66,6 +66,20 @@ def identify(image: np.ndarray) -> tuple[int, int]:
     return min(candidates, key=lambda li: np.abs(centre - image_colour(*li)).sum())
 
 
+def delivered(loader) -> list[list[tuple[int, int]]]:
+    """Each batch as the (label, index) of its images; checks every label against its image."""
+    batches = []
+    for images, labels in loader:
+        seen = [identify(image.numpy()) for image in images]
+        assert [label for label, _ in seen] == labels.tolist()
+        batches.append(seen)
+    return batches
+
+
+def flat(batches):
+    return [sample for batch in batches for sample in batch]
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """SeaweedFS (a real S3 server: keep-alive, thousands of GETs/s) on 127.0.0.1 for the whole

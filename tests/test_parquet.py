@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, write_parquet
-from asyncload.order.shard_order import ShardSampler
-from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, make_jpeg, setup_s3fs
+from tests.conftest import CLASSES, PER_CLASS, delivered, flat, make_bucket, make_jpeg, setup_s3fs
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
@@ -50,20 +48,6 @@ def hf_dataset(jpeg_folder, tmp_path_factory):
         pq.write_table(table(rows), root / "data" / f"train-{number:05d}-of-00002.parquet", row_group_size=4)
     pq.write_table(table(items[:3]), root / "data" / "test-00000-of-00001.parquet")
     return root
-
-
-def delivered(loader) -> list[list[tuple[int, int]]]:
-    """Each batch as the (label, index) of its images; checks every label against its image."""
-    batches = []
-    for images, labels in loader:
-        seen = [identify(image.numpy()) for image in images]
-        assert [label for label, _ in seen] == labels.tolist()
-        batches.append(seen)
-    return batches
-
-
-def flat(batches):
-    return [sample for batch in batches for sample in batch]
 
 
 @pytest.mark.parametrize("processes", [0, 2])

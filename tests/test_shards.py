@@ -18,7 +18,7 @@ from asyncload.sources.shard_stream import plan_chunks
 from asyncload.order.shard_order import ShardSampler, buffer_shuffle
 from asyncload.stats.verdict import diagnose
 from bench.s3server import LatencyProxy, storage_options
-from tests.conftest import CLASSES, PER_CLASS, identify, make_bucket, setup_s3fs
+from tests.conftest import CLASSES, PER_CLASS, delivered, flat, make_bucket, setup_s3fs
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
@@ -40,20 +40,6 @@ def s3_shards(s3_options, shard_dir) -> str:
         for path in sorted(shard_dir.iterdir()):
             fs.pipe_file(f"asyncload-test/shards/{path.name}", path.read_bytes())
     return "s3://asyncload-test/shards"
-
-
-def delivered(loader) -> list[list[tuple[int, int]]]:
-    """Each batch as the (label, index) of its images; checks every label against its image."""
-    batches = []
-    for images, labels in loader:
-        seen = [identify(image.numpy()) for image in images]
-        assert [label for label, _ in seen] == labels.tolist()
-        batches.append(seen)
-    return batches
-
-
-def flat(batches):
-    return [sample for batch in batches for sample in batch]
 
 
 def test_every_sample_once_per_epoch_with_its_label(shard_dir):
