@@ -250,7 +250,7 @@ class BigListDataLoader:
     def __init__(self, items: list, count: int, batch: int) -> None:
         from torch.utils.data import DataLoader
 
-        from bench.contenders.dataloader import ImageDataset
+        from bench.contenders.dataloader import ImageDataset  # torch: imported only for this case
 
         self.sampler = _SubsetSampler(len(items), count)
         self.loader = DataLoader(ImageDataset(items, None), batch_size=batch, sampler=self.sampler,
@@ -263,10 +263,9 @@ class BigListDataLoader:
         return iter(self.loader)
 
     def close(self) -> None:
-        iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        self.loader._iterator = None
+        from bench.contenders.dataloader import shut_down_workers
+
+        shut_down_workers(self.loader)
 
 
 def run_epochs(loader, epochs: int, sampler: MemorySampler, say: Callable[[str], None] = lambda line: None,

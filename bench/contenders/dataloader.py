@@ -39,6 +39,14 @@ class LargeDataset(Dataset):
         return tasks.load_large(index)
 
 
+def shut_down_workers(loader: DataLoader) -> None:
+    """Ends a DataLoader's persistent workers now (DataLoader has no public close)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
+
+
 class _Loader:
     """A DataLoader whose shuffle follows set_epoch, and whose workers close() shuts down."""
 
@@ -54,10 +62,7 @@ class _Loader:
         return iter(self.loader)
 
     def close(self) -> None:
-        iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        self.loader._iterator = None
+        shut_down_workers(self.loader)
 
 
 class DataLoaderContender(Contender):
