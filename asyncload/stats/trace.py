@@ -32,13 +32,13 @@ DEFAULT_EVENTS = 200_000  # about 40 MB of tuples at most; a few seconds of a fa
 
 
 class Tracer:
-    """Records events of this process; ``write`` (the parent's) merges the children's."""
+    """Records events of this process; the parent's also holds the children's (``merge``) and
+    writes them all to ``path`` at ``finish`` (a child's ``path`` is None: it drains to the parent)."""
 
     def __init__(self, path: str | os.PathLike | None, max_events: int = DEFAULT_EVENTS,
                  process_name: str = "training process") -> None:
         if max_events < 1:
             raise ValueError(f"trace_events must be at least 1, got {max_events}")
-        self.path = path  # where ``write`` puts the file (None in a child: its events go to the parent)
         self.events: deque[Event] = deque(maxlen=max_events)
         self.pid = os.getpid()
         self.names: dict[tuple[int, int], str] = {}  # (pid, tid) -> thread name
