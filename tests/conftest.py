@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -46,6 +47,16 @@ def no_thread_left():
     yield
     leftover = [t for t in asyncload_threads() if t not in before]
     assert not leftover, f"threads left running: {[t.name for t in leftover]}"
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler for a test that sends a real Ctrl-C: a run under ``nohup`` (or
+    any parent that ignores SIGINT) starts with SIGINT ignored, and the test would wait for a
+    KeyboardInterrupt that never comes. The handler in place before is put back."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session")

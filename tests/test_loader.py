@@ -236,7 +236,7 @@ def test_garbage_collection_stops_every_thread():
     assert not asyncload_threads()
 
 
-def test_ctrl_c_while_waiting_for_a_batch_stops_every_thread():
+def test_ctrl_c_while_waiting_for_a_batch_stops_every_thread(ctrl_c_raises):
     def slow_read(key):
         time.sleep(0.2)
         return key
@@ -438,7 +438,7 @@ def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
         assert sorted(got) == [0, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises):
     """Ctrl-C while close() waits for a busy decode thread: a second close() must still end
     every thread (it used to return at once, leaving them running)."""
     stuck, release = threading.Event(), threading.Event()

@@ -398,7 +398,7 @@ def test_a_script_without_a_main_guard_gets_an_error_that_says_so(tmp_path):
     assert time.monotonic() - started < 60
 
 
-def test_ctrl_c_and_close_from_another_thread_while_waiting_for_a_batch():
+def test_ctrl_c_and_close_from_another_thread_while_waiting_for_a_batch(ctrl_c_raises):
     loader = AsyncLoader(list(range(100)), batch_size=4, read=slow_read, decode=np.asarray, io_concurrency=2,
                          processes=2)
     pids = child_pids(loader)
