@@ -182,13 +182,15 @@ class ShardCache:
                 await self._on_disk(files.install, shard, partial, meta)
             except CacheWriteError as error:
                 files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
+                files.unlink(partial)
                 cause = error.__cause__
-                if isinstance(cause, OSError) and cause.errno in files.DISK_FULL:
+                if isinstance(cause, OSError) and cause.errno in files.DISK_FULL:  # the disk holds what it holds now
                     self.max_bytes = min(self.max_bytes, await self.run_blocking(files.owned_bytes, self.directory))
                     return self._skip(url, "full", f"the disk is full ({cause}); cache_bytes is now {self.max_bytes}")
                 return self._skip(url, "unwritable", f"cannot write {partial}: {cause}")
             finally:
                 files.unlink(partial)
+            await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
             return True
         finally:
             os.close(lock)  # also releases the flock

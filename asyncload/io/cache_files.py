@@ -300,11 +300,11 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
 
 
 def owned_bytes(directory: Path) -> int:
-    """Bytes of the copies in ``directory`` (the cache's own files only)."""
+    """Bytes of the cache's files in ``directory``: its copies and the downloads under way."""
     total = 0
     for entry in os.scandir(directory):
         match = OURS.match(entry.name)
-        if match is not None and match.group(2).startswith("-") and entry.is_file(follow_symlinks=False):
+        if match is not None and entry.is_file(follow_symlinks=False):
             try:
                 total += entry.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
