@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import threading
+import warnings
 
 import pytest
 
@@ -217,3 +218,69 @@ def test_a_full_disk_sends_reads_to_storage(shards, s3_options, small_disk, proc
     disk = os.statvfs(small_disk)
     assert disk.f_bavail * disk.f_frsize >= 32768 - 20480 - 4096, "the disk was left full"
 
+
+
+def test_a_peer_that_shows_progress_is_waited_for(shards, s3_options, tmp_path):
+    """The read timeout bounds a wait without progress, not a download: a peer whose heartbeat
+    (its lock file's modification time, touched per chunk written) moves is waited for."""
+    url, _, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    lock = os.open(shard_files(tmp_path, source.urls[0]).lock, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    stop = threading.Event()
+
+    def peer():  # downloads slowly for ~2 read timeouts, then gives up without a copy
+        for _ in range(8):
+            if stop.wait(0.25):
+                break
+            os.utime(lock)
+        os.close(lock)
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert epoch(source, s3_options, read_timeout=1) == ALL
+    finally:
+        stop.set()
+        thread.join()
+    assert not [w for w in caught if "no progress" in str(w.message)]
+    assert len(copies(tmp_path)) == 5, "the shard was read from storage instead of waited for"
+
+
+def test_a_copy_used_while_storage_was_down_is_checked_again_when_it_answers(tmp_path, monkeypatch):
+    """Storage down: the copy serves. Storage back with the object rewritten: downloaded again."""
+    import asyncio
+
+    from asyncload.io import cache as cache_module
+    from asyncload.io.cache import ShardCache
+
+    remote = {"data": bytes(range(256)) * 8, "version": "v1", "down": False}
+
+    async def download(url, start, end):
+        return remote["data"][start:end]
+
+    async def version(url):
+        if remote["down"]:
+            raise ConnectionRefusedError("storage is down")
+        return remote["version"]
+
+    async def run_blocking(function, *args):
+        return function(*args)
+
+    def new_cache():
+        return ShardCache(tmp_path, 1 << 20, download, 1000, run_blocking, version=version, timeout=1)
+
+    async def read(cache):
+        return await cache.read_range("s3://b/shard.tar", 0, 2048, 2048)
+
+    first = remote["data"]
+    assert asyncio.run(read(new_cache())) == first
+    remote.update(down=True, data=bytes(2048), version="v2")  # rewritten while storage is down
+    monkeypatch.setattr(cache_module, "OFFLINE_S", 0.0)  # ask again at the next read
+    cache = new_cache()
+    with pytest.warns(RuntimeWarning, match="could not be asked"):
+        assert asyncio.run(read(cache)) == first
+    remote["down"] = False
+    assert asyncio.run(read(cache)) == bytes(2048)
