@@ -18,8 +18,8 @@ download (a copy damaged on disk is downloaded again).
 
 The epoch goes on whatever the cache's disk does. A shard is read straight from storage, for the
 rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
-the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to what
-is kept); the folder not writable; or a peer holding its lock that shows no progress for
+the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
+default's rule, below, on the disk as it is now); the folder not writable; or a peer holding its lock that shows no progress for
 ``timeout`` (the read timeout): no wait is longer. When storage cannot be asked (the version
 check fails after its retries with a transient error), a kept copy whose checksum holds is used
 unasked for ``OFFLINE_S``, then asked about again; a permanent error (the object is gone) fails.
@@ -79,6 +79,7 @@ class ShardCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.max_bytes = max_bytes if max_bytes is not None else default_budget(self.directory)
+            files.evict(self.directory, self.max_bytes, set())  # a run that downloads nothing cleans up too
         except OSError as error:
             self._warn("folder", f"cannot use {error}; shards are read from storage")
             self._usable = False
@@ -184,8 +185,8 @@ class ShardCache:
                 files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
                 files.unlink(partial)
                 cause = error.__cause__
-                if isinstance(cause, OSError) and cause.errno in files.DISK_FULL:  # the disk holds what it holds now
-                    self.max_bytes = min(self.max_bytes, await self.run_blocking(files.owned_bytes, self.directory))
+                if isinstance(cause, OSError) and cause.errno in files.DISK_FULL:  # the default's rule, from now
+                    self.max_bytes = min(self.max_bytes, await self.run_blocking(default_budget, self.directory))
                     return self._skip(url, "full", f"the disk is full ({cause}); cache_bytes is now {self.max_bytes}")
                 return self._skip(url, "unwritable", f"cannot write {partial}: {cause}")
             finally:

@@ -233,26 +233,23 @@ def install(files: ShardFiles, partial: Path, meta: dict[str, Any]) -> None:
 def unlink(path: Path) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:  # gone, or another user's file in a sticky folder: it ages out by them
         pass
-    except OSError:
-        pass  # another user's file in a folder whose sticky bit keeps it theirs: it ages out by them
 
 
-def _unlink_if_free(path: Path, lock: Path) -> bool:
-    """Deletes ``path`` while holding ``lock``, if no process holds it (no download of that
-    shard is under way); True if it did."""
+def _unlink_if_free(names: ShardFiles, *paths: Path) -> bool:
+    """Deletes ``paths`` while holding the shard's lock, if no process holds it (no download of
+    that shard is under way); True if it did."""
     try:
-        fd = try_lock(lock)
+        fd = try_lock(names.lock)
     except OSError:
         return False
     if fd is None:
         return False
-    try:
+    for path in paths:
         unlink(path)
-        return True
-    finally:
-        os.close(fd)
+    os.close(fd)
+    return True
 
 
 def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
@@ -260,7 +257,7 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
     and the downloads under way there fit ``max_bytes``, and the files of ours no process needs:
     a killed process's ``.part`` files, meta and lock files of shards no longer kept. Returns
     whether the folder still does not fit."""
-    copies, parts, others = [], [], []
+    copies, parts, others = [], [], set()
     for entry in os.scandir(directory):
         match = OURS.match(entry.name)
         if match is None or not entry.is_file(follow_symlinks=False):
@@ -269,33 +266,25 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
             info = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # another eviction (this process's or another's) took it
             continue
-        kind, digest, path = match.group(2), match.group(1), Path(entry.path)
+        names, kind, path = ShardFiles(directory, match.group(1), ""), match.group(2), Path(entry.path)
         if kind.startswith("-"):
-            copies.append((info.st_atime_ns, info.st_size, path, digest))
+            copies.append((info.st_atime_ns, info.st_size, path, names))
         elif kind.endswith(".part"):
-            parts.append((info.st_size, path, digest))
+            parts.append((info.st_size, path, names))
         else:
-            others.append((path, digest))
-    lock = lambda digest: directory / f"{PREFIX}{digest}.lock"  # noqa: E731
-    partial_bytes = sum(size for size, path, digest in parts if not _unlink_if_free(path, lock(digest)))
-    total = partial_bytes + sum(size for _, size, _, _ in copies)
+            others.add(names)
+    total = sum(size for size, path, names in parts if not _unlink_if_free(names, path))
+    total += sum(size for _, size, _, _ in copies)
     kept = set()
-    for _, size, path, digest in sorted(copies):
+    for _, size, path, names in sorted(copies, key=lambda copy: copy[:2]):
         if total > max_bytes and path not in keep:
             unlink(path)
-            unlink(directory / f"{PREFIX}{digest}.meta")
+            unlink(names.meta)
             total -= size
         else:
-            kept.add(digest)
-    for digest in {digest for _, digest in others} - kept:  # a shard no longer kept: its meta, then its lock
-        try:
-            fd = try_lock(lock(digest))
-        except OSError:
-            continue
-        if fd is not None:
-            unlink(directory / f"{PREFIX}{digest}.meta")
-            unlink(lock(digest))
-            os.close(fd)
+            kept.add(names)
+    for names in others - kept:  # a shard no longer kept: its meta, then its lock
+        _unlink_if_free(names, names.meta, names.lock)
     return total > max_bytes
 
 
