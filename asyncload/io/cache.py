@@ -19,10 +19,11 @@ download (a copy damaged on disk is downloaded again).
 The epoch goes on whatever the cache's disk does. A shard is read straight from storage, for the
 rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
 the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
-default's rule, below, on the disk as it is now); the folder not writable; or a peer holding its lock that shows no progress for
-``timeout`` (the read timeout): no wait is longer. When storage cannot be asked (the version
-check fails after its retries with a transient error), a kept copy whose checksum holds is used
-unasked for ``OFFLINE_S``, then asked about again; a permanent error (the object is gone) fails.
+default's rule, below, on the disk as it is now); the folder not writable; or a peer holding its
+lock that shows no progress for ``timeout`` (the read timeout): no wait is longer. When storage
+cannot be asked (the version check fails after its retries with a transient error), a kept copy
+whose checksum holds is used unasked for ``OFFLINE_S``, then asked about again; a permanent error
+(the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
 at the start of the run plus what the cache already keeps.
@@ -157,8 +158,8 @@ class ShardCache:
             raise
         except Exception as error:
             self._offline_until = time.monotonic() + OFFLINE_S
-            self._warn("offline", f"storage could not be asked about {url} ({type(error).__name__}: {error}); "
-                                  f"kept copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
+            self._warn("offline", f"storage could not be asked about {url} ({type(error).__name__}: {error}); kept "
+                                  f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
             return None
 
     async def _ask_version(self, url: str) -> str:
