@@ -158,7 +158,8 @@ class ShardCache:
             raise
         except Exception as error:
             self._offline_until = time.monotonic() + OFFLINE_S
-            self._warn("offline", f"storage could not be asked about {url} ({type(error).__name__}: {error}); kept "
+            cause = str(error).splitlines()[0][:200] if str(error) else ""  # obstore's run to dozens of lines
+            self._warn("offline", f"storage could not be asked about {url} ({type(error).__name__}: {cause}); kept "
                                   f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
             return None
 
