@@ -294,11 +294,13 @@ def test_a_run_makes_the_same_ranged_reads_whatever_the_number_of_processes(shar
 
 
 def test_a_cache_smaller_than_a_shard_still_serves_every_sample(s3_shards, s3_options, tmp_path):
-    """Each download evicts the others; a shard this process is reading must not go with them."""
+    """A shard larger than the whole cache is read from storage, with a warning (a shard larger
+    than cache_bytes failed every sample on a disk that could not hold it)."""
     source = tar_shards(s3_shards, storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1)
     with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options) as loader:
-        assert sorted(flat(delivered(loader))) == sorted(ALL)
-    assert not list(tmp_path.glob("*.tar"))  # released, then evicted: the cache fits its size
+        with pytest.warns(RuntimeWarning, match="larger than cache_bytes"):
+            assert sorted(flat(delivered(loader))) == sorted(ALL)
+    assert not list(tmp_path.glob("*.tar"))  # larger than the cache: read from storage, never kept
 
 
 def test_the_disk_cache_stays_within_its_size(s3_shards, s3_options, tmp_path):
@@ -493,26 +495,32 @@ def test_the_disk_cache_notices_a_rewritten_shard(s3_shard_copy, s3_options, sha
 
 def test_partial_downloads_of_a_killed_process_are_removed(s3_shard_copy, s3_options, tmp_path):
     """A ``.part`` whose shard no process is downloading (its lock is free) was left by a killed
-    process: the next eviction deletes it. One being written (lock held) stays."""
+    process: the next eviction deletes it, and the lock and meta files of shards no longer kept
+    go too. One being written (lock held) stays."""
     import fcntl
+
+    from asyncload.io.cache_files import shard_files
 
     fs, prefix = s3_shard_copy
     source = tar_shards(f"s3://{prefix}", storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1 << 20)
-    from asyncload.io.cache import ShardCache
-
-    first = ShardCache(tmp_path, 0, None, 0, None).path(source.urls[0]).name
-    abandoned = tmp_path / f".{first}.0123abcd.part"
+    first = shard_files(tmp_path, source.urls[0])
+    abandoned = tmp_path / f"{first.new_part().name}"
     abandoned.write_bytes(bytes(50_000))
-    (tmp_path / f"{first}.lock").touch()  # what a killed download leaves: its lock, free, and its part
-    writing = tmp_path / ".0123456789abcdef-other.tar.4567cdef.part"  # another job's shard, being written
+    first.lock.touch()  # what a killed download leaves: its lock, free, and its part
+    gone = shard_files(tmp_path, "s3://elsewhere/evicted.tar")  # a shard evicted long ago: its lock and meta
+    gone.lock.touch()
+    gone.meta.write_text("{}")
+    other = shard_files(tmp_path, "s3://elsewhere/other.tar")  # another job's shard, being written
+    writing = other.new_part()
     writing.write_bytes(bytes(10_000))
-    held = os.open(tmp_path / "0123456789abcdef-other.tar.lock", os.O_CREAT | os.O_RDWR)
+    held = os.open(other.lock, os.O_CREAT | os.O_RDWR)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)  # as the process downloading it holds it
         with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options) as loader:
             assert sorted(flat(delivered(loader))) == sorted(ALL)
         assert not abandoned.exists(), "a killed process's partial download stays for ever"
-        assert writing.exists(), "a download under way was deleted"
+        assert not gone.lock.exists() and not gone.meta.exists(), "files of an evicted shard stay for ever"
+        assert writing.exists() and other.lock.exists(), "a download under way was deleted"
     finally:
         os.close(held)
 

@@ -1,56 +1,91 @@
-"""A local disk cache of remote shards, bounded in size, shared safely by the processes of one
-machine (the ranks of a node, several jobs).
+"""A local disk cache of remote shards, bounded in size, shared safely by the processes and users
+of one machine (the ranks of a node, several jobs), which never stops an epoch that storage alone
+could serve.
 
 A shard is downloaded whole (large sequential ranged reads) into a temporary file and renamed
 into place, so no process ever sees half a shard. A per-shard lock file (``flock``) lets one
-process download while the others wait for its file instead of downloading it again. After each
-download the least recently used shards are deleted until the cache fits ``max_bytes``, except
-those this process is reading (the cache exceeds its size by those until they are released); a
-shard another process deletes just before it is read is simply downloaded again (after three
-such races in a row, the read goes straight to storage: the cache is too small for its users).
+process download while the others wait for its file instead of downloading it again. Before each
+download the least recently used shards are deleted until the cache has room for it within
+``max_bytes``, except those this process is reading (the cache exceeds its size by those until
+they are released); a shard another process deletes just before it is read is simply downloaded
+again (after three such races in a row, the read goes straight to storage: the cache is too
+small for its users). The files, their names and what the cache may touch: ``cache_files``.
 
-A kept shard is trusted only while it is what the URL holds: it must have the index's size and,
-once per process and shard, the remote object's version (its ETag, else its modification time:
-``version``) must equal the one recorded beside it at download, as fsspec's filecache does with
-``check_files``. Partial downloads of a killed process (``.part`` files no process is writing, as
-its shard's lock tells) are deleted by the next eviction; those being written count in the size.
+A kept shard is served only while it is what the URL holds: it must have the index's size, the
+remote object's version (its ETag, else its modification time: ``version``, asked once per run
+and shard) recorded at download, and, read whole once per process, the checksum recorded at
+download (a copy damaged on disk is downloaded again).
+
+The epoch goes on whatever the cache's disk does. A shard is read straight from storage, for the
+rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
+the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
+default's rule, below, on the disk as it is now); the folder not writable; or a peer holding its
+lock that shows no progress for ``timeout`` (the read timeout): no wait is longer. When storage
+cannot be asked (the version check fails after its retries with a transient error), a kept copy
+whose checksum holds is used unasked for ``OFFLINE_S``, then asked about again; a permanent error
+(the object is gone) fails.
+
+``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
+at the start of the run plus what the cache already keeps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
-import json
+import math
 import os
-import posixpath
-import uuid
+import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any, Awaitable, Callable
+
+from . import cache_files as files
+from .reader import PERMANENT_ERRORS
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
 
 LOCK_POLL_S = 0.05
+OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
+DEFAULT_CAP = 64 << 30
+FREE_FRACTION = 0.5
+
+_warned: set[tuple[str, str]] = set()  # (folder, reason): each warned once per process
+
+
+class CacheWriteError(Exception):
+    """The cache's own disk failed a download (not storage): the shard is read from storage."""
 
 
 class ShardCache:
     """``read_range(url, start, end, size)``: bytes of a remote shard, from the local copy."""
 
-    def __init__(self, directory: str | os.PathLike, max_bytes: int, download: ReadRange, chunk_bytes: int,
-                 run_blocking: Callable[..., Awaitable[Any]], version: Version | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, max_bytes: int | None, download: ReadRange, chunk_bytes: int,
+                 run_blocking: Callable[..., Awaitable[Any]], version: Version | None = None,
+                 timeout: float = 60.0) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
         self.download = download  # async (url, start, end) -> bytes, retried by the reader
         self.chunk_bytes = chunk_bytes
         self.run_blocking = run_blocking  # runs file work off the event loop
         self.version = version  # async url -> the remote object's version (ETag or mtime), if known
-        self._checked: dict[str, str] = {}  # url -> its version, checked against the kept copy this run
+        self.timeout = timeout  # the longest wait on a peer's lock without progress (read_timeout)
+        self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
+        self._bypass: set[str] = set()  # urls read from storage for the rest of this run
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
         self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
         self._over_size = False  # the last eviction had to keep shards in use past max_bytes
+        self._offline_until = 0.0  # storage could not be asked: copies are used unasked till then
+        self.max_bytes = 0
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.max_bytes = max_bytes if max_bytes is not None else default_budget(self.directory)
+            files.evict(self.directory, self.max_bytes, set())  # a run that downloads nothing cleans up too
+        except OSError as error:
+            self._warn("folder", f"cannot use {error}; shards are read from storage")
+            self._usable = False
+        else:
+            self._usable = True
 
     async def aclose(self) -> None:
         """Cancels this process's downloads (their partial files are removed), before the
@@ -61,159 +96,167 @@ class ShardCache:
         await asyncio.gather(*pending, return_exceptions=True)
 
     def path(self, url: str) -> Path:
-        """Where ``url`` is kept: its file name (for people looking at the folder) and a hash."""
-        digest = hashlib.sha1(url.encode()).hexdigest()[:16]
-        return self.directory / f"{digest}-{posixpath.basename(url)}"
+        """Where ``url``'s copy is kept."""
+        return files.shard_files(self.directory, url).shard
 
     async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
+        if url in self._bypass or not self._usable:
+            return await self.download(url, start, end)
         path = self.path(url)
         self._in_use[path] += 1
         try:
             for _ in range(3):  # evicted by another process between download and read: again
-                await self.ensure(url, size)
+                if not await self.ensure(url, size):
+                    break
                 try:
-                    return await self.run_blocking(_read_file_range, path, start, end)
+                    return await self.run_blocking(files.read_copy_range, path, start, end, size)
                 except FileNotFoundError:
-                    continue
+                    self._checked.pop(url, None)
         finally:
             self._in_use[path] -= 1
             if not self._in_use[path]:
                 del self._in_use[path]
                 if self._over_size:
-                    await self._evict()
-        # Evicted by others between download and read three times: the cache is too small for
-        # the processes sharing it. Serve the read from storage rather than fail it.
+                    await self._evict(0)
+        # Bypassed, or evicted by others between download and read three times (the cache is
+        # too small for the processes sharing it): serve the read from storage, never fail it.
         return await self.download(url, start, end)
 
-    async def ensure(self, url: str, size: int) -> Path:
-        """The local copy of ``url`` (``size`` bytes), downloaded if no process has a current
-        one yet (see the module on what current means)."""
-        path = self.path(url)
-        if url in self._checked and _touch(path, size):  # recently used: evicted last
-            return path
+    async def ensure(self, url: str, size: int) -> bool:
+        """True once a current copy of ``url`` (``size`` bytes) is kept, downloaded if no
+        process has one yet; False if this shard is read from storage (see the module)."""
+        shard = files.shard_files(self.directory, url)
+        if self._checked.get(url, 0.0) > time.monotonic() and files.touch(shard.shard, size):
+            return True  # recently used: evicted last
+        if url in self._bypass:
+            return False
+        if size > self.max_bytes:
+            return self._skip(url, "large", f"{url} ({size} bytes) is larger than cache_bytes ({self.max_bytes})")
         version = await self._remote_version(url)
-        if _touch(path, size) and _recorded_version(path) == version:
-            self._checked[url] = version
-            return path
+        if await self.run_blocking(files.current, shard, url, size, version):
+            self._checked[url] = math.inf if version is not None else self._offline_until
+            files.touch(shard.shard, size)
+            return True
+        if version is None:  # no copy to fall back on: ask (and fail after the retries) anyway
+            version = await self._ask_version(url)
         pending = self._downloads.get(url)
         if pending is None:
-            pending = self._downloads[url] = asyncio.ensure_future(self._download(url, size, path, version))
+            pending = self._downloads[url] = asyncio.ensure_future(self._download(url, size, shard, version))
             pending.add_done_callback(lambda _: self._downloads.pop(url, None))
-        await asyncio.shield(pending)
-        self._checked[url] = version
-        return path
+        if not await asyncio.shield(pending):
+            return False
+        self._checked[url] = math.inf
+        return True
 
-    async def _remote_version(self, url: str) -> str:
-        """The remote object's version; once per URL and run (one metadata request)."""
-        if url in self._checked:
-            return self._checked[url]
+    async def _remote_version(self, url: str) -> str | None:
+        """The remote object's version, or None while storage cannot be asked (see the module)."""
+        if time.monotonic() < self._offline_until:
+            return None
+        try:
+            return await self._ask_version(url)
+        except PERMANENT_ERRORS:
+            raise
+        except Exception as error:
+            self._offline_until = time.monotonic() + OFFLINE_S
+            cause = str(error).splitlines()[0][:200] if str(error) else ""  # obstore's run to dozens of lines
+            self._warn("offline", f"storage could not be asked about {url} ({type(error).__name__}: {cause}); kept "
+                                  f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
+            return None
+
+    async def _ask_version(self, url: str) -> str:
         return "" if self.version is None else await self.version(url)
 
-    async def _download(self, url: str, size: int, path: Path, version: str) -> None:
-        lock = await self.run_blocking(os.open, f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
         try:
-            while not await self.run_blocking(_try_lock, lock):
-                await asyncio.sleep(LOCK_POLL_S)  # another process downloads it: wait for its file
-            if _touch(path, size) and _recorded_version(path) == version:
-                return  # another process has just downloaded this version
-            partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+            lock = await self._lock(shard)
+        except OSError as error:
+            return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
+        if lock is None:
+            return self._skip(url, "lock", f"another process holds {shard.lock} and showed no progress for "
+                                           f"read_timeout ({self.timeout} s)")
+        try:
+            if await self.run_blocking(files.current, shard, url, size, version):
+                return True  # another process has just downloaded this version
+            await self._evict(size)
+            partial = shard.new_part()
             try:
-                await self._fetch_to(url, size, partial)
-                os.replace(partial, path)
-                # after the shard: a version seen beside an older file would make it trusted
-                _version_path(path).write_text(json.dumps(version))
+                crc = await self._fetch_to(url, size, partial, lock)
+                meta = {"url": url, "size": size, "version": version, "crc32": crc}
+                await self._on_disk(files.install, shard, partial, meta)
+            except CacheWriteError as error:
+                files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
+                files.unlink(partial)
+                cause = error.__cause__
+                if isinstance(cause, OSError) and cause.errno in files.DISK_FULL:  # the default's rule, from now
+                    self.max_bytes = min(self.max_bytes, await self.run_blocking(default_budget, self.directory))
+                    return self._skip(url, "full", f"the disk is full ({cause}); cache_bytes is now {self.max_bytes}")
+                return self._skip(url, "unwritable", f"cannot write {partial}: {cause}")
             finally:
-                partial.unlink(missing_ok=True)
-            await self._evict()
+                files.unlink(partial)
+            await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
+            return True
         finally:
             os.close(lock)  # also releases the flock
 
-    async def _fetch_to(self, url: str, size: int, partial: Path) -> None:
-        with open(partial, "wb") as file:
+    async def _lock(self, shard: files.ShardFiles) -> int | None:
+        """Takes the shard's lock; None if a peer holds it and its heartbeat (the lock file's
+        modification time, touched after each chunk it writes) stood still for ``timeout``."""
+        beat, deadline = None, time.monotonic() + self.timeout
+        while True:
+            lock = files.try_lock(shard.lock)  # a non-blocking flock: on the loop, never lost to a cancel
+            if lock is not None:
+                files.heartbeat(lock)
+                return lock
+            now, seen = time.monotonic(), files.last_beat(shard.lock)
+            if seen != beat:
+                beat, deadline = seen, now + self.timeout
+            elif now > deadline:
+                return None
+            await asyncio.sleep(LOCK_POLL_S)
+
+    async def _fetch_to(self, url: str, size: int, partial: Path, lock: int) -> int:
+        """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
+        disk's are ``CacheWriteError``."""
+        fd = await self._on_disk(files.new_file, partial)
+        try:
+            crc = 0
             for start in range(0, size, self.chunk_bytes):
                 data = await self.download(url, start, min(size, start + self.chunk_bytes))
-                await self.run_blocking(file.write, data)
+                crc = await self._on_disk(files.write_all, fd, data, crc)
+                files.heartbeat(lock)
+            return crc
+        finally:
+            os.close(fd)
 
-    async def _evict(self) -> None:
-        self._over_size = await self.run_blocking(_evict, self.directory, self.max_bytes, set(self._in_use))
-
-
-def _evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
-    """Deletes the least recently used shards in ``directory`` but ``keep`` until the shards
-    there fit ``max_bytes``; returns whether they still do not."""
-    files = []
-    partial_bytes = 0
-    for entry in os.scandir(directory):
-        if entry.name.endswith(".lock") or entry.name.endswith(".version"):
-            continue
+    async def _on_disk(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
-            stat = entry.stat()
-        except FileNotFoundError:  # another eviction (this process's or another's) took it
-            continue
-        if entry.name.endswith(".part"):
-            if not _remove_if_abandoned(Path(entry.path)):
-                partial_bytes += stat.st_size  # a download under way: it will need the room
-            continue
-        if entry.name.startswith("."):
-            continue
-        files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
-    total = partial_bytes + sum(size for _, size, _ in files)
-    for _, size, path in sorted(files):
-        if total <= max_bytes:
-            break
-        if path not in keep:
-            path.unlink(missing_ok=True)
-            _version_path(path).unlink(missing_ok=True)
-            total -= size
-    return total > max_bytes
+            return await self.run_blocking(function, *args)
+        except OSError as error:
+            raise CacheWriteError(str(error)) from error
 
+    async def _evict(self, room: int) -> None:
+        """Evicts until ``room`` more bytes fit ``max_bytes``."""
+        try:
+            self._over_size = await self.run_blocking(files.evict, self.directory, self.max_bytes - room,
+                                                      set(self._in_use))
+        except OSError as error:
+            self._warn("evict", f"cannot evict: {error}")
 
-def _touch(path: Path, size: int) -> bool:
-    """Marks ``path`` recently used; False if it is gone (another process may evict it at
-    any moment: no exists-then-use) or is not ``size`` bytes (not the index's shard)."""
-    try:
-        os.utime(path)
-        return os.stat(path).st_size == size
-    except FileNotFoundError:
+    def _skip(self, url: str, reason: str, message: str) -> bool:
+        """Reads ``url`` from storage for the rest of the run; warns once per reason."""
+        self._bypass.add(url)
+        self._warn(reason, f"{message}: read from storage, not cached")
         return False
 
-
-def _version_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.version")
-
-
-def _recorded_version(path: Path) -> str | None:
-    try:
-        return json.loads(_version_path(path).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+    def _warn(self, reason: str, message: str) -> None:
+        if (str(self.directory), reason) not in _warned:
+            _warned.add((str(self.directory), reason))
+            warnings.warn(f"asyncload shard cache {self.directory}: {message}", RuntimeWarning, stacklevel=2)
 
 
-def _remove_if_abandoned(partial: Path) -> bool:
-    """Deletes ``partial`` (``.<shard file>.<id>.part``) if no process is downloading its shard
-    (nobody holds the shard's lock: its writer was killed); True if it did."""
-    shard_name = partial.name[1:].rsplit(".", 2)[0]
-    try:
-        fd = os.open(partial.with_name(f"{shard_name}.lock"), os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        if not _try_lock(fd):
-            return False
-        partial.unlink(missing_ok=True)  # while holding the lock: no download can start on it
-        return True
-    finally:
-        os.close(fd)
+def default_budget(directory: Path) -> int:
+    """``DEFAULT_CAP``, or less: ``FREE_FRACTION`` of what the disk has free plus what the cache
+    keeps already (a shared node's disk is not the cache's alone)."""
+    disk = os.statvfs(directory)
+    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + files.owned_bytes(directory))))
 
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
-def _read_file_range(path: Path, start: int, end: int) -> bytes:
-    with open(path, "rb") as file:
-        return os.pread(file.fileno(), end - start, start)

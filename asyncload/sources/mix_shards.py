@@ -52,7 +52,7 @@ class MixedShards(MixedSource, ShardSource):
         self.columns = _same(parts, "columns")
         self.storage_options = parts[0].storage_options
         self.chunk_bytes = min(part.chunk_bytes for part in parts)  # each source's bound on one read holds
-        self.cache_bytes = min(part.cache_bytes for part in parts)
+        self.cache_bytes = min((part.cache_bytes for part in parts if part.cache_bytes is not None), default=None)
         self.shuffle_buffer = max(part.shuffle_buffer for part in parts)
         self.classes: list[str] = []  # each source keeps its own classes and labels
         shard_counts = [len(part.urls) for part in parts]

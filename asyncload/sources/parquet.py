@@ -47,7 +47,7 @@ class ParquetSource(ShardSource):
     def __init__(self, files: Sequence[tuple[str, int]], image: str = "image", label: str | None = "label", *,
                  columns: Sequence[str] | None = None, storage_options: dict | None = None,
                  shuffle_buffer: int = 1000, chunk_bytes: int = 16 << 20, cache_dir: str | None = None,
-                 cache_bytes: int = 64 << 30, timeout: float | None = None, retries: int | None = None) -> None:
+                 cache_bytes: int | None = None, timeout: float | None = None, retries: int | None = None) -> None:
         self.storage_options = storage_options
         self.members = "image"
         self.shuffle_buffer = max(1, shuffle_buffer)

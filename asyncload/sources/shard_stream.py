@@ -251,7 +251,7 @@ def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, co
     cache = None
     if source.cache_dir is not None:
         cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
-                           version=reader.version)
+                           version=reader.version, timeout=reader.timeout)
         sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
 
         async def read_range(url: str, start: int, end: int) -> bytes:

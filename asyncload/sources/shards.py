@@ -80,7 +80,8 @@ class ShardSource(Sequence):
     ``ImageDecoder``; ``"all"``: as a dict ``{extension: bytes}`` of every member, for your own
     ``decode``. ``shuffle_buffer``: how many samples the shuffle mixes at once (memory: about that
     many encoded samples). ``chunk_bytes``: the largest single ranged read. ``cache_dir``: keep
-    remote shards on local disk, at most ``cache_bytes`` (see ``cache.py``).
+    remote shards on local disk, at most ``cache_bytes`` (default: the smaller of 64 GiB and half
+    the disk's free space at the start of a run; see ``io/cache.py``).
     """
 
     read_whole = False  # True: a shard is parsed whole (a Parquet row group), one read per shard
@@ -95,7 +96,7 @@ class ShardSource(Sequence):
         shuffle_buffer: int = 1000,
         chunk_bytes: int = 16 << 20,
         cache_dir: str | None = None,
-        cache_bytes: int = 64 << 30,
+        cache_bytes: int | None = None,
     ) -> None:
         if index.get("format") != INDEX_FORMAT:
             raise ValueError(f"{base_url}: not an asyncload shard index (format {index.get('format')!r})")

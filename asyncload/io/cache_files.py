@@ -1,0 +1,301 @@
+"""The shard cache's files, and the rules that make a folder shared by a node's users safe.
+
+The cache touches only what it wrote. Its names are ``asyncload-<hash>...`` (the hash: of the
+shard's URL, so every process finds the same file), one set per shard:
+
+- ``asyncload-<hash>-<name>``: the shard, whole (``<name>``: the end of its URL's file name, at
+  most ``READABLE_CHARS`` characters of ``[A-Za-z0-9._-]``, so any URL fits a file name);
+- ``asyncload-<hash>.meta``: JSON ``{url, size, version, crc32}`` recorded at download;
+- ``asyncload-<hash>.lock``: the ``flock`` one downloader holds (its modification time is the
+  downloader's heartbeat, touched after each chunk written);
+- ``asyncload-<hash>.<id>.part``: a download (or a meta file) being written, renamed into place.
+
+Anything else in the folder (a user's file, a sub-folder, a symlink) is neither read, counted nor
+deleted, and a name of ours that is not a regular file is never followed or read (``O_NOFOLLOW``,
+``lstat``, and a non-blocking open: a planted FIFO cannot stall a read). Files are created with
+mode 0666 less the user's umask, so users who share a group-writable folder with umask 002 can
+replace each other's shards. Least recently used means the access time, which the cache sets
+itself at each use; the modification time stays the download's, so a copy rewritten in place is
+noticed by the once-per-process content check (``current``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import posixpath
+import re
+import stat
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = "asyncload-"
+READABLE_CHARS = 80  # with the prefix, hash and a part's id: ~150 of the 255 bytes a name may have
+OURS = re.compile(r"asyncload-([0-9a-f]{16})(-[A-Za-z0-9._-]*|\.lock|\.meta|\.[0-9a-f]{32}\.part)\Z")
+META_MAX_BYTES = 1 << 16
+CHECK_BLOCK = 8 << 20
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+# (device, inode, modification time, size, crc32) of the copies this process has read whole and
+# found equal to their recorded checksum: checked once per process and copy, not per read.
+_checked_copies: set[tuple[int, int, int, int, int]] = set()
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """The cache's names for one shard (see the module)."""
+
+    directory: Path
+    digest: str
+    readable: str
+
+    @property
+    def shard(self) -> Path:
+        return self.directory / f"{PREFIX}{self.digest}-{self.readable}"
+
+    @property
+    def lock(self) -> Path:
+        return self.directory / f"{PREFIX}{self.digest}.lock"
+
+    @property
+    def meta(self) -> Path:
+        return self.directory / f"{PREFIX}{self.digest}.meta"
+
+    def new_part(self) -> Path:
+        return self.directory / f"{PREFIX}{self.digest}.{uuid.uuid4().hex}.part"
+
+
+def shard_files(directory: Path, url: str) -> ShardFiles:
+    digest = hashlib.sha1(url.encode()).hexdigest()[:16]
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", posixpath.basename(url.rstrip("/")))[-READABLE_CHARS:]
+    return ShardFiles(directory, digest, readable)
+
+
+def open_copy(path: Path, size: int) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file of ``size`` bytes; else
+    FileNotFoundError (a name of ours holding something else is as good as no copy)."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a symlink, a socket, a folder
+            raise FileNotFoundError(errno.ENOENT, f"not a cache file: {error}", str(path)) from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, f"not a {size}-byte regular file", str(path))
+    return fd
+
+
+def read_copy_range(path: Path, start: int, end: int, size: int) -> bytes:
+    fd = open_copy(path, size)
+    try:
+        return os.pread(fd, end - start, start)
+    finally:
+        os.close(fd)
+
+
+def touch(path: Path, size: int) -> bool:
+    """Marks the copy at ``path`` used now (its access time); False if it is gone (another
+    process may evict it at any moment: no exists-then-use) or not a ``size``-byte file."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        return False
+    try:
+        os.utime(path, ns=(time.time_ns(), info.st_mtime_ns), follow_symlinks=False)
+    except OSError:
+        pass  # another user's copy we may read but not mark: it only ages
+    return True
+
+
+def read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        meta = json.loads(os.pread(fd, META_MAX_BYTES, 0))
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def current(files: ShardFiles, url: str, size: int, version: str | None) -> bool:
+    """Whether the kept copy is ``url``'s ``size`` bytes at ``version`` (None: storage could not
+    be asked, any recorded version will do) and its bytes still have the checksum recorded at
+    download (read whole once per process and copy: a copy damaged on disk is not served)."""
+    meta = read_meta(files.meta)
+    if meta is None or meta.get("url") != url or meta.get("size") != size or not isinstance(meta.get("crc32"), int):
+        return False
+    if version is not None and meta.get("version") != version:
+        return False
+    try:
+        fd = open_copy(files.shard, size)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        key = (info.st_dev, info.st_ino, info.st_mtime_ns, size, meta["crc32"])
+        if key in _checked_copies:
+            return True
+        crc = 0
+        for start in range(0, size, CHECK_BLOCK):
+            crc = zlib.crc32(os.pread(fd, min(CHECK_BLOCK, size - start), start), crc)
+        if crc != meta["crc32"]:
+            return False
+        _checked_copies.add(key)
+        return True
+    finally:
+        os.close(fd)
+
+
+def try_lock(path: Path) -> int | None:
+    """A descriptor holding ``path``'s exclusive ``flock``, or None while another process holds
+    it. Opened read-only (another user's lock file is locked as well as ours); a lock file an
+    eviction deleted between our open and our lock is opened again."""
+    for _ in range(3):
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    return None
+
+
+def heartbeat(fd: int) -> None:
+    """Tells the processes waiting on this lock that its holder is alive (see ``last_beat``)."""
+    try:
+        os.utime(fd)
+    except OSError:
+        pass  # another user's lock file: they wait for the read timeout, then read storage
+
+
+def last_beat(path: Path) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return None
+
+
+def new_file(path: Path) -> int:
+    """A new file for writing (mode 0666 less the umask; never an existing name or a symlink)."""
+    return os.open(path, NEW_FLAGS, 0o666)
+
+
+def write_all(fd: int, data: bytes, crc: int) -> int:
+    """Writes ``data`` at the end of ``fd``; returns the checksum so far with ``data``."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    return zlib.crc32(data, crc)
+
+
+def install(files: ShardFiles, partial: Path, meta: dict[str, Any]) -> None:
+    """Renames the downloaded ``partial`` into place, then its meta file (written whole, then
+    renamed: a reader sees an old or a new one, never half; one that does not match the copy
+    beside it fails ``current``'s checksum and the copy is downloaded again)."""
+    meta_part = files.new_part()
+    try:
+        fd = new_file(meta_part)
+        try:
+            write_all(fd, json.dumps(meta).encode(), 0)
+        finally:
+            os.close(fd)
+        os.replace(partial, files.shard)
+        os.replace(meta_part, files.meta)
+    finally:
+        unlink(meta_part)
+
+
+def unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # gone, or another user's file in a sticky folder: it ages out by them
+        pass
+
+
+def _unlink_if_free(names: ShardFiles, *paths: Path) -> bool:
+    """Deletes ``paths`` while holding the shard's lock, if no process holds it (no download of
+    that shard is under way); True if it did."""
+    try:
+        fd = try_lock(names.lock)
+    except OSError:
+        return False
+    if fd is None:
+        return False
+    for path in paths:
+        unlink(path)
+    os.close(fd)
+    return True
+
+
+def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
+    """Deletes the least recently used copies in ``directory`` but ``keep`` until the copies
+    and the downloads under way there fit ``max_bytes``, and the files of ours no process needs:
+    a killed process's ``.part`` files, meta and lock files of shards no longer kept. Returns
+    whether the folder still does not fit."""
+    copies, parts, others = [], [], set()
+    for entry in os.scandir(directory):
+        match = OURS.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue  # not ours: never counted, never deleted
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # another eviction (this process's or another's) took it
+            continue
+        names, kind, path = ShardFiles(directory, match.group(1), ""), match.group(2), Path(entry.path)
+        if kind.startswith("-"):
+            copies.append((info.st_atime_ns, info.st_size, path, names))
+        elif kind.endswith(".part"):
+            parts.append((info.st_size, path, names))
+        else:
+            others.add(names)
+    total = sum(size for size, path, names in parts if not _unlink_if_free(names, path))
+    total += sum(size for _, size, _, _ in copies)
+    kept = set()
+    for _, size, path, names in sorted(copies, key=lambda copy: copy[:2]):
+        if total > max_bytes and path not in keep:
+            unlink(path)
+            unlink(names.meta)
+            total -= size
+        else:
+            kept.add(names)
+    for names in others - kept:  # a shard no longer kept: its meta, then its lock
+        _unlink_if_free(names, names.meta, names.lock)
+    return total > max_bytes
+
+
+def owned_bytes(directory: Path) -> int:
+    """Bytes of the cache's files in ``directory``: its copies and the downloads under way."""
+    total = 0
+    for entry in os.scandir(directory):
+        match = OURS.match(entry.name)
+        if match is not None and entry.is_file(follow_symlinks=False):
+            try:
+                total += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+    return total
