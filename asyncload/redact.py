@@ -23,7 +23,9 @@ REDACTED_CHARS = 20_000  # text beyond this is cut before redacting: no regex ru
 _SECRET_WORDS = r"credential|token|secret|passw|pwd|auth|session|sas|private|api_?key|access_?key|account_?key"
 _SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS}|signature)|^(?:key|password|username|sig)$")
 
-_QUERY = re.compile(rf"(?i)([?&;][\w.\-]*(?:{_SECRET_WORDS}|sig|key)[\w.\-]*=)[^&#\s'\"<>]+")
+# A query parameter, plain or percent-encoded (a client's text may quote the URL it built: %3F, %26, %3D).
+_QUERY = re.compile(rf"""(?i)((?:[?&;]|%3F|%26)[\w.\-]*(?:{_SECRET_WORDS}|sig|key)[\w.\-]*(?:=|%3D))
+                         (?:[^&#\s'"<>%]|%(?!26)[0-9a-f]{{2}})+""", re.X)
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/@\s'\"<>]+@")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[\w.~+/\-]+=*")
 # 'name': 'value', "name": "value", name='value', name=value: a dict's repr, a client's config dump.
@@ -92,6 +94,6 @@ def unpicklable(value: Any) -> str:
             try:
                 pickle.dumps(item)
             except Exception:
-                return f"its key {key!r} (a {type(item).__module__}.{type(item).__qualname__})"
+                return f"its key {key!r} (a {type(item).__name__})"
         return f"a dict with keys {sorted(map(str, value))}"
     return shown(value, 80)
