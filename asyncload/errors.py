@@ -44,8 +44,8 @@ def describe(error: BaseException) -> str:
     bytes of which URL), so a read that failed after its retries says so wherever its error is
     shown; redacted (see ``redact``)."""
     detail = getattr(error, "read_detail", None)
-    line = cause_line(str(error))
-    return redact(f"{type(error).__name__}{': ' + line if line else ''}" + (f" ({detail})" if detail else ""))
+    line = cause_line(redact(str(error)))  # redacted before it is cut: a cut could part a secret from its name
+    return f"{type(error).__name__}{': ' + line if line else ''}" + (f" ({redact(detail)})" if detail else "")
 
 
 _DEBUG_DUMP = "\n\nDebug source:"  # obstore appends the Rust client's error, pretty-printed, after it

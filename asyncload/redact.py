@@ -19,20 +19,21 @@ SHOWN_CHARS = 200  # the longest repr of an item a message shows
 REDACTED_CHARS = 20_000  # text beyond this is cut before redacting: no regex runs over megabytes
 
 # Names whose values are secrets: query parameters, options, ``name=value`` in a client's text.
+# Every repetition before the secret's name is bounded: a 20,000-character key costs linear time.
 # Matched inside a longer name too (X-Amz-Credential, sas_token, aws_secret_access_key).
-_SECRET_WORDS = r"credential|token|secret|passw|pwd|auth|session|sas|private|api_?key|access_?key|account_?key"
+_SECRET_WORDS = r"credential|token|secret|passw|pwd|authorization|session|sas|private|api_?key|access_?key|account_?key"
 _SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS}|signature)|^(?:key|password|username|sig)$")
 
 # A query parameter, plain or percent-encoded (a client's text may quote the URL it built: %3F, %26, %3D).
-_QUERY = re.compile(rf"""(?i)((?:[?&;]|%3F|%26)[\w.\-]*(?:{_SECRET_WORDS}|sig|key)[\w.\-]*(?:=|%3D))
+_QUERY = re.compile(rf"""(?i)((?:[?&;]|%3F|%26)[\w.\-]{{0,64}}?(?:{_SECRET_WORDS}|sig|key)[\w.\-]{{0,64}}?(?:=|%3D))
                          (?:[^&#\s'"<>%]|%(?!26)[0-9a-f]{{2}})+""", re.X)
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/@\s'\"<>]+@")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,30}://)[^/@\s'\"<>]{1,256}@")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[\w.~+/\-]+=*")
 # 'name': 'value', "name": "value", name='value', name=value: a dict's repr, a client's config dump.
 _NAMED = re.compile(rf"""(?ix)
-    (['"]?)([\w\-]*(?:{_SECRET_WORDS}|signature)[\w\-]*|key)\1   # a secret's name, quoted or not
+    (['"]?)\b([\w\-]{{0,40}}?(?:{_SECRET_WORDS}|signature)[\w\-]{{0,40}}|key)\1   # a secret's name
     (\s*[:=]\s*)                                                         # : or =
-    (Some\()?('[^']*'|"[^"]*"|[^\s,;&)}}\]'"]+)                          # its value
+    (?!(?:bearer|basic)\s)(Some\()?('[^']*'|"[^"]*"|[^\s,;&)}}\]'"]+)   # its value (a Bearer's is hidden)
 """)
 _TOKENS = re.compile(r"\b(?:ya29\.[\w\-]+|(?:AKIA|ASIA)[0-9A-Z]{16}|eyJ[\w\-]+\.[\w\-]+\.[\w\-]+)")
 
