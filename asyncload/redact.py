@@ -36,6 +36,11 @@ _NAMED = re.compile(rf"""(?ix)
     (?!(?:bearer|basic)\s)(Some\()?('[^']*'|"[^"]*"|[^\s,;&)}}\]'"]+)   # its value (a Bearer's is hidden)
 """)
 _TOKENS = re.compile(r"\b(?:ya29\.[\w\-]+|(?:AKIA|ASIA)[0-9A-Z]{16}|eyJ[\w\-]+\.[\w\-]+\.[\w\-]+)")
+# What any of them needs, lower case: most texts (a plain URL, a number) hold none, and a plain
+# substring test is cheap (0.6 us for a URL, where one case-blind regex costs 6 us and the five
+# above 14 us), so a trace of 100,000 keys writes about as fast as unredacted.
+_CLUES = ("?", "&", ";", "@", "%3f", "%26", "bearer", "basic", "ya29", "akia", "asia", "eyj", "credential", "token",
+          "secret", "passw", "pwd", "authorization", "session", "sas", "private", "key", "sig")
 
 
 def redact(text: str) -> str:
@@ -46,11 +51,20 @@ def redact(text: str) -> str:
     ``ya29.``, AWS access key ids, JWTs)."""
     if len(text) > REDACTED_CHARS:
         text = text[:REDACTED_CHARS] + "..."
+    if not _has_clue(text.lower()):
+        return text
     text = _QUERY.sub(rf"\1{HIDDEN}", text)
     text = _USERINFO.sub(rf"\1{HIDDEN}@", text)
     text = _BEARER.sub(rf"\1 {HIDDEN}", text)
     text = _NAMED.sub(_hide_named, text)
     return _TOKENS.sub(HIDDEN, text)
+
+
+def _has_clue(lower: str) -> bool:
+    for clue in _CLUES:  # a loop, not any(): this is the cost of every clean text
+        if clue in lower:
+            return True
+    return False
 
 
 def _hide_named(match: re.Match) -> str:
