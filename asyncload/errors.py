@@ -45,7 +45,7 @@ def describe(error: BaseException) -> str:
     shown; redacted (see ``redact``)."""
     detail = getattr(error, "read_detail", None)
     line = cause_line(redact(str(error)))  # redacted before it is cut: a cut could part a secret from its name
-    return f"{type(error).__name__}{': ' + line if line else ''}" + (f" ({redact(detail)})" if detail else "")
+    return f"{type(error).__name__}{': ' + line if line else ''}" + (f" ({bounded(detail, CAUSE_CHARS)})" if detail else "")
 
 
 _DEBUG_DUMP = "\n\nDebug source:"  # obstore appends the Rust client's error, pretty-printed, after it
