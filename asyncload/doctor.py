@@ -30,22 +30,25 @@ from .errors import StorageError, describe
 from .loader import AsyncLoader
 from .sources.items import image_folder, manifest
 from .sources.shards import tar_shards
+from .redact import bounded, is_secret_name, redact_options
 from .stats.machine import usable_cores
-from .redact import bounded, is_secret_name
 from .stats.verdict import diagnose
 
 MANIFEST_SUFFIXES = (".txt", ".csv", ".lst")
 OPTIONS_VARIABLE = "ASYNCLOAD_STORAGE_OPTIONS"
+NOT_SECRETS = (None, True, False, "", "anon", "google_default", "cloud", "browser", "cache")  # gcsfs's token modes
 
 
 class Refused(ValueError):
     """Options the doctor will not take as given (their message says why and what to do)."""
 
 
-def storage_options(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any] | None:
+def storage_options(args: argparse.Namespace, environ: dict[str, str]) -> tuple[dict[str, Any] | None, list[str]]:
     """The storage options from ``ASYNCLOAD_STORAGE_OPTIONS``, the ``--options`` file and
-    ``--storage-options``, later ones winning key by key; a secret on the command line is refused."""
+    ``--storage-options``, later ones winning key by key, and where they came from; a secret on
+    the command line is refused."""
     options: dict[str, Any] = {}
+    origins = []
     for where, text in ((f"${OPTIONS_VARIABLE}", environ.get(OPTIONS_VARIABLE)),
                         (f"--options {args.options}", _read(args.options) if args.options else None),
                         ("--storage-options", args.storage_options)):
@@ -57,12 +60,13 @@ def storage_options(args: argparse.Namespace, environ: dict[str, str]) -> dict[s
             raise Refused(f"{where} is not JSON ({error})") from None
         if not isinstance(given, dict):
             raise Refused(f"{where} must be a JSON object of storage options")
-        secrets = sorted(key for key in _names(given) if is_secret_name(key))
+        secrets = _secrets(given)
         if where == "--storage-options" and secrets:
             raise Refused(f"--storage-options may not hold {', '.join(secrets)} (a command line shows in ps and "
                           f"the shell's history): put them in --options FILE or ${OPTIONS_VARIABLE}")
         options.update(given)
-    return options or None
+        origins.append(where)
+    return options or None, origins
 
 
 def _read(path: str) -> str:
@@ -73,10 +77,16 @@ def _read(path: str) -> str:
         raise Refused(f"--options {path}: {describe(error)}") from None
 
 
-def _names(options: dict[str, Any]) -> list[str]:
-    """The keys of ``options`` and of the dicts in it (client_kwargs, config, ...)."""
-    return [name for key, value in options.items()
-            for name in [str(key), *(_names(value) if isinstance(value, dict) else [])]]
+def _secrets(options: dict[str, Any]) -> list[str]:
+    """The secret-named keys of ``options`` and of the dicts in it (client_kwargs, config, ...)
+    whose values are more than a switch (gcsfs's ``token="anon"`` is none)."""
+    found = []
+    for key, value in options.items():
+        if is_secret_name(key) and value not in NOT_SECRETS:
+            found.append(str(key))
+        elif isinstance(value, dict):
+            found += _secrets(value)
+    return sorted(found)
 
 
 def open_source(url: str, storage_options: dict[str, Any] | None) -> Sequence[Any]:
@@ -156,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     url = bounded(args.url)
     try:
-        options = storage_options(args, dict(os.environ))
+        options, origins = storage_options(args, dict(os.environ))
+        if options:
+            print(f"asyncload doctor: storage options from {', '.join(origins)}: {redact_options(options)}", flush=True)
         source = open_source(args.url, options)
         if len(source) == 0:
             raise ValueError(f"no samples found at {url}")

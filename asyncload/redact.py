@@ -22,7 +22,7 @@ REDACTED_CHARS = 20_000  # text beyond this is cut before redacting: no regex ru
 # Every repetition before the secret's name is bounded: a 20,000-character key costs linear time.
 # Matched inside a longer name too (X-Amz-Credential, sas_token, aws_secret_access_key).
 _SECRET_WORDS = r"credential|token|secret|passw|pwd|authorization|session|sas|private|api_?key|access_?key|account_?key"
-_SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS}|signature)|^(?:key|password|username|sig)$")
+_SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS})|^(?:key|username)$")  # an option's (not skip_signature)
 
 # A query parameter, plain or percent-encoded (a client's text may quote the URL it built: %3F, %26, %3D).
 _QUERY = re.compile(rf"""(?i)((?:[?&;]|%3F|%26)[\w.\-]{{0,64}}?(?:{_SECRET_WORDS}|sig|key)[\w.\-]{{0,64}}?(?:=|%3D))
@@ -94,7 +94,10 @@ def is_secret_name(name: Any) -> bool:
 
 def redact_options(options: Any) -> Any:
     """``storage_options`` to show: the keys all there, secret-like ones' values ``***``, nested
-    dicts alike (``client_kwargs``, a service account dict)."""
+    dicts alike (``client_kwargs``, a service account dict), other text redacted (an endpoint's
+    ``user:pass@``)."""
+    if isinstance(options, str):
+        return redact(options)
     if not isinstance(options, dict):
         return options
     return {key: HIDDEN if is_secret_name(key) else redact_options(value) for key, value in options.items()}

@@ -71,10 +71,22 @@ def test_an_unreachable_endpoint_is_one_line_and_exit_2(tmp_path, given):
         done = doctor("s3://asyncload-test/jpegs", "--options", str(tmp_path / "options.json"))
     else:
         done = doctor("s3://asyncload-test/jpegs", env={"ASYNCLOAD_STORAGE_OPTIONS": json.dumps(options)})
-    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.returncode == 2, done.stderr
+    origin = f"--options {tmp_path / 'options.json'}" if given == "file" else "$ASYNCLOAD_STORAGE_OPTIONS"
+    assert done.stdout == (f"asyncload doctor: storage options from {origin}: {{'endpoint_url': "
+                           f"'{options['endpoint_url']}', 'key': '***', 'secret': '***', 'retry_config': "
+                           f"{{'max_retries': 0}}}}\n"), "what was taken, without its secrets"
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("asyncload doctor: ") and "(Connection refused)" in done.stderr, done.stderr
-    assert SECRET not in done.stderr
+    assert SECRET not in done.stderr + done.stdout
+
+
+def test_switches_on_the_command_line_are_no_secrets(jpeg_folder, tmp_path):
+    """gcsfs's token="anon" and obstore's skip_signature name no credential (and local files
+    ignore them)."""
+    done = doctor(str(jpeg_folder), "--seconds", "0.2", "--trace", str(tmp_path / "t.json"),
+                  "--storage-options", json.dumps({"token": "anon", "skip_signature": True}))
+    assert done.returncode == 0, done.stderr
 
 
 def test_credentials_on_the_command_line_are_refused_without_being_echoed():
