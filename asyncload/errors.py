@@ -45,7 +45,8 @@ def describe(error: BaseException) -> str:
     shown; redacted (see ``redact``)."""
     detail = getattr(error, "read_detail", None)
     line = cause_line(redact(str(error)))  # redacted before it is cut: a cut could part a secret from its name
-    return f"{type(error).__name__}{': ' + line if line else ''}" + (f" ({bounded(detail, CAUSE_CHARS)})" if detail else "")
+    detail = f" ({bounded(detail, CAUSE_CHARS)})" if detail else ""
+    return f"{type(error).__name__}{': ' + line if line else ''}{detail}"
 
 
 _DEBUG_DUMP = "\n\nDebug source:"  # obstore appends the Rust client's error, pretty-printed, after it
@@ -55,21 +56,22 @@ _ELAPSED = re.compile(r" in [\d.]+(?:ns|µs|us|ms|s)\b")
 
 def cause_line(text: str) -> str:
     """A client's error text in one line of at most ``CAUSE_CHARS`` (its middle cut where longer:
-    the start says what failed, the end why): its first non-empty line;
-    for obstore's, without the request's timing, an S3 error document as its code and message,
-    and the reason the Rust dump ends with ("Connection refused") where the line has none."""
+    the start says what failed, the end why): its first non-empty line; for obstore's, without
+    the request's timing, an S3 error document as its code and message, and the reason the Rust
+    dump ends with ("Connection refused") where the line has none."""
     text, _, dump = text.partition(_DEBUG_DUMP)
     xml = _XML_ERROR.search(text)
     if xml is not None:
-        code, message = re.search(r"<Code>(.*?)</Code>", xml.group()), re.search(r"<Message>(.*?)</Message>", xml.group())
-        text = text[: xml.start()] + ": ".join(m.group(1) for m in (code, message) if m is not None)
+        found = (re.search(f"<{tag}>(.*?)</{tag}>", xml.group()) for tag in ("Code", "Message"))
+        text = text[: xml.start()] + ": ".join(match.group(1) for match in found if match is not None)
     line = next((line.strip() for line in text.splitlines() if line.strip()), "")
     line = _ELAPSED.sub("", line)
     reasons = re.findall(r'message: "([^"]+)"', dump)
     line += f" ({reasons[-1]})" if reasons and reasons[-1] not in line else ""
-    if len(line) > CAUSE_CHARS:  # the middle goes: a client's chain of causes ends with the deepest
-        head = CAUSE_CHARS // 3
-        line = f"{line[:head]} ... {line[len(line) - (CAUSE_CHARS - head - 5):]}"
+    if len(line) > CAUSE_CHARS:  # the middle goes, at spaces: a client's chain of causes ends with the deepest
+        head = line[: CAUSE_CHARS // 3].rsplit(" ", 1)[0]
+        tail = line[len(line) - (CAUSE_CHARS - len(head) - 5):]
+        line = f"{head} ... {tail.split(' ', 1)[-1]}"
     return line
 
 
