@@ -14,6 +14,7 @@ import pytest
 from asyncload import AsyncLoader, SampleError, StorageError, TooManyFailures, image_folder
 from asyncload.io.object_store import client_for
 from asyncload.redact import redact, redact_options, shown
+from tests.conftest import setup_s3fs
 
 SIGNATURE = "5e1f0c0ffee5ignature0123456789abcdef"
 TOKEN = "FQoGZXIvYXdzEJrTokenValue42"
@@ -113,10 +114,8 @@ def test_a_presigned_item_and_an_echoed_token_stay_out_of_the_error(processes, o
 
 def test_a_real_presigned_url_of_a_missing_object(s3_server, s3_options):
     """A URL presigned by the S3 server's credentials, read over HTTP: fsspec's error quotes it."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
-    url = fs.sign("asyncload-test/jpegs/missing.jpg", expiration=600)
+    with setup_s3fs(s3_options) as fs:
+        url = fs.sign("asyncload-test/jpegs/missing.jpg", expiration=600)
     (name, signature), = [(name, value) for name, value in re.findall(r"[?&]([^=]+)=([^&]+)", url) if "Signature" in name]
     with AsyncLoader([url], batch_size=1, on_error="skip", max_failures=0, processes=0) as loader:
         with pytest.raises(SampleError) as caught:
