@@ -132,10 +132,18 @@ def test_an_unpicklable_storage_option_is_named_without_its_secret(jpeg_folder):
     assert_no_secret(str(caught.value))
 
 
-def test_a_gcs_token_obstore_cannot_serve_is_not_echoed():
+def test_a_gcs_token_obstore_cannot_serve_is_not_echoed(tmp_path):
+    """An access token string is not an option obstore takes: the error says so, without it."""
+    options = {"token": f"ya29.{TOKEN}", "client": "obstore"}
     with pytest.raises(ValueError, match="obstore cannot serve token") as caught:
-        client_for("gs", {"token": f"ya29.{TOKEN}", "client": "obstore"})
+        client_for("gs", options)
     assert_no_secret(str(caught.value))
+    trace = tmp_path / "run.json"
+    with AsyncLoader(["gs://bucket/a.jpg"], batch_size=1, storage_options=options, on_error="skip", max_failures=1,
+                     trace=str(trace), processes=0) as loader:
+        assert list(loader) == []
+    assert "failed at read in epoch 0: ValueError: storage_options: obstore cannot serve token" in str(loader.stats.failures[0])
+    assert_no_secret(str(loader.stats.failures), trace.read_text())
 
 
 def test_a_storage_error_hides_the_urls_credentials():
