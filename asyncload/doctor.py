@@ -6,8 +6,15 @@ a manifest file) with the loader's settings for about ``--seconds``, as fast as 
 what limits the loader (the stats' verdict, with its evidence), the setting to try next, and
 where the trace of the run was written (a timeline to open in Perfetto or chrome://tracing).
 
-    python -m asyncload.doctor s3://bucket/train --storage-options '{"endpoint_url": "..."}'
+    python -m asyncload.doctor s3://bucket/train --options s3.json
+    ASYNCLOAD_STORAGE_OPTIONS='{"endpoint_url": "..."}' python -m asyncload.doctor s3://bucket/train
     python -m asyncload.doctor /data/shards --processes 2 --seconds 30
+
+Storage options (fsspec-style, as ``storage_options=``) come from the JSON in
+``ASYNCLOAD_STORAGE_OPTIONS``, then the JSON file ``--options``, then ``--storage-options`` on the
+command line, which takes no credentials (``ps`` and the shell's history show a command line): a
+secret there is refused. The clients also read their own variables (``AWS_ACCESS_KEY_ID``, ...).
+A source or storage that fails gives one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -19,14 +26,67 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .errors import SampleError, StorageError
+from .errors import StorageError, describe
 from .loader import AsyncLoader
 from .sources.items import image_folder, manifest
 from .sources.shards import tar_shards
+from .redact import bounded, is_secret_name, redact_options
 from .stats.machine import usable_cores
 from .stats.verdict import diagnose
 
 MANIFEST_SUFFIXES = (".txt", ".csv", ".lst")
+OPTIONS_VARIABLE = "ASYNCLOAD_STORAGE_OPTIONS"
+NOT_SECRETS = (None, True, False, "", "anon", "google_default", "cloud", "browser", "cache")  # gcsfs's token modes
+
+
+class Refused(ValueError):
+    """Options the doctor will not take as given (their message says why and what to do)."""
+
+
+def storage_options(args: argparse.Namespace, environ: dict[str, str]) -> tuple[dict[str, Any] | None, list[str]]:
+    """The storage options from ``ASYNCLOAD_STORAGE_OPTIONS``, the ``--options`` file and
+    ``--storage-options``, later ones winning key by key, and where they came from; a secret on
+    the command line is refused."""
+    options: dict[str, Any] = {}
+    origins = []
+    for where, text in ((f"${OPTIONS_VARIABLE}", environ.get(OPTIONS_VARIABLE)),
+                        (f"--options {args.options}", _read(args.options) if args.options else None),
+                        ("--storage-options", args.storage_options)):
+        if not text:
+            continue
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as error:  # its message quotes no value
+            raise Refused(f"{where} is not JSON ({error})") from None
+        if not isinstance(given, dict):
+            raise Refused(f"{where} must be a JSON object of storage options")
+        secrets = _secrets(given)
+        if where == "--storage-options" and secrets:
+            raise Refused(f"--storage-options may not hold {', '.join(secrets)} (a command line shows in ps and "
+                          f"the shell's history): put them in --options FILE or ${OPTIONS_VARIABLE}")
+        options.update(given)
+        origins.append(where)
+    return options or None, origins
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read()
+    except OSError as error:
+        raise Refused(f"--options {path}: {describe(error)}") from None
+
+
+def _secrets(options: dict[str, Any]) -> list[str]:
+    """The secret-named keys of ``options`` and of the dicts in it (client_kwargs, config, ...)
+    whose values are more than a switch (gcsfs's ``token="anon"`` is none)."""
+    found = []
+    for key, value in options.items():
+        if is_secret_name(key) and value not in NOT_SECRETS:
+            found.append(str(key))
+        elif isinstance(value, dict):
+            found += _secrets(value)
+    return sorted(found)
 
 
 def open_source(url: str, storage_options: dict[str, Any] | None) -> Sequence[Any]:
@@ -90,7 +150,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--io-concurrency", default=None, help="reads in flight (default 64, 4 for shards; or auto)")
     parser.add_argument("--processes", type=int, default=0, help="child processes running the pipeline")
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--storage-options", type=json.loads, default=None, help="as JSON, e.g. '{\"anon\": true}'")
+    parser.add_argument("--options", default=None, metavar="FILE",
+                        help=f"storage options as a JSON file (credentials go here or in ${OPTIONS_VARIABLE})")
+    parser.add_argument("--storage-options", default=None,
+                        help="storage options without credentials, as JSON, e.g. '{\"anon\": true}'")
     parser.add_argument("--trace", default="asyncload-doctor.json", help="where to write the trace")
     return parser.parse_args(argv)
 
@@ -101,25 +164,32 @@ def knob(value: str | None) -> int | str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    url = bounded(args.url)
     try:
-        source = open_source(args.url, args.storage_options)
+        options, origins = storage_options(args, dict(os.environ))
+        if options:
+            print(f"asyncload doctor: storage options from {', '.join(origins)}: {redact_options(options)}", flush=True)
+        source = open_source(args.url, options)
         if len(source) == 0:
-            raise ValueError(f"no samples found at {args.url}")
+            raise ValueError(f"no samples found at {url}")
         with AsyncLoader(source, batch_size=args.batch_size, num_threads=knob(args.num_threads),
                          io_concurrency=knob(args.io_concurrency), prefetch=args.prefetch,
-                         storage_options=args.storage_options, processes=args.processes, on_error="skip",
+                         storage_options=options, processes=args.processes, on_error="skip",
                          max_failures=len(source), trace=args.trace) as loader:
-            print(f"asyncload doctor: {args.url}: {len(source)} samples; loading for {args.seconds:g} s ...", flush=True)
+            print(f"asyncload doctor: {url}: {len(source)} samples; loading for {args.seconds:g} s ...", flush=True)
             samples, elapsed = examine(loader, args.seconds)
         figures = loader.stats.as_dict()
-    except (OSError, ValueError, SampleError) as error:
-        print(f"asyncload doctor: {type(error).__name__}: {error}", file=sys.stderr)
+    except Refused as error:
+        print(f"asyncload doctor: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # storage, a source, options: one line (redacted), not a traceback
+        print(f"asyncload doctor: {describe(error)}", file=sys.stderr)
         return 2
     print(f"{samples} samples in {elapsed:.1f} s: {samples / max(elapsed, 1e-9):.0f} samples/s "
           f"({usable_cores()} cores, {args.processes} processes)")
     print(loader.stats.report())
     if loader.stats.failures:
-        shown = "; ".join(f"{f.item} ({f.stage}: {f.error})" for f in loader.stats.failures[:3])
+        shown = "; ".join(str(failure) for failure in loader.stats.failures[:3])
         print(f"failed samples: {len(loader.stats.failures)} (skipped), e.g. {shown}")
     print(f"suggested: {suggestion(figures, args.processes)}")
     print(f"trace: {os.path.abspath(args.trace)} (open it in https://ui.perfetto.dev or chrome://tracing)")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from .redact import bounded, redact, shown
+
+CAUSE_CHARS = 200  # the longest cause a message shows; the client's whole text stays on ``__cause__``
 
 
 class SampleError(Exception):
     """A sample could not be read or decoded.
 
     Raised in the user's thread, at the batch the sample belongs to, with the original exception
-    chained as ``__cause__`` so the storage or codec error stays visible in the traceback.
+    chained as ``__cause__`` so the storage or codec error stays visible in the traceback. The
+    message is a line: the item (a bounded repr), the stage, the cause (``describe``), secrets
+    redacted; ``item`` and ``__cause__`` keep everything, as they were.
     ``epoch`` and ``rank`` say where it failed (``loader.stats.failures`` spans epochs while the
     failure budget counts one): the driver sets them when it records the failure, None before
     (and ``rank`` in a job of one rank).
@@ -21,7 +28,7 @@ class SampleError(Exception):
         self.cause = cause
         self.epoch: int | None = None
         self.rank: int | None = None
-        super().__init__(f"sample {item!r} failed at {stage}: {describe(cause)}")
+        super().__init__(f"sample {shown(item)} failed at {stage}: {describe(cause)}")
         self.__cause__ = cause
 
     def __reduce__(self):
@@ -32,11 +39,40 @@ class SampleError(Exception):
 
 
 def describe(error: BaseException) -> str:
-    """``Type: message`` of ``error``, with what the reader noted on it after its last attempt
-    (``read_detail``: "attempt 3 of 3", and for a ranged read which bytes of which URL), so a read
-    that failed after its retries says so wherever its error is shown."""
+    """``Type: cause`` of ``error`` in one line (``cause_line``), with what the reader noted on
+    it after its last attempt (``read_detail``: "attempt 3 of 3", and for a ranged read which
+    bytes of which URL), so a read that failed after its retries says so wherever its error is
+    shown; redacted (see ``redact``)."""
     detail = getattr(error, "read_detail", None)
-    return f"{type(error).__name__}: {error}" + (f" ({detail})" if detail else "")
+    line = cause_line(redact(str(error)))  # redacted before it is cut: a cut could part a secret from its name
+    detail = f" ({bounded(detail, CAUSE_CHARS)})" if detail else ""
+    return f"{type(error).__name__}{': ' + line if line else ''}{detail}"
+
+
+_DEBUG_DUMP = "\n\nDebug source:"  # obstore appends the Rust client's error, pretty-printed, after it
+_XML_ERROR = re.compile(r"<\?xml.*|<Error>.*", re.S)
+_ELAPSED = re.compile(r" in [\d.]+(?:ns|µs|us|ms|s)\b")
+
+
+def cause_line(text: str) -> str:
+    """A client's error text in one line of at most ``CAUSE_CHARS`` (its middle cut where longer:
+    the start says what failed, the end why): its first non-empty line; for obstore's, without
+    the request's timing, an S3 error document as its code and message, and the reason the Rust
+    dump ends with ("Connection refused") where the line has none."""
+    text, _, dump = text.partition(_DEBUG_DUMP)
+    xml = _XML_ERROR.search(text)
+    if xml is not None:
+        found = (re.search(f"<{tag}>(.*?)</{tag}>", xml.group()) for tag in ("Code", "Message"))
+        text = text[: xml.start()] + ": ".join(match.group(1) for match in found if match is not None)
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    line = _ELAPSED.sub("", line)
+    reasons = re.findall(r'message: "([^"]+)"', dump)
+    line += f" ({reasons[-1]})" if reasons and reasons[-1] not in line else ""
+    if len(line) > CAUSE_CHARS:  # the middle goes, at spaces: a client's chain of causes ends with the deepest
+        head = line[: CAUSE_CHARS // 3].rsplit(" ", 1)[0]
+        tail = line[len(line) - (CAUSE_CHARS - len(head) - 5):]
+        line = f"{head} ... {tail.split(' ', 1)[-1]}"
+    return line
 
 
 def where(epoch: int | None, rank: int | None) -> str:
@@ -52,14 +88,14 @@ class TooManyFailures(SampleError):
     def __init__(self, failures: list[SampleError], max_failures: int | float) -> None:
         self.failures = list(failures)
         self.max_failures = max_failures
-        shown = "; ".join(f"{f.item!r} ({f.stage}: {describe(f.cause)})" for f in self.failures[:5])
+        listed = "; ".join(f"{shown(f.item)} ({f.stage}: {describe(f.cause)})" for f in self.failures[:5])
         more = f"; and {len(self.failures) - 5} more" if len(self.failures) > 5 else ""
         self.item = [f.item for f in self.failures]
         self.stage = "epoch"
         self.cause = self.failures[-1]
         self.epoch, self.rank = self.cause.epoch, self.cause.rank
         Exception.__init__(self, f"{len(self.failures)} samples failed, more than max_failures={max_failures}"
-                                 f"{where(self.epoch, self.rank)}: {shown}{more}")
+                                 f"{where(self.epoch, self.rank)}: {listed}{more}")
         self.__cause__ = self.cause
 
     def __reduce__(self):
@@ -76,11 +112,8 @@ class StorageError(OSError):
         self.action = action
         self.attempts = attempts
         self.cause = cause
-        detail = str(cause).splitlines()[0] if str(cause) else ""
-        if len(detail) > 160:
-            detail = detail[:157] + "..."
-        super().__init__(f"{action} {url} failed after {attempts} attempt{'s' if attempts != 1 else ''}: "
-                         f"{type(cause).__name__}{': ' + detail if detail else ''}")
+        super().__init__(f"{action} {bounded(str(url))} failed after {attempts} attempt{'s' if attempts != 1 else ''}: "
+                         f"{describe(cause)}")
         self.__cause__ = cause
 
     def __reduce__(self):

@@ -257,3 +257,18 @@ def test_a_failed_first_sample_in_the_only_batch_loses_no_other_sample():
         batches = [b[:, 0].tolist() for b in loader]
     assert batches == [[9, *range(1, 9)]], "the rest, the last row moved into the hole as for any skip"
     assert [f.item for f in loader.stats.failures] == [0]
+
+
+def test_a_cause_of_many_lines_is_shown_by_its_first_and_kept_whole():
+    cause = OSError("\n\n  HTTP 500 from storage  \nTraceback of the server:\n  frame 1\n  frame 2")
+    error = SampleError("s3://b/k.jpg", "read", cause)
+    assert str(error) == "sample 's3://b/k.jpg' failed at read: OSError: HTTP 500 from storage"
+    assert error.__cause__ is cause and "frame 2" in str(error.__cause__)
+
+
+def test_a_long_cause_keeps_its_start_and_its_end():
+    """A client's chain of causes ends with the deepest one: the middle is what goes."""
+    cause = OSError("GET s3://b/k.jpg failed: " + "context " * 100 + "- because: Connection reset by peer")
+    message = str(SampleError("s3://b/k.jpg", "read", cause))
+    assert len(message) < 300 and message.endswith("because: Connection reset by peer"), message
+    assert "OSError: GET s3://b/k.jpg failed: context" in message and " ... " in message

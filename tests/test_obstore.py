@@ -266,3 +266,41 @@ def test_listing_a_bucket_leaves_no_connection_open(s3_server, s3_jpeg_bucket, s
     assert len(image_folder(s3_jpeg_bucket, storage_options={**s3_options, "client": client})) == len(ALL)
     assert wait_until(lambda: not connections_to(s3_server.port) - before, timeout=5), \
         f"{len(connections_to(s3_server.port) - before)} left open"
+
+
+MESSAGE_CHARS = 400  # a SampleError is a line: the item, the stage, the cause in at most ~200, the attempts
+
+
+def read_failure(url: str, options: dict, **kwargs) -> SampleError:
+    with AsyncLoader([url], batch_size=1, decode=ImageDecoder(16), storage_options=options, **kwargs) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    return caught.value
+
+
+def assert_one_short_line(error: SampleError, url: str) -> None:
+    message = str(error)
+    assert len(message.splitlines()) == 1 and len(message) <= MESSAGE_CHARS, message
+    assert message.startswith(f"sample {url!r} failed at read: "), message
+    assert "Debug source" not in message and "RetryErrorImpl" not in message, message
+    assert "Debug source" in str(error.__cause__), "the client's whole text stays on __cause__"
+
+
+def test_a_missing_key_is_one_line_naming_the_url_and_the_cause(s3_jpeg_bucket, s3_options):
+    """obstore's text is its message, the S3 error document and a Rust debug dump of the client's
+    error (over 1,300 characters on ~25 lines); the message keeps the code and its meaning."""
+    url = f"{s3_jpeg_bucket}/missing.jpg"
+    error = read_failure(url, s3_options)
+    assert_one_short_line(error, url)
+    assert "FileNotFoundError" in str(error) and "404 Not Found: NoSuchKey: The specified key does not exist." in str(error)
+
+
+def test_a_closed_port_is_one_line_naming_the_url_the_cause_and_the_attempts(s3_options):
+    """At a port nobody listens on, the reason ("Connection refused") is at the end of the dump,
+    ~37 lines below the first."""
+    from bench.s3server import free_port
+
+    url = "s3://asyncload-test/jpegs/cat/0.jpg"
+    error = read_failure(url, {**s3_options, "endpoint_url": f"http://127.0.0.1:{free_port()}"}, read_retries=1)
+    assert_one_short_line(error, url)
+    assert "error sending request (Connection refused)" in str(error) and "attempt 2" in str(error), str(error)

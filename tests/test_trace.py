@@ -138,3 +138,20 @@ def test_without_trace_nothing_is_recorded(jpeg_folder, tmp_path):
     assert loader.stats.tracer is None
     with pytest.raises(ValueError, match="trace_events must be at least 1"):
         AsyncLoader(image_folder(str(jpeg_folder)), trace=str(tmp_path / "t.json"), trace_events=0)
+
+
+def test_keys_are_written_bounded_and_without_their_secrets(tmp_path):
+    """The trace is a file people share: a presigned key loses its signature, a 1 MB key its bulk."""
+    from asyncload.stats.trace import Tracer
+
+    trace = tmp_path / "run.json"
+    tracer = Tracer(str(trace))
+    tracer.span("read", 1.0, 2.0, "https://host/b/k.jpg?X-Amz-Date=1&X-Amz-Signature=0ddc0ffee5ecret")
+    tracer.async_span("read", 1.0, 2.0, ("k" * 1_000_000, 3))
+    tracer.instant("failure", {"sample": "https://user:hunter2@host/k.jpg", "stage": "read", "rank": 1})
+    tracer.finish()
+    assert trace.stat().st_size < 5_000
+    samples = [e["args"]["sample"] for e in load(trace) if "sample" in e.get("args", {})]
+    assert samples[0] == "https://host/b/k.jpg?X-Amz-Date=1&X-Amz-Signature=***"
+    assert samples[1].startswith("('kkk") and len(samples[1]) == 200
+    assert samples[2] == "https://***@host/k.jpg"

@@ -147,7 +147,8 @@ def _gcs(options: dict[str, Any], config: dict[str, Any], client_options: dict[s
     elif isinstance(token, (str, os.PathLike)) and os.path.isfile(token):
         config["application_credentials"] = os.fspath(token)
     elif token not in (None, "google_default"):
-        raise Unsupported(f"token={token!r}" if isinstance(token, str) else "token (this kind)")
+        raise Unsupported("token (a string that is neither a file, 'anon' nor 'google_default')"  # never its value
+                          if isinstance(token, str) else "token (this kind)")
     endpoint = options.pop("endpoint_url", None)
     if endpoint:
         config["base_url"] = endpoint

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batch.layout import SampleLayout
-from ..errors import SampleError, TooManyFailures
+from ..errors import SampleError, TooManyFailures, describe
+from ..redact import unpicklable
 from ..run.messages import Done, Failed, Fill, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
 
 # A child that finds itself created while spawn imports the user's script again (a script with
@@ -77,11 +78,9 @@ def pickled_arguments(arguments: dict[str, Any]) -> dict[str, bytes]:
         try:
             payload[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:
-            shown = repr(value)
-            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise TypeError(
                 f"processes= (and isolate=True) run the pipeline in processes started with 'spawn', so "
-                f"{name}= must pickle, and {shown} does not ({type(error).__name__}: {error}). Use a function "
+                f"{name}= must pickle, and {unpicklable(value)} does not ({describe(error)}). Use a function "
                 f"or class defined at the top level of a module, not a lambda, a nested function or a local class"
             ) from error
     return payload

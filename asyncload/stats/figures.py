@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import describe, where
+from ..redact import shown
 from .gil import GilProbe
 from .machine import system_cpu_seconds, usable_cores
 from .snapshot import LEVELS, STAGES, LevelFigures, StageFigures, StatsSnapshot
@@ -58,7 +59,9 @@ class Level:
 @dataclass
 class Failure:
     """A sample that failed: which item, in which stage, why, and in which epoch (the list spans
-    epochs; ``max_failures`` counts one) and on which rank (None in a job of one rank)."""
+    epochs; ``max_failures`` counts one) and on which rank (None in a job of one rank).
+    ``item`` is the item itself (to retry it); ``error`` and the text forms are redacted and
+    bounded (see ``redact``), so a list of failures can go to a log."""
 
     item: object
     stage: str
@@ -67,7 +70,11 @@ class Failure:
     rank: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.item!r} failed at {self.stage}{where(self.epoch, self.rank)}: {self.error}"
+        return f"{shown(self.item)} failed at {self.stage}{where(self.epoch, self.rank)}: {self.error}"
+
+    def __repr__(self) -> str:
+        return (f"Failure(item={shown(self.item)}, stage={self.stage!r}, error={self.error!r}, epoch={self.epoch}, "
+                f"rank={self.rank})")
 
 
 class LoaderStats:

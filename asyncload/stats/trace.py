@@ -23,6 +23,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..redact import bounded, shown
+
 # One event: (phase, name, start s, duration s, pid, tid, args). Phases as Chrome's:
 # "X" a span, "i" an instant, "C" a counter, "b"/"e" the ends of an async span (reads that
 # overlap on the event loop's one thread, drawn on tracks of their own).
@@ -150,5 +152,8 @@ def _as_json(event: Event) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON value for a sample key or a detail (URLs and numbers stay; the rest as text)."""
-    return value if isinstance(value, (str, int, float, bool)) or value is None else repr(value)
+    """A JSON value for a sample key or a detail: numbers stay, text is redacted and bounded (a
+    presigned URL's signature or a 1 MB key is not written out), the rest as its repr, alike."""
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    return bounded(value) if isinstance(value, str) else shown(value)
