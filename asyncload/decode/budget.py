@@ -33,10 +33,10 @@ class ImageTooLarge(ValueError):
 
     def __init__(self, height: int, width: int, max_pixels: int, needed: float, detail: str = "") -> None:
         super().__init__(
-            f"image of {width}x{height} pixels{detail} is over the decode limit: decoding it needs "
-            f"{needed / 1e6:,.0f} M pixels of memory, the limit is max_pixels={max_pixels:,} "
-            f"({max_pixels * 3 / 1e9:.2f} GB); if such images are expected, raise it "
-            f"(ImageDecoder(max_pixels=...), GpuImageDecoder(max_pixels=...)) or pass None for no limit"
+            f"image of {width}x{height} pixels{detail}: decoding it would take {needed / 1e6:,.0f} M "
+            f"pixels ({needed * 3 / 1e9:.2f} GB), over the decode limit max_pixels={max_pixels:,}; if "
+            "such images are expected, raise it (ImageDecoder(max_pixels=...) or "
+            "GpuImageDecoder(max_pixels=...)), or pass max_pixels=None for no limit"
         )
         self.height, self.width, self.max_pixels = height, width, max_pixels
 
