@@ -60,6 +60,14 @@ def gif_bomb(side: int = 65535) -> bytes:
     return screen + frame + b"\x3b"
 
 
+def gif_frame_bomb() -> bytes:
+    """A 16x16 GIF whose one frame claims 65535x65535: the header's screen is small, the frame
+    is not (OpenCV refuses a frame outside the screen before allocating it)."""
+    screen = b"GIF89a" + struct.pack("<HHBBB", 16, 16, 0x80, 0, 0) + b"\0\0\0\xff\xff\xff"
+    frame = b"\x2c" + struct.pack("<HHHHB", 0, 0, 65535, 65535, 0) + b"\x02\x02\x44\x01\x00"
+    return screen + frame + b"\x3b"
+
+
 def webp_bomb() -> bytes:
     """A lossless WebP whose header claims 16384x16384 (VP8L's largest)."""
     data = bytearray(cv2.imencode(".webp", np.zeros((8, 8, 3), np.uint8), [cv2.IMWRITE_WEBP_QUALITY, 101])[1].tobytes())
@@ -110,6 +118,7 @@ def bomb_cases() -> dict:
         data = make()
         cases[name] = functools.partial(ImageDecoder(), data)
         cases[name + "_train_fast"] = functools.partial(ImageDecoder(train=True, antialias=False), data, key=(0, 1))
+    cases["gif_frame_outside_its_screen"] = functools.partial(ImageDecoder(), gif_frame_bomb())
     return cases
 
 
