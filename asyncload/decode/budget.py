@@ -4,12 +4,15 @@ zero rows) fails alone with a clear error instead of taking gigabytes, and decod
 but allowed take turns past a shared amount of memory, whatever the number of threads.
 
 The limit is in pixels, as Pillow's (``DecompressionBombError`` past ``2 * Image.MAX_IMAGE_PIXELS``),
-and applies to what a decode allocates, counted in RGB pixels (3 bytes): a JPEG decoded at a reduced
-DCT scale counts its reduced size, so a large baseline JPEG passes when the reduction brings it
-under the limit. libjpeg-turbo keeps a whole-image buffer of DCT coefficients (2 bytes a sample,
-whatever the scale) for a progressive JPEG, or one whose first scan does not hold every component;
-measured: 192 MB for a 64 M-pixel progressive 4:2:0 JPEG decoded at 1/8 (3 bytes a pixel), 385 MB
-at 4:4:4, against 4 MB baseline. That buffer counts too.
+of what is decoded: a JPEG decoded at a reduced DCT scale counts its reduced size, so a large
+baseline JPEG passes when the reduction brings it under the limit. But libjpeg-turbo keeps a
+whole-image buffer of DCT coefficients (2 bytes a sample, whatever the scale) for a progressive JPEG,
+or one whose first scan does not hold every component; measured: 192 MB for a 64 M-pixel
+progressive 4:2:0 JPEG decoded at 1/8 (3 bytes a pixel), 385 MB at 4:4:4, against 4 MB baseline.
+So such a JPEG's full size must be within the limit. OpenCV's decoders hold 6 bytes a pixel at
+their peak (PNG, BMP, TIFF, PNM: the RGB image and the BGR one it comes from), more for a few
+(``headers.Header.bytes_per_pixel``): those count that many sixths of a pixel per pixel, so that
+every format's largest allowed decode takes about 6 bytes x ``max_pixels`` (1.07 GB by default).
 """
 
 from __future__ import annotations
@@ -25,30 +28,32 @@ DEFAULT_MAX_PIXELS = 178_956_970  # Pillow's error threshold, 2 * Image.MAX_IMAG
 # Past this many bytes a decode takes its share of LARGE_DECODES; below it, it goes straight on
 # (a 500x375 JPEG takes 0.6 MB: the fast path pays one comparison).
 GATED_BYTES = 64 << 20
+WORKING_BYTES = 6.0  # what OpenCV's common decoders hold a pixel at their peak: one pixel of the limit
 _SAMPLES = {"444": 3.0, "422": 2.0, "440": 2.0, "420": 1.5, "411": 1.5, "441": 1.5}  # a pixel's samples
 
 
 class ImageTooLarge(ValueError):
-    """An image whose decode would allocate more than the decoder's ``max_pixels``."""
+    """An image whose decode would take more than the decoder's ``max_pixels``."""
 
     def __init__(self, height: int, width: int, max_pixels: int, needed: float, detail: str = "") -> None:
         super().__init__(
-            f"image of {width}x{height} pixels{detail}: decoding it would take {needed / 1e6:,.0f} M "
-            f"pixels ({needed * 3 / 1e9:.2f} GB), over the decode limit max_pixels={max_pixels:,}; if "
+            f"image of {width}x{height} pixels{detail}: decoding it counts {needed / 1e6:,.1f} M pixels, "
+            f"over the decode limit max_pixels={max_pixels:,}; if "
             "such images are expected, raise it (ImageDecoder(max_pixels=...) or "
             "GpuImageDecoder(max_pixels=...)), or pass max_pixels=None for no limit"
         )
         self.height, self.width, self.max_pixels = height, width, max_pixels
 
 
-def checked_size(data: bytes, max_pixels: int | None) -> tuple[int, int] | None:
-    """(height, width) of a non-JPEG image from its header, checked against ``max_pixels``
-    (``ImageTooLarge``); None for a format whose header is not read here when there is no limit.
-    With a limit, such a format is refused: its decode could not be bounded."""
+def checked_size(data: bytes, max_pixels: int | None) -> tuple[int, int, float] | None:
+    """(height, width, the bytes its decode holds at its peak) of a non-JPEG image from its
+    header, checked against ``max_pixels`` (``ImageTooLarge``); None for a format whose header is
+    not read here when there is no limit. With a limit, such a format is refused: its decode
+    could not be bounded."""
     if len(data) == 0:
         raise ValueError("empty file: no image data")
-    size = header_size(data)
-    if size is None:
+    header = header_size(data)
+    if header is None:
         if max_pixels is None:
             return None
         raise ValueError(
@@ -56,10 +61,12 @@ def checked_size(data: bytes, max_pixels: int | None) -> tuple[int, int] | None:
             f"{bytes(data[:8])!r}): the decoder reads JPEG, PNG, GIF, BMP, WebP, TIFF, PNM/PAM/PFM, Sun "
             "raster, Radiance HDR, JPEG 2000 and AVIF headers; max_pixels=None decodes any format "
             "OpenCV reads, without a limit")
-    height, width = size
-    if max_pixels is not None and height * width > max_pixels:
-        raise ImageTooLarge(height, width, max_pixels, height * width)
-    return size
+    height, width, bytes_per_pixel = header
+    needed = height * width * max(1.0, bytes_per_pixel / WORKING_BYTES)
+    if max_pixels is not None and needed > max_pixels:
+        detail = f" (its decoder holds {bytes_per_pixel:.0f} bytes a pixel)" if bytes_per_pixel > WORKING_BYTES else ""
+        raise ImageTooLarge(height, width, max_pixels, needed, detail)
+    return height, width, height * width * max(bytes_per_pixel, WORKING_BYTES)
 
 
 def held(nbytes: float) -> AbstractContextManager[None]:
@@ -68,28 +75,33 @@ def held(nbytes: float) -> AbstractContextManager[None]:
     return LARGE_DECODES.hold(nbytes) if nbytes > GATED_BYTES else _NO_HOLD
 
 
-def jpeg_buffered_pixels(data: bytes, height: int, width: int, colourspace: str, subsampling: str) -> float:
-    """The whole-image coefficient buffer libjpeg-turbo allocates for this JPEG, in RGB pixels
-    (3 bytes): none for a single-scan JPEG, 2 bytes a sample otherwise."""
+def jpeg_buffered_bytes(data: bytes, height: int, width: int, colourspace: str, subsampling: str) -> float:
+    """The whole-image coefficient buffer libjpeg-turbo allocates for this JPEG: none for a
+    single-scan JPEG, 2 bytes a sample otherwise."""
     if not _whole_image_buffer(data):
         return 0.0
     samples = 4.0 if colourspace in ("CMYK", "YCCK") else 1.0 if colourspace == "Gray" else _SAMPLES.get(subsampling, 3.0)
-    return height * width * samples * 2 / 3
+    return height * width * samples * 2
 
 
 def jpeg_reduction(data: bytes, header: tuple[int, int, str, str], max_pixels: int | None) -> tuple[int, float]:
-    """The smallest DCT reduction (1, 2, 4 or 8) whose decode fits ``max_pixels`` (the reduced
-    image and any coefficient buffer), and that buffer in RGB pixels; raises ``ImageTooLarge`` if
-    no reduction fits."""
+    """The smallest DCT reduction (1, 2, 4 or 8) whose decoded size fits ``max_pixels``, and the
+    coefficient buffer's bytes; raises ``ImageTooLarge`` if none fits, or if the JPEG keeps its
+    coefficients whole and its full size does not fit."""
     height, width = header[:2]
-    buffered = jpeg_buffered_pixels(data, *header)
+    buffered = jpeg_buffered_bytes(data, *header)
+    if max_pixels is None:
+        return 1, buffered
+    if buffered and height * width > max_pixels:
+        detail = " (a progressive or multi-scan JPEG: its coefficients are kept whole at any scale)"
+        raise ImageTooLarge(height, width, max_pixels, height * width, detail)
     for reduce in (1, 2, 4, 8):
-        if max_pixels is None or buffered + math.ceil(height / reduce) * math.ceil(width / reduce) <= max_pixels:
+        if math.ceil(height / reduce) * math.ceil(width / reduce) <= max_pixels:
             return reduce, buffered
         if reduce * 2 > min(height, width):  # a thinner reduced image would lose its short side
             break
-    detail = " (a progressive or multi-scan JPEG: its coefficients are kept whole)" if buffered else " (JPEG, at its smallest DCT scale)"
-    raise ImageTooLarge(height, width, max_pixels, buffered + math.ceil(height / 8) * math.ceil(width / 8), detail)
+    raise ImageTooLarge(height, width, max_pixels, math.ceil(height / reduce) * math.ceil(width / reduce),
+                        " (JPEG, at its smallest DCT scale)")
 
 
 def _whole_image_buffer(data: bytes) -> bool:

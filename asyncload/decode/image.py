@@ -94,12 +94,14 @@ class ImageDecoder:
             option: OpenCV bilinear without antialiasing, the eval crop a centred square; 0.15 to
             0.3 ms less per 500x375 JPEG (of ~1.7 ms), and 2 to 10 grey levels (mean) away from
             torchvision on a photo.
-        max_pixels (int or None, default 178,956,970, Pillow's limit): the most pixels a decode may
-            allocate, checked from the header before any pixel is decoded; a larger image fails
+        max_pixels (int or None, default 178,956,970, Pillow's limit): the most pixels an image may
+            have, checked from the header before any pixel is decoded; a larger image fails
             alone (``ImageTooLarge``, a ``ValueError``; in the loader a ``SampleError``, skipped
             with ``on_error="skip"``). A JPEG counts the size it is decoded at (a DCT reduction
-            can bring it under) plus, if progressive, its whole coefficient buffer. A format whose
-            header is not read (see ``headers.py``) is refused. None: no limit.
+            can bring it under), a progressive one its full size (its coefficients are kept
+            whole); GIF, JPEG 2000, HDR, PFM and AVIF, whose decoders hold 10 to 16 bytes a
+            pixel, count 1.7 to 2.7 a pixel. A format whose header is not read (see
+            ``headers.py``) is refused. None: no limit.
     """
 
     def __init__(
@@ -122,11 +124,10 @@ class ImageDecoder:
         self.seed = seed
         self.antialias = antialias
         self.max_pixels = max_pixels
-        # Below this many pixels a JPEG fits the limit at any scale, with any coefficient buffer
-        # (at most 8/3 RGB pixels a pixel, CMYK), and its decode takes no share of the memory
+        # Below this many pixels a JPEG fits the limit at any scale, and its decode (at most 14
+        # bytes a pixel: a CMYK coefficient buffer and the image) takes no share of the memory
         # gate: the fast path checks only this.
-        fits = GATED_BYTES // 6 if max_pixels is None else min(GATED_BYTES // 6, max_pixels * 3 // 11)
-        self._unchecked_pixels = fits
+        self._unchecked_pixels = GATED_BYTES // 14 if max_pixels is None else min(GATED_BYTES // 14, max_pixels)
 
     @property
     def field(self) -> Field:
@@ -166,19 +167,19 @@ class ImageDecoder:
             height, width = header[:2]
             min_reduce, buffered = self._jpeg_budget(data, header)
             plan = self.plan(height, width, rng, min_reduce=min_reduce)
-            with held(3 * buffered + 6 * (height // plan.reduce) * (width // plan.reduce)):
+            with held(buffered + 6 * (height // plan.reduce) * (width // plan.reduce)):
                 image = decode_jpeg_reduced(data, height, width, plan.reduce)
                 self.transform_into(image, plan, out, (height, width))
             return
-        size = checked_size(data, self.max_pixels)
-        with held(6 * size[0] * size[1] if size else 0):  # the image and a copy of its crop
+        header = checked_size(data, self.max_pixels)
+        with held(header[2] if header else 0):
             image = decode_rgb(data)
             height, width = image.shape[:2]
             self.transform_into(image, self.plan(height, width, rng, reducible=False), out, (height, width))
 
     def _jpeg_budget(self, data: bytes, header: tuple[int, int, str, str]) -> tuple[int, float]:
-        """The smallest DCT reduction the limit allows and the coefficient buffer (RGB pixels)
-        of a JPEG: (1, 0) at a glance for all but large images."""
+        """The smallest DCT reduction the limit allows and the coefficient buffer (bytes) of a
+        JPEG: (1, 0) at a glance for all but large images."""
         if header[0] * header[1] <= self._unchecked_pixels:
             return 1, 0.0
         return jpeg_reduction(data, header, self.max_pixels)
@@ -199,8 +200,8 @@ class ImageDecoder:
         if bytes(data[:3]) == JPEG_MAGIC:
             self._decode_jpeg_fast_into(data, out, rng)
         else:
-            size = checked_size(data, self.max_pixels)
-            with held(6 * size[0] * size[1] if size else 0):
+            header = checked_size(data, self.max_pixels)
+            with held(header[2] if header else 0):
                 image = decode_rgb(data)
                 self._crop_resize_into(image, self._box(image.shape[0], image.shape[1], rng), out)
         if self.train and self.flip and rng.random() < 0.5:
@@ -224,7 +225,7 @@ class ImageDecoder:
             min_height = math.ceil(self.size * height / crop_h)
             min_width = math.ceil(self.size * width / crop_w)
         min_height, min_width = min(min_height, -(-height // min_reduce)), min(min_width, -(-width // min_reduce))
-        with held(3 * buffered + 6 * min_height * min_width):
+        with held(buffered + 6 * min_height * min_width):
             image = simplejpeg.decode_jpeg(
                 data, colorspace="RGB", min_height=min_height, min_width=min_width, strict=True
             )
