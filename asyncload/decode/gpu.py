@@ -5,7 +5,9 @@ at batch 256 on an H100, 1.5x sixteen cores), the decode moves to the GPU and th
 for the rest of the training step. The crop boxes and flips are ``ImageDecoder``'s, from the same
 ``(seed, key)``, so switching between the two paths keeps the augmentation stream. What nvJPEG
 does not decode (CMYK/YCCK JPEGs, any other format, a JPEG it rejects) goes through the CPU path
-into a pinned staging row and is copied up, so a batch never fails for its format.
+into a pinned staging row and is copied up, so a batch never fails for its format. So does a JPEG
+whose full size is over the decode limit (``budget.py``: nvJPEG cannot decode it reduced), and one
+the GPU fails on (a CUDA out-of-memory included), alone: one image never fails the batch.
 
 Streams: torchvision decodes on a stream of its own and makes the *current* stream wait for it, so
 everything here (decode, resize, copies) runs inside ``torch.cuda.stream(stream)``; the returned
