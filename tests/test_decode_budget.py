@@ -4,6 +4,7 @@ without a huge intermediate. Memory is measured in a child process under an addr
 (tests/bounded.py), so a regression fails there instead of endangering the machine."""
 
 import io
+import pickle
 import threading
 
 import cv2
@@ -63,6 +64,7 @@ def test_a_bomb_fails_alone_naming_its_size_the_limit_and_how_to_raise_it(name, 
         decoder(make(), key=(0, 1))
     assert "max_pixels=178,956,970" in str(caught.value) and "max_pixels=None" in str(caught.value)
     assert isinstance(caught.value, ValueError)  # bad input, as a corrupt file is
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)  # crosses processes
 
 
 def test_bombs_fail_clearly_within_bounded_memory_on_two_threads():

@@ -43,6 +43,10 @@ class ImageTooLarge(ValueError):
             "GpuImageDecoder(max_pixels=...)), or pass max_pixels=None for no limit"
         )
         self.height, self.width, self.max_pixels = height, width, max_pixels
+        self._arguments = (height, width, max_pixels, needed, detail)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return ImageTooLarge, self._arguments  # pickled whole, to and from child processes
 
 
 def checked_size(data: bytes, max_pixels: int | None) -> tuple[int, int, float] | None:
