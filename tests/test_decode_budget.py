@@ -228,3 +228,17 @@ def test_the_loader_skips_a_bomb_counts_it_and_delivers_the_rest(tmp_path, proce
     failures = {str(failure.item).rsplit("/", 1)[-1]: failure for failure in loader.stats.failures}
     assert set(failures) == {"bomb_progressive_jpeg", "bomb_png_1bit"}
     assert all("over the decode limit" in str(failure) for failure in failures.values())
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_without_skip_the_bomb_raises_a_sample_error_naming_it(tmp_path, processes):
+    from asyncload import SampleError
+
+    good, bomb = tmp_path / "good.jpg", tmp_path / "bomb.png"
+    good.write_bytes(make_jpeg(image_colour(0, 0)))
+    bomb.write_bytes(png_bomb())
+    loader = AsyncLoader([str(good), str(bomb)], batch_size=2, shuffle=False, decode=ImageDecoder(32), processes=processes)
+    with loader, pytest.raises(SampleError) as caught:
+        list(loader)
+    assert caught.value.item == str(bomb) and caught.value.stage == "decode"
+    assert "32768x32768 pixels" in str(caught.value) and "max_pixels=" in str(caught.value)
