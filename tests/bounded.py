@@ -37,6 +37,11 @@ def run_bounded(extra_bytes: int, cases: str, threads: int = 2, timeout: float =
 def _main() -> None:
     extra, cases, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     module, name = cases.split(":")
+    import cv2
+    import torch
+
+    cv2.setNumThreads(1)  # as the loader runs its decode threads (run/workers.py): no native pools,
+    torch.set_num_threads(1)  # whose stacks and arenas would take this child's address space on 16 cores
     work = getattr(__import__(module, fromlist=[name]), name)()  # imports and inputs made first
     outcomes: dict[str, str] = {}
     limit = address_space() + extra + threads * (72 << 20)  # each thread's stack and malloc arena
