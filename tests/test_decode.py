@@ -185,3 +185,46 @@ def test_fuzz_corrupted_images(seed, flips, cut):
     for position, value in flips:
         data[position % len(data)] = value
     _decode_or_raise(bytes(data[: max(1, cut % (len(data) + 1))]))
+
+
+# Hostile headers (issue 32): whatever size a header claims, the decode raises or returns a
+# well-formed image, within the limit (a small one here, so that no example allocates much).
+from tests.hostile import bmp_rle_bomb, gif_bomb, jpeg_claiming, png_bomb, thin_jpeg  # noqa: E402
+
+_SMALL_LIMIT = 2_000_000
+_PNG_64 = png_bomb(64)
+
+
+def _claiming(kind: str, height: int, width: int) -> bytes:
+    import struct
+    import zlib
+
+    if kind in ("progressive", "baseline"):
+        return jpeg_claiming(height, width, progressive=kind == "progressive")
+    if kind == "png":  # 64x64 zero rows under a header claiming another size
+        body = b"IHDR" + struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+        return _PNG_64[:12] + body + struct.pack(">I", zlib.crc32(body)) + _PNG_64[33:]
+    if kind == "bmp":
+        return bmp_rle_bomb(height, width)
+    return gif_bomb(min(height, width))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["progressive", "baseline", "png", "bmp", "gif"]), st.integers(1, 65535), st.integers(1, 65535))
+def test_fuzz_claimed_sizes(kind, height, width):
+    data = _claiming(kind, height, width)
+    for train, antialias in ((False, True), (True, True), (False, False), (True, False)):
+        try:
+            out = ImageDecoder(size=16, train=train, antialias=antialias, max_pixels=_SMALL_LIMIT)(data, key=(0, 0))
+        except ValueError as error:  # ImageTooLarge, a header libjpeg rejects, a small claim's missing data
+            assert "memory" not in str(error).lower(), error  # never an allocation failure
+            continue
+        assert out.shape == (16, 16, 3) and out.dtype == np.uint8
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.integers(1, 30000), st.booleans(), st.booleans(), st.booleans())
+def test_fuzz_thin_images(short, long, tall, train, antialias):
+    data = thin_jpeg(long, short) if tall else thin_jpeg(short, long)
+    out = ImageDecoder(size=32, train=train, antialias=antialias)(data, key=(0, 3))
+    assert out.shape == (32, 32, 3) and out.dtype == np.uint8

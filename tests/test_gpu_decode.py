@@ -3,6 +3,7 @@ decode where it imports, else simplejpeg's, in the same place); nvJPEG itself ne
 
 import numpy as np
 import pytest
+import simplejpeg
 import torch
 
 from asyncload.decode.image import ImageDecoder
@@ -142,3 +143,91 @@ def test_past_an_8x_shrink_the_boxes_are_the_cpu_path_s_and_the_pixels_within_a_
         assert np.abs(out[row].numpy().astype(int) - expected).max() <= 1  # full decode: exact
         assert mean_abs_diff(cpu(data, key=key), expected) < 1.5  # DCT-scaled decode: close
     assert 2 in reductions
+
+
+# The decode budget (issue 32): nvJPEG decodes at full size, so the limit is checked before it.
+from asyncload.decode.budget import ImageTooLarge  # noqa: E402
+from asyncload.decode.gpu import chunks  # noqa: E402
+from tests.hostile import jpeg_claiming, thin_jpeg  # noqa: E402
+
+
+def _large_baseline_jpeg() -> bytes:
+    y, x = np.mgrid[0:2000, 0:2000]
+    image = np.stack([x * 255 // 2000, y * 255 // 2000, (x + y) * 127 // 2000], -1).astype(np.uint8)
+    return simplejpeg.encode_jpeg(image, quality=90)
+
+
+def test_a_jpeg_over_the_limit_goes_to_the_cpu_which_reduces_it_or_fails_it_alone():
+    good = encoded("china", "jpeg_q90_420")
+    bomb = jpeg_claiming(65500, 65500)  # progressive: refused at any scale
+    large = _large_baseline_jpeg()  # 4 M pixels: over 1 M at full size, 250 k at 1/4
+    datas = [good, bomb, large, good]
+    assert GpuImageDecoder.split(datas, max_pixels=1_000_000) == ([0, 3], [1, 2])
+    assert GpuImageDecoder.split(datas) == ([0, 1, 2, 3], [])  # no limit: a valid header goes to nvJPEG
+    out = torch.full((4, 64, 64, 3), 7, dtype=torch.uint8)
+    decoder = GpuImageDecoder(64, device="cpu", decode_jpegs=jpeg_decode_on_cpu, max_pixels=1_000_000)
+    result = decoder.decode_batch(datas, [None] * 4, out)
+    assert list(result.failures) == [1] and isinstance(result.failures[1], ImageTooLarge)
+    assert "65500x65500" in str(result.failures[1]) and result.on_cpu == [1, 2]
+    assert (out[1] == 7).all()
+    cpu = ImageDecoder(64, max_pixels=1_000_000)
+    for row in (0, 2, 3):
+        np.testing.assert_array_equal(out[row].numpy(), cpu(datas[row]))
+
+
+def test_one_nvjpeg_call_decodes_at_most_max_pixels():
+    calls = []
+
+    def recording(datas, device):
+        calls.append(len(datas))
+        return jpeg_decode_on_cpu(datas, device)
+
+    datas = [encoded("china", "jpeg_q90_420")] * 5  # 427x640 = 273 k pixels each
+    out = torch.zeros((5, 32, 32, 3), dtype=torch.uint8)
+    GpuImageDecoder(32, device="cpu", decode_jpegs=recording, max_pixels=600_000).decode_batch(datas, [None] * 5, out)
+    assert calls == [2, 2, 1]
+    assert chunks([0, 1, 2, 3], {0: 5, 1: 5, 2: 20, 3: 1}, 10) == [[0, 1], [2], [3]]
+    assert chunks([0, 1], {0: 5, 1: 5}, None) == [[0, 1]] and chunks([], {}, 10) == []
+
+
+def test_an_out_of_memory_on_the_gpu_sends_that_image_alone_to_the_cpu():
+    """A CUDA out-of-memory fails the whole batched call: the images are retried alone, and the
+    one that fails again is decoded on the CPU; one that fails in the resize goes there too."""
+    large = _large_baseline_jpeg()
+
+    def out_of_memory_on_large(datas, device):
+        if any(data.numel() == len(large) for data in datas):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 11.45 GiB")
+        return jpeg_decode_on_cpu(datas, device)
+
+    datas = [encoded("china", "jpeg_q90_420"), large, encoded("flower", "jpeg_progressive")]
+    out = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
+    decoder = GpuImageDecoder(64, device="cpu", decode_jpegs=out_of_memory_on_large)
+    result = decoder.decode_batch(datas, [None] * 3, out)
+    assert result.failures == {} and result.on_cpu == [1]
+    cpu = ImageDecoder(64)
+    for row in range(3):
+        np.testing.assert_array_equal(out[row].numpy(), cpu(datas[row]))
+
+    transform, calls = decoder.transform, []
+
+    def fails_once(image, plan):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (resize)")
+        return transform(image, plan)
+
+    decoder.transform = fails_once
+    out.zero_()
+    result = decoder.decode_batch(datas[::2], [None] * 2, out)
+    assert result.failures == {} and result.on_cpu == [0]
+    np.testing.assert_array_equal(out[0].numpy(), cpu(datas[0]))
+
+
+@pytest.mark.parametrize("shape", [(3, 4000), (4000, 3)])
+def test_a_thin_image_s_eval_resizes_only_the_crop_on_the_device_too(shape):
+    data = thin_jpeg(*shape)
+    out = torch.zeros((1, 224, 224, 3), dtype=torch.uint8)
+    result = GpuImageDecoder(224, device="cpu", decode_jpegs=jpeg_decode_on_cpu).decode_batch([data], [None], out)
+    assert result.failures == {} and result.on_cpu == []
+    np.testing.assert_array_equal(out[0].numpy(), ImageDecoder(224)(data))

@@ -126,3 +126,25 @@ print(before, after_resize, count())
     before, after_resize, after_elementwise = map(int, result.stdout.split())
     assert after_resize == before
     assert after_elementwise > before  # the count does see a pool when one starts
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20, 150])  # aspect ratios 640:1 to 4.3:1
+@pytest.mark.parametrize("tall", [False, True])
+@pytest.mark.parametrize("size", [224, 40])
+def test_eval_of_a_thin_strip_resizes_only_the_crop_and_still_equals_torchvision(rows, tall, size):
+    """Past a 4:1 aspect ratio eval resizes only the lines the centre crop keeps (a 20000x1 image
+    would otherwise need a 224 x 4,480,000 intermediate): the long axis in PIL's own arithmetic,
+    the short one by torch's kernel, so the pixels stay torchvision's."""
+    from PIL import Image
+
+    strip = photos()["china"][200 : 200 + rows]
+    strip = np.ascontiguousarray(strip.transpose(1, 0, 2) if tall else strip)
+    buffer = __import__("io").BytesIO()
+    Image.fromarray(strip).save(buffer, "PNG")
+    data = buffer.getvalue()
+    out = ImageDecoder(size)(data)
+    reference = reference_eval(data, size)
+    assert np.abs(out.astype(int) - reference).max() <= 1
+    # 0 on all but 150x640 at 40, where torch's kernel rounds 14% of values a level off PIL's
+    # whether it resizes the whole strip or only the crop's rows (0.14 both)
+    assert mean_abs_diff(out, reference) < 0.2

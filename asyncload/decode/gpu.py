@@ -5,7 +5,9 @@ at batch 256 on an H100, 1.5x sixteen cores), the decode moves to the GPU and th
 for the rest of the training step. The crop boxes and flips are ``ImageDecoder``'s, from the same
 ``(seed, key)``, so switching between the two paths keeps the augmentation stream. What nvJPEG
 does not decode (CMYK/YCCK JPEGs, any other format, a JPEG it rejects) goes through the CPU path
-into a pinned staging row and is copied up, so a batch never fails for its format.
+into a pinned staging row and is copied up, so a batch never fails for its format. So does a JPEG
+whose full size is over the decode limit (``budget.py``: nvJPEG cannot decode it reduced), and one
+the GPU fails on (a CUDA out-of-memory included), alone: one image never fails the batch.
 
 Streams: torchvision decodes on a stream of its own and makes the *current* stream wait for it, so
 everything here (decode, resize, copies) runs inside ``torch.cuda.stream(stream)``; the returned
@@ -27,8 +29,9 @@ import simplejpeg
 import torch
 
 from ..batch.layout import Field
+from .budget import DEFAULT_MAX_PIXELS
 from .image import JPEG_MAGIC, ImageDecoder, Plan
-from .resize import centre_crop_offsets, resized_shape
+from .resize import WHOLE_RESIZE_LIMIT, centre_crop_lines, centre_crop_offsets, resize_aa, resized_shape
 
 Key = tuple[int, ...] | None
 JpegBatchDecode = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
@@ -78,6 +81,12 @@ class GpuImageDecoder:
         decode_jpegs (callable, default torchvision's batched ``decode_jpeg``): a list of 1-D
             uint8 tensors of JPEG bytes and a device -> a list of ``3 x H x W`` uint8 RGB tensors;
             replace it to test without torchvision or to use another batched decoder.
+        max_pixels (int or None, default 178,956,970, Pillow's limit): ``ImageDecoder``'s limit,
+            checked from the header before nvJPEG sees the bytes. nvJPEG decodes at full size: a
+            JPEG over the limit goes to the CPU path, where a DCT reduction may bring it under
+            (else it fails alone, ``ImageTooLarge``); one nvJPEG call decodes at most this many
+            pixels (a batch of large images goes in several calls). An image nvJPEG fails on
+            (a CUDA out-of-memory included) is retried alone, then decoded on the CPU.
     """
 
     batched = True  # the loader calls decode_batch once per batch (run/batched.py), not decode_into per row
@@ -93,8 +102,10 @@ class GpuImageDecoder:
         seed: int = 0,
         device: str | torch.device = "cuda",
         decode_jpegs: JpegBatchDecode = torchvision_decode_jpegs,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
-        self.cpu = ImageDecoder(size, train, scale=scale, ratio=ratio, flip=flip, seed=seed)
+        self.cpu = ImageDecoder(size, train, scale=scale, ratio=ratio, flip=flip, seed=seed, max_pixels=max_pixels)
+        self.max_pixels = max_pixels
         self.size = size
         self.device = torch.device(device)
         self.decode_jpegs = decode_jpegs
@@ -121,9 +132,10 @@ class GpuImageDecoder:
         Failures and ``on_cpu`` are numbered as ``datas``."""
         targets = [out[row] for row in (range(len(datas)) if rows is None else rows)]
         failures: dict[int, Exception] = {}
-        gpu_rows, cpu_rows = self.split(datas)
+        gpu_rows, cpu_rows, pixels = self.split_sized(datas, self.max_pixels)
         with self._lock, torch.cuda.stream(stream) if self.device.type == "cuda" else nullcontext():
-            self._decode_on_device(datas, keys, targets, gpu_rows, cpu_rows)
+            for chunk in chunks(gpu_rows, pixels, self.max_pixels):
+                self._decode_on_device(datas, keys, targets, chunk, cpu_rows)
             self._decode_on_cpu(datas, keys, targets, cpu_rows, failures)
             event = None
             if self.device.type == "cuda":
@@ -133,22 +145,32 @@ class GpuImageDecoder:
         return BatchResult(failures, event, sorted(cpu_rows))
 
     @staticmethod
-    def split(datas: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs) and the others. A
-        JPEG that does not end with its EOI marker is truncated: nvJPEG may decode what is there
-        without a word, so it goes to the CPU path, whose strict libjpeg raises the clear error."""
-        gpu_rows, cpu_rows = [], []
+    def split(datas: Sequence[bytes], max_pixels: int | None = None) -> tuple[list[int], list[int]]:
+        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs, within
+        ``max_pixels``) and the others. A JPEG that does not end with its EOI marker is truncated:
+        nvJPEG may decode what is there without a word, so it goes to the CPU path, whose strict
+        libjpeg raises the clear error."""
+        gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized(datas, max_pixels)
+        return gpu_rows, cpu_rows
+
+    @staticmethod
+    def split_sized(datas: Sequence[bytes], max_pixels: int | None) -> tuple[list[int], list[int], dict[int, int]]:
+        """``split``, and the pixels of each nvJPEG row (from its header)."""
+        gpu_rows, cpu_rows, pixels = [], [], {}
         for row, data in enumerate(datas):
             if bytes(data[:3]) != JPEG_MAGIC or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END):
                 cpu_rows.append(row)
                 continue
             try:
-                colourspace = simplejpeg.decode_jpeg_header(data)[2]
+                height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
             except Exception:  # a header libjpeg rejects: the CPU path raises the clear error
                 cpu_rows.append(row)
                 continue
-            (gpu_rows if colourspace in NVJPEG_COLOURSPACES else cpu_rows).append(row)
-        return gpu_rows, cpu_rows
+            # over the limit at full size: the CPU path decodes it reduced, or raises the clear error
+            within = max_pixels is None or height * width <= max_pixels
+            (gpu_rows if colourspace in NVJPEG_COLOURSPACES and within else cpu_rows).append(row)
+            pixels[row] = height * width
+        return gpu_rows, cpu_rows, pixels
 
     def _decode_on_device(self, datas: Sequence[bytes], keys: Sequence[Key], targets: list[torch.Tensor],
                           rows: list[int], cpu_rows: list[int]) -> None:
@@ -166,22 +188,28 @@ class GpuImageDecoder:
             encoded = [torch.frombuffer(datas[row], dtype=torch.uint8) for row in rows]
         try:
             images = self.decode_jpegs(encoded, self.device)
-        except Exception:  # one bad file fails the whole batch call: retry alone, then the CPU
-            images = []
-            for row, data in zip(rows, encoded):
-                try:
-                    images.append(self.decode_jpegs([data], self.device)[0])
-                except Exception:
-                    images.append(None)
-        for row, image in zip(rows, images):
-            if image is None:
+        except Exception:  # one bad file (or a CUDA out-of-memory) fails the whole call: retry alone, then the CPU
+            images = None
+        if images is None or len(images) != len(rows):
+            images = [self._decode_alone(data) for data in encoded]
+        for number, (row, image) in enumerate(zip(rows, images)):
+            images[number] = None  # each decoded image freed as soon as it is written
+            try:
+                if image is None:
+                    raise RuntimeError("nvJPEG failed")
+                # the CPU path's box, snapped as there for a DCT-scaled decode, so that both paths
+                # crop the same pixels; the decode here is full size (plan.reduce is unused)
+                rng = self.cpu.rng(keys[row]) if self.cpu.train else None  # eval draws nothing
+                plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), rng)
+                targets[row].copy_(self.transform(image, plan))
+            except Exception:  # noqa: BLE001 - e.g. out of GPU memory: this row alone goes to the CPU
                 cpu_rows.append(row)
-                continue
-            # the CPU path's box, snapped as there for a DCT-scaled decode, so that both paths
-            # crop the same pixels; the decode here is full size (plan.reduce is unused)
-            rng = self.cpu.rng(keys[row]) if self.cpu.train else None  # eval draws nothing
-            plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), rng)
-            targets[row].copy_(self.transform(image, plan))
+
+    def _decode_alone(self, data: torch.Tensor) -> torch.Tensor | None:
+        try:
+            return self.decode_jpegs([data], self.device)[0]
+        except Exception:  # noqa: BLE001 - the CPU path decodes it, or raises the clear error
+            return None
 
     def transform(self, image: torch.Tensor, plan: Plan) -> torch.Tensor:
         """3xHxW uint8 -> size x size x 3: torchvision's Resize + CenterCrop (``plan.box`` None)
@@ -189,7 +217,10 @@ class GpuImageDecoder:
         if plan.box is None:
             new_h, new_w = resized_shape(int(image.shape[1]), int(image.shape[2]), self.size)
             top, left = centre_crop_offsets(new_h, new_w, self.size)
-            resized = resize_aa(image, (new_h, new_w))[:, top : top + self.size, left : left + self.size]
+            if max(new_h, new_w) > WHOLE_RESIZE_LIMIT * self.size:  # a thin image: the crop's lines only
+                resized = centre_crop_lines(image, new_h, new_w, self.size)
+            else:
+                resized = resize_aa(image, (new_h, new_w))[:, top : top + self.size, left : left + self.size]
         else:
             top, left, height, width = plan.box
             resized = resize_aa(image[:, top : top + height, left : left + width], (self.size, self.size))
@@ -226,19 +257,23 @@ class GpuImageDecoder:
         return self._staging
 
 
-def resize_aa(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Antialiased bilinear resize of a 3xHxW uint8 image, as torchvision's tensor ``resize``:
-    the exact uint8 kernel on the CPU; elsewhere in float32, rounded back, as torchvision does
-    (a level of rounding from PIL's result at most)."""
-    batch = image.unsqueeze(0)
-    if image.device.type == "cpu":
-        return torch.nn.functional.interpolate(batch, size=size, mode="bilinear", antialias=True)[0]
-    resized = torch.nn.functional.interpolate(batch.float(), size=size, mode="bilinear", antialias=True)[0]
-    return resized.round_().clamp_(0, 255).to(torch.uint8)
-
-
 def jpeg_decode_on_cpu(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """A batched JPEG decode with simplejpeg (strict, as the CPU path), 3xHxW on ``device``: the
     stand-in for nvJPEG where torchvision is absent, and a reference for it."""
     images = [simplejpeg.decode_jpeg(np.asarray(data), colorspace="RGB", strict=True) for data in datas]
     return [torch.from_numpy(image).permute(2, 0, 1).to(device) for image in images]
+
+
+def chunks(rows: list[int], pixels: dict[int, int], max_pixels: int | None) -> list[list[int]]:
+    """``rows`` in order, cut into runs of at most ``max_pixels`` decoded pixels (or one row):
+    the bound of one nvJPEG call's output."""
+    if max_pixels is None:
+        return [rows] if rows else []
+    runs, run, total = [], [], 0
+    for row in rows:
+        if run and total + pixels[row] > max_pixels:
+            runs.append(run)
+            run, total = [], 0
+        run.append(row)
+        total += pixels[row]
+    return runs + [run] if run else runs

@@ -20,57 +20,20 @@ the filter does. The fast path uses it from a 2x shrink, as before.
 from __future__ import annotations
 
 import math
-from typing import Hashable, NamedTuple
+from typing import Hashable
 
 import cv2
 import numpy as np
 import simplejpeg
 
 from ..batch.layout import Field
+from .budget import DEFAULT_MAX_PIXELS, GATED_BYTES, checked_size, held, jpeg_reduction
+from .geometry import Box, Plan, centre_square_box, dct_reduction, random_resized_crop_box, snap_box
 from .resize import resize_aa_into, resize_centre_crop_into
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 _IMREAD_RGB = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.10 converts while decoding
 
-Box = tuple[int, int, int, int]  # top, left, height, width, in source pixels
-EXACT_SHRINK = 4  # the default decodes at a reduced DCT scale only if the resize still shrinks this much after it
-
-
-def random_resized_crop_box(
-    height: int,
-    width: int,
-    rng: np.random.Generator,
-    scale: tuple[float, float] = (0.08, 1.0),
-    ratio: tuple[float, float] = (3 / 4, 4 / 3),
-) -> Box:
-    """torchvision's ``RandomResizedCrop.get_params``: a random area and aspect ratio, ten
-    tries, then a centre crop clamped to the ratio range."""
-    area = height * width
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
-        crop_w = int(round(math.sqrt(target_area * aspect)))
-        crop_h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < crop_w <= width and 0 < crop_h <= height:
-            top = int(rng.integers(0, height - crop_h + 1))
-            left = int(rng.integers(0, width - crop_w + 1))
-            return top, left, crop_h, crop_w
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        crop_w, crop_h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        crop_h, crop_w = height, int(round(height * ratio[1]))
-    else:
-        crop_w, crop_h = width, height
-    return (height - crop_h) // 2, (width - crop_w) // 2, crop_h, crop_w
-
-
-def centre_square_box(height: int, width: int) -> Box:
-    """Shorter side resized to the target, then a centre crop: the same as cropping the centred
-    square of the shorter side and resizing it."""
-    side = min(height, width)
-    return (height - side) // 2, (width - side) // 2, side, side
 
 
 def decode_rgb(data: bytes) -> np.ndarray:
@@ -87,37 +50,6 @@ def decode_rgb(data: bytes) -> np.ndarray:
     if image is None:
         raise ValueError(f"not an image OpenCV can decode ({len(data)} bytes, starting {bytes(data[:8])!r})")
     return image
-
-
-class Plan(NamedTuple):
-    """The random choices for one image: the crop (``None`` in eval, where the transform is
-    torchvision's Resize + CenterCrop of the whole image), the DCT reduction and the flip."""
-
-    box: Box | None
-    reduce: int
-    flip: bool
-
-
-def dct_reduction(side: int, size: int, min_shrink: float = EXACT_SHRINK) -> int:
-    """The largest of 8, 4, 2 (else 1) that leaves a crop side of ``side`` source pixels still
-    ``min_shrink`` times the target ``size`` once decoded at that reduced scale."""
-    for reduce in (8, 4, 2):
-        if side >= min_shrink * size * reduce:
-            return reduce
-    return 1
-
-
-def snap_box(box: Box, reduce: int, height: int, width: int) -> Box:
-    """The crop moved to whole pixels of the image decoded at 1/``reduce`` scale (at most
-    ``reduce // 2`` source pixels away), kept inside it; returned in source pixels."""
-    if reduce == 1:
-        return box
-    top, left, crop_h, crop_w = (round(value / reduce) for value in box)
-    crop_h = max(1, min(crop_h, height // reduce))
-    crop_w = max(1, min(crop_w, width // reduce))
-    top = min(top, height // reduce - crop_h)
-    left = min(left, width // reduce - crop_w)
-    return top * reduce, left * reduce, crop_h * reduce, crop_w * reduce
 
 
 def decode_jpeg_reduced(data: bytes, height: int, width: int, reduce: int) -> np.ndarray:
@@ -162,6 +94,14 @@ class ImageDecoder:
             option: OpenCV bilinear without antialiasing, the eval crop a centred square; 0.15 to
             0.3 ms less per 500x375 JPEG (of ~1.7 ms), and 2 to 10 grey levels (mean) away from
             torchvision on a photo.
+        max_pixels (int or None, default 178,956,970, Pillow's limit): the most pixels an image may
+            have, checked from the header before any pixel is decoded; a larger image fails
+            alone (``ImageTooLarge``, a ``ValueError``; in the loader a ``SampleError``, skipped
+            with ``on_error="skip"``). A JPEG counts the size it is decoded at (a DCT reduction
+            can bring it under), a progressive one its full size (its coefficients are kept
+            whole); GIF, JPEG 2000, HDR, PFM and AVIF, whose decoders hold 10 to 16 bytes a
+            pixel, count 1.7 to 2.7 a pixel. A format whose header is not read (see
+            ``headers.py``) is refused. None: no limit.
     """
 
     def __init__(
@@ -174,6 +114,7 @@ class ImageDecoder:
         flip: bool = True,
         seed: int = 0,
         antialias: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         self.size = size
         self.train = train
@@ -182,6 +123,11 @@ class ImageDecoder:
         self.flip = flip
         self.seed = seed
         self.antialias = antialias
+        self.max_pixels = max_pixels
+        # Below this many pixels a JPEG fits the limit at any scale, and its decode (at most 14
+        # bytes a pixel: a CMYK coefficient buffer and the image) takes no share of the memory
+        # gate: the fast path checks only this.
+        self._unchecked_pixels = GATED_BYTES // 14 if max_pixels is None else min(GATED_BYTES // 14, max_pixels)
 
     @property
     def field(self) -> Field:
@@ -197,13 +143,15 @@ class ImageDecoder:
         """The random stream of one sample: from ``(seed, *key)``, fresh without a key."""
         return np.random.default_rng(None if key is None else [self.seed, *key])
 
-    def plan(self, height: int, width: int, rng: np.random.Generator | None, reducible: bool = True) -> Plan:
+    def plan(self, height: int, width: int, rng: np.random.Generator | None, reducible: bool = True,
+             min_reduce: int = 1) -> Plan:
         """The default path's choices for a ``height`` x ``width`` image, drawn from ``rng`` in
         the order ``decode_into`` draws them (box, then flip). ``reducible``: the image can be
-        decoded at a reduced DCT scale (a JPEG on the CPU); the crop is then snapped to it."""
+        decoded at a reduced DCT scale (a JPEG on the CPU); the crop is then snapped to it.
+        ``min_reduce``: the reduction the decode budget asks for, at least."""
         box = random_resized_crop_box(height, width, rng, self.scale, self.ratio) if self.train else None
         side = min(box[2], box[3]) if box else min(height, width)
-        reduce = dct_reduction(side, self.size) if reducible else 1
+        reduce = max(dct_reduction(side, self.size), min_reduce) if reducible else 1
         if box is not None:
             box = snap_box(box, reduce, height, width)
         return Plan(box, reduce, self.train and self.flip and rng.random() < 0.5)
@@ -215,14 +163,26 @@ class ImageDecoder:
             self._decode_fast_into(data, out, rng)
             return
         if bytes(data[:3]) == JPEG_MAGIC:
-            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            plan = self.plan(height, width, rng)
-            image = decode_jpeg_reduced(data, height, width, plan.reduce)
-        else:
+            header = simplejpeg.decode_jpeg_header(data)
+            height, width = header[:2]
+            min_reduce, buffered = self._jpeg_budget(data, header)
+            plan = self.plan(height, width, rng, min_reduce=min_reduce)
+            with held(buffered + 6 * (height // plan.reduce) * (width // plan.reduce)):
+                image = decode_jpeg_reduced(data, height, width, plan.reduce)
+                self.transform_into(image, plan, out, (height, width))
+            return
+        header = checked_size(data, self.max_pixels)
+        with held(header[2] if header else 0):
             image = decode_rgb(data)
             height, width = image.shape[:2]
-            plan = self.plan(height, width, rng, reducible=False)
-        self.transform_into(image, plan, out, (height, width))
+            self.transform_into(image, self.plan(height, width, rng, reducible=False), out, (height, width))
+
+    def _jpeg_budget(self, data: bytes, header: tuple[int, int, str, str]) -> tuple[int, float]:
+        """The smallest DCT reduction the limit allows and the coefficient buffer (bytes) of a
+        JPEG: (1, 0) at a glance for all but large images."""
+        if header[0] * header[1] <= self._unchecked_pixels:
+            return 1, 0.0
+        return jpeg_reduction(data, header, self.max_pixels)
 
     def transform_into(self, image: np.ndarray, plan: Plan, out: np.ndarray, source: tuple[int, int]) -> None:
         """Crops, resizes and flips a decoded image (at 1/``plan.reduce`` scale of a ``source``
@@ -238,11 +198,12 @@ class ImageDecoder:
     def _decode_fast_into(self, data: bytes, out: np.ndarray, rng: np.random.Generator | None) -> None:
         """``antialias=False``: the path before antialiasing, unchanged."""
         if bytes(data[:3]) == JPEG_MAGIC:
-            image, box = self._decode_jpeg(data, rng)
+            self._decode_jpeg_fast_into(data, out, rng)
         else:
-            image = decode_rgb(data)
-            box = self._box(image.shape[0], image.shape[1], rng)
-        self._crop_resize_into(image, box, out)
+            header = checked_size(data, self.max_pixels)
+            with held(header[2] if header else 0):
+                image = decode_rgb(data)
+                self._crop_resize_into(image, self._box(image.shape[0], image.shape[1], rng), out)
         if self.train and self.flip and rng.random() < 0.5:
             cv2.flip(out, 1, dst=out)
 
@@ -251,23 +212,27 @@ class ImageDecoder:
             return random_resized_crop_box(height, width, rng, self.scale, self.ratio)
         return centre_square_box(height, width)
 
-    def _decode_jpeg(self, data: bytes, rng: np.random.Generator | None) -> tuple[np.ndarray, Box]:
+    def _decode_jpeg_fast_into(self, data: bytes, out: np.ndarray, rng: np.random.Generator | None) -> None:
         """Decodes at the smallest DCT scale that keeps the crop at least ``size`` pixels, when
-        the crop is at least twice the target; returns the image and the crop in its pixels."""
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        box = self._box(height, width, rng)
-        top, left, crop_h, crop_w = box
-        min_height = min_width = 0
+        the crop is at least twice the target (or smaller, if the budget asks), then crops and
+        resizes into ``out``."""
+        header = simplejpeg.decode_jpeg_header(data)
+        height, width = header[:2]
+        min_reduce, buffered = self._jpeg_budget(data, header)
+        top, left, crop_h, crop_w = box = self._box(height, width, rng)
+        min_height, min_width = height, width
         if min(crop_h, crop_w) >= 2 * self.size:
             min_height = math.ceil(self.size * height / crop_h)
             min_width = math.ceil(self.size * width / crop_w)
-        image = simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_height=min_height, min_width=min_width, strict=True
-        )
-        if image.shape[:2] != (height, width):
-            sy, sx = image.shape[0] / height, image.shape[1] / width
-            box = (int(top * sy), int(left * sx), max(1, round(crop_h * sy)), max(1, round(crop_w * sx)))
-        return image, box
+        min_height, min_width = min(min_height, -(-height // min_reduce)), min(min_width, -(-width // min_reduce))
+        with held(buffered + 6 * min_height * min_width):
+            image = simplejpeg.decode_jpeg(
+                data, colorspace="RGB", min_height=min_height, min_width=min_width, strict=True
+            )
+            if image.shape[:2] != (height, width):
+                sy, sx = image.shape[0] / height, image.shape[1] / width
+                box = (int(top * sy), int(left * sx), max(1, round(crop_h * sy)), max(1, round(crop_w * sx)))
+            self._crop_resize_into(image, box, out)
 
     def _crop_resize_into(self, image: np.ndarray, box: Box, out: np.ndarray) -> None:
         top, left, crop_h, crop_w = box
