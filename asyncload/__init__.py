@@ -18,6 +18,7 @@ _PUBLIC = {
     "StorageError": "asyncload.errors",
     "ImageDecoder": "asyncload.decode.image",
     "GpuImageDecoder": "asyncload.decode.gpu",
+    "ImageTooLarge": "asyncload.decode.budget",
     "Source": "asyncload.sources.items",
     "image_folder": "asyncload.sources.items",
     "list_files": "asyncload.sources.items",
@@ -34,6 +35,7 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:
+    from .decode.budget import ImageTooLarge
     from .decode.gpu import GpuImageDecoder
     from .decode.image import ImageDecoder
     from .errors import SampleError, StorageError, TooManyFailures
