@@ -36,11 +36,9 @@ class ImageTooLarge(ValueError):
     """An image whose decode would take more than the decoder's ``max_pixels``."""
 
     def __init__(self, height: int, width: int, max_pixels: int, needed: float, detail: str = "") -> None:
-        super().__init__(
-            f"image of {width}x{height} pixels{detail}: decoding it counts {needed / 1e6:,.1f} M pixels, "
-            f"over the decode limit max_pixels={max_pixels:,}; if "
-            "such images are expected, raise it (ImageDecoder(max_pixels=...) or "
-            "GpuImageDecoder(max_pixels=...)), or pass max_pixels=None for no limit"
+        super().__init__(  # short: a SampleError shows at most 200 characters of it
+            f"image of {width}x{height} pixels{detail}: counts {needed / 1e6:,.1f} M pixels, over the decode "
+            f"limit max_pixels={max_pixels:,} (raise it on the decoder, or max_pixels=None)"
         )
         self.height, self.width, self.max_pixels = height, width, max_pixels
         self._arguments = (height, width, max_pixels, needed, detail)
@@ -97,7 +95,7 @@ def jpeg_reduction(data: bytes, header: tuple[int, int, str, str], max_pixels: i
     if max_pixels is None:
         return 1, buffered
     if buffered and height * width > max_pixels:
-        detail = " (a progressive or multi-scan JPEG: its coefficients are kept whole at any scale)"
+        detail = " (progressive or multi-scan JPEG: whole at any scale)"
         raise ImageTooLarge(height, width, max_pixels, height * width, detail)
     for reduce in (1, 2, 4, 8):
         if math.ceil(height / reduce) * math.ceil(width / reduce) <= max_pixels:
