@@ -71,6 +71,7 @@ class Settings:
     storage_options: dict[str, Any] | None
     read_timeout: float
     read_retries: int
+    decode_timeout: float | None
     normalize: tuple[Sequence[float], Sequence[float]] | None
     ring: BufferRing
     device_stage: DeviceStage | None
@@ -85,7 +86,7 @@ class Settings:
             io_concurrency=share(self.io_concurrency, processes),
             thread_limit=None if thread_limit is None else share(thread_limit, processes),
             storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
-            trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
+            decode_timeout=self.decode_timeout, trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
         )
 
 
@@ -106,6 +107,7 @@ class PipelineSettings:
     storage_options: dict[str, Any] | None
     read_timeout: float
     read_retries: int
+    decode_timeout: float | None = None  # seconds a decode may run before its sample fails (slots.py)
     trace_events: int | None = None  # with trace=: a child records its events and sends them with its answers
 
 
