@@ -9,6 +9,7 @@ What the children run is defined at module level: spawn finds it by name.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError, TooManyFailures
+from asyncload.io.blocking import BlockingCalls, StuckCalls
 from tests.conftest import asyncload_threads, wait_until
 
 MODES = [0, 2]
@@ -142,6 +144,29 @@ def test_more_stuck_reads_than_threads_can_be_replaced_for_is_a_clear_error(proc
         error = run_bounded(lambda: samples(loader))
     assert isinstance(error, TooManyFailures), error
     assert "calls are stuck past read_timeout and still running" in str(error)
+
+
+def test_a_call_queued_behind_stuck_threads_times_out(gate):
+    """One thread and room for one lost: A and B hang, so nothing is left to start C. C used to
+    wait in the queue for ever; it now fails after QUEUED_LIMIT timeouts, and D fails at once."""
+    calls = BlockingCalls(1, "asyncload-test", "read_timeout")
+    calls.max_lost = 1
+
+    async def attempt(function):
+        try:
+            return await calls.call_async(function, timeout=0.2)
+        except Exception as error:
+            return error
+
+    async def main():
+        tasks = [asyncio.create_task(attempt(function)) for function in (gate.wait, gate.wait, lambda: "C")]
+        return await asyncio.gather(*tasks), await attempt(lambda: "D")
+
+    (a, b, c), d = run_bounded(lambda: asyncio.run(main()))
+    assert "timed out after read_timeout=0.2 s" in str(a) and "timed out after read_timeout=0.2 s" in str(b)
+    assert isinstance(c, TimeoutError) and "for a thread free to start it" in str(c)
+    assert isinstance(d, StuckCalls) and "2 calls are stuck past read_timeout" in str(d)
+    calls.shutdown(0)
 
 
 # ----- decodes -----

@@ -77,7 +77,7 @@ class BlockingCalls:
                 raise RuntimeError("these blocking calls are shut down")
             if len(self._lost) >= self.max_lost:
                 raise StuckCalls(f"{len(self._lost)} calls are stuck past {self.timeout_name} and still running, the "
-                                 f"most this loader starts threads for ({MAX_LOST_FACTOR} x {self.threads} threads): "
+                                 f"most this loader starts threads for ({self.max_lost}): "
                                  f"the storage or the read hangs; no more calls start until some return")
             if len(self._workers) - len(self._lost) < self.threads:
                 self._spawn()
@@ -147,9 +147,9 @@ class BlockingCalls:
         result = asyncio.wrap_future(call.future)
         try:
             await asyncio.wait([began, result], timeout=QUEUED_LIMIT * timeout, return_when=asyncio.FIRST_COMPLETED)
-            if call.started is None and call.future.cancel():  # still queued: every thread is busy or stuck
-                raise self._queued_too_long(timeout)
-            return await asyncio.wait_for(asyncio.shield(result), timeout)
+            queued_too_long = call.started is None and call.future.cancel()  # every thread busy or stuck
+            if not queued_too_long:
+                return await asyncio.wait_for(asyncio.shield(result), timeout)
         except asyncio.TimeoutError:
             self._timed_out(call)
             raise timeout_error(self.timeout_name, timeout) from None
@@ -158,6 +158,7 @@ class BlockingCalls:
             raise
         finally:
             began.cancel()
+        raise self._queued_too_long(timeout)
 
     def _queued_too_long(self, timeout: float) -> TimeoutError:
         return TimeoutError(f"timed out waiting {QUEUED_LIMIT * timeout:g} s ({QUEUED_LIMIT} x {self.timeout_name}) "
