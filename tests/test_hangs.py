@@ -200,6 +200,26 @@ def test_a_decode_that_hangs_is_skipped_and_never_writes_a_batch_handed_out(proc
         assert sorted(v for batch in held for v in batch[:, 0].tolist()) == expected
 
 
+def test_stuck_decodes_give_their_place_in_the_tuners_gate_back(gate, monkeypatch):
+    """num_threads="auto": a gate lets ``threads`` of the started threads work. Stuck decodes
+    used to keep their places in it, so their replacements waited at the gate for ever."""
+    monkeypatch.setattr("asyncload.loader.usable_cores", lambda: 2)
+    with AsyncLoader(list(range(24)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({1, 2, 5, 6}, gate),
+                     num_threads="auto", decode_timeout=0.5, on_error="skip", max_failures=4) as loader:
+        got = run_bounded(lambda: samples(loader))
+    assert sorted(got) == [i for i in range(24) if i not in (1, 2, 5, 6)]
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_more_stuck_decodes_than_threads_can_be_replaced_for_is_a_clear_error(processes, gate):
+    """One decode thread per pipeline, so at most 4 lost each: past that the run fails, saying why."""
+    with AsyncLoader(list(range(48)), batch_size=4, shuffle=False, read=False, decode=HangingDecode(range(1, 24), gate),
+                     num_threads=max(1, processes), decode_timeout=0.3, on_error="skip", max_failures=40,
+                     processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, RuntimeError) and "decodes are stuck past decode_timeout=0.3 s" in str(error), error
+
+
 @pytest.mark.parametrize("processes", MODES)
 def test_close_from_another_thread_during_a_hung_decode_returns_at_once(processes, gate):
     loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({5}, gate),

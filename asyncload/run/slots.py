@@ -50,10 +50,11 @@ class Slot:
             self.started = None
             return True
 
-    def abandon(self) -> bool:
-        """On the watchdog (or a closing) thread: True if the decode in flight is abandoned now."""
+    def abandon(self, started: float | None = None) -> bool:
+        """On the watchdog (or a closing) thread: True if the decode in flight (the one that
+        began at ``started``, if given: not one begun since it was looked at) is abandoned now."""
         with self.lock:
-            if self.started is None or self.abandoned:
+            if self.started is None or self.abandoned or (started is not None and self.started != started):
                 return False
             self.abandoned = True
             return True
@@ -85,7 +86,7 @@ class Watchdog:
         assert timeout is not None
         for slot in list(self.workers.slots):
             started = slot.started
-            if started is None or now - started < timeout or not slot.abandon():
+            if started is None or now - started < timeout or not slot.abandon(started):
                 continue
             if not self.workers.replace():
                 self.on_stuck(f"{len(self.workers.lost())} decodes are stuck past decode_timeout={timeout:g} s and "

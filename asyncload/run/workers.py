@@ -86,6 +86,7 @@ class DecodeWorkers:
     def replace(self) -> bool:
         """A thread's decode was abandoned: start another in its place. False when ``max_lost``
         threads are stuck already (none is started: the pipeline cannot go on)."""
+        self._let_go()
         if self._stopping:
             return True
         if len(self.lost()) > self.max_lost:
@@ -98,7 +99,14 @@ class DecodeWorkers:
         with self._lock:
             slots = list(self.slots)
         for slot in slots:
-            slot.abandon()
+            if slot.abandon():
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """An abandoned thread's place in the tuner's gate goes back now (the gate outlives this
+        pool); the thread, when its job ever returns, does not give it back again (``_work``)."""
+        if self._gate is not None:
+            self._gate.__exit__()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
@@ -140,8 +148,12 @@ class DecodeWorkers:
             if self._gate is None:
                 job()
             else:
-                with self._gate:
+                self._gate.__enter__()
+                try:
                     job()
+                finally:
+                    if not slot.abandoned:  # else its place went back when it was abandoned
+                        self._gate.__exit__()
             if slot.abandoned:  # another thread has taken its place
                 return
 
