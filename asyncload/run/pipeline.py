@@ -58,10 +58,9 @@ class Pipeline:
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
     async def _make_reader(self) -> Reader:
-        user_read = self.s.read if callable(self.s.read) else None
         return Reader(self.loop, storage_options=self.s.storage_options, timeout=self.s.read_timeout,
                       retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.stats,
-                      user_read=user_read)
+                      user_read=self.s.read if callable(self.s.read) else None)
 
     # ----- the driver's thread (or a child's control thread) -----
 
@@ -273,9 +272,8 @@ class Pipeline:
 
     def _stuck(self, message: str) -> None:
         """Too many decode threads are stuck to go on: every run fails (``Failed``)."""
-        for run, state in list(self.runs.items()):
-            if not state.stopped:
-                self.send(Failed(run, RuntimeError(message)))
+        for run in [run for run, state in self.runs.items() if not state.stopped]:
+            self.send(Failed(run, RuntimeError(message)))
 
     # ----- any thread -----
 
