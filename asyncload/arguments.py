@@ -101,7 +101,8 @@ def default_decode(source: Sequence[Any], decode: Any) -> Any:
 def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, drop_last: bool, threads: int,
                   cores: int, auto_threads: bool, io: int, prefetch: int, in_order: bool, on_error: str,
                   max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
-                  read_retries: int, decode_timeout: float | None, normalize: Any, device: torch.device | None, stats: LoaderStats) -> Settings:
+                  read_retries: int, decode_timeout: float | None, normalize: Any, device: torch.device | None,
+                  stats: LoaderStats) -> Settings:
     """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
     cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
     return Settings(

@@ -178,7 +178,8 @@ class AsyncLoader:
             source, read, decode, batch_size=batch_size, drop_last=drop_last, threads=threads, cores=cores,
             auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
             max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
-            read_retries=read_retries, decode_timeout=decode_timeout, normalize=normalize, device=self.device, stats=self.stats)
+            read_retries=read_retries, decode_timeout=decode_timeout, normalize=normalize, device=self.device,
+            stats=self.stats)
         count = process_count(processes, isolate)
         configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)

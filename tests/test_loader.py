@@ -464,7 +464,8 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next():
             time.sleep(0.3)  # still busy a moment after the release
         return np.int64(i)
 
-    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode), num_threads=2)
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode),
+                         num_threads=2)
     iterator = iter(loader)
     next(iterator)
     assert stuck.wait(5), "the next batch's decode of 5 never started"  # else close() does not wait
@@ -506,7 +507,8 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
             release.wait(10)
         return np.int64(i)
 
-    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode), num_threads=2)
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode),
+                         num_threads=2)
     iterator = iter(loader)
     next(iterator)
     assert stuck.wait(5), "the next batch's decode of 6 never started"  # else the stop has nothing to wait for

@@ -80,7 +80,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.decode_timeout is not None and not self.decode_timeout > 0:
-            raise ValueError(f"decode_timeout must be a positive number of seconds or None, got {self.decode_timeout!r}")
+            raise ValueError(f"decode_timeout must be a positive number of seconds or None, "
+                             f"got {self.decode_timeout!r}")
 
     def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
         """What one pipeline needs; with ``processes`` children, its share of the totals."""
@@ -90,7 +91,8 @@ class Settings:
             io_concurrency=share(self.io_concurrency, processes),
             thread_limit=None if thread_limit is None else share(thread_limit, processes),
             storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
-            decode_timeout=self.decode_timeout, trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
+            decode_timeout=self.decode_timeout,
+            trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
         )
 
 
