@@ -91,7 +91,7 @@ class ProcessPool:
         self._closed = False
         self._runs = 0
         self._source, self._labelled = arguments["source"], arguments["labelled"]  # to name what a dead child held
-        self._held: list[dict[tuple[int, Any], list[int]]] = [{} for _ in range(count)]  # (run, fill) -> indices
+        self._held: list[dict[tuple[int, Any], Any]] = [{} for _ in range(count)]  # (run, fill) -> its indices
 
     @property
     def count(self) -> int:
@@ -113,7 +113,7 @@ class ProcessPool:
     def send(self, index: int, message: Any, fd: int | None = None) -> None:
         self.check()
         if isinstance(message, Fill):  # per batch, not per sample: what the child holds until it answers
-            self._held[index][message.run, message.fill] = message.indices.tolist()
+            self._held[index][message.run, message.fill] = message.indices
         elif isinstance(message, Probe):
             self._held[index][message.run, None] = [message.index]
         with self.send_locks[index]:
@@ -245,7 +245,7 @@ class ProcessPool:
     def _held_items(self, index: int) -> str:
         """``" while it held samples ..."``: the items child ``index`` was given and had not
         answered for, where the cause (a decoder that crashes on one file) usually is."""
-        indices = sorted({i for held in self._held[index].values() for i in held})
+        indices = sorted({int(i) for held in self._held[index].values() for i in held})
         if not indices:
             return ""
         items = []

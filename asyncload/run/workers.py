@@ -25,10 +25,10 @@ import cv2
 import torch
 
 from ..autotune import Gate
+from ..io.blocking import MAX_LOST_FACTOR  # as for reads: stuck threads replaced, at most this many per thread
 from .slots import Slot
 
 Job = Callable[[], None]
-MAX_LOST_FACTOR = 4  # threads stuck in a decode past its timeout, replaced: at most this many per thread
 _current = threading.local()  # .slot: the decode thread's own Slot
 
 
@@ -51,8 +51,7 @@ class DecodeWorkers:
         self._name = name
         self._stopping = False
         native_threads.acquire()
-        self.threads: list[threading.Thread] = []
-        self.slots: list[Slot] = []  # every started thread's, the lost ones' included
+        self.slots: list[Slot] = []  # one per started thread, the lost ones' included
         self._lock = threading.Lock()  # threads and slots: the starter, the watchdog and close() add and read
         self._numbers = 0
         self.max_lost = MAX_LOST_FACTOR * count
@@ -71,9 +70,7 @@ class DecodeWorkers:
         with self._lock:
             thread = threading.Thread(target=self._work, name=f"{self._name}-{self._numbers}", daemon=True)
             self._numbers += 1
-            slot = Slot(thread)
-            self.threads.append(thread)
-            self.slots.append(slot)
+            self.slots.append(Slot(thread))
         thread.start()
 
     def lost(self) -> list[Slot]:
