@@ -100,6 +100,12 @@ class AsyncLoader:
         read_retries (int, default 6): retries of a remote read after a transient error
             (timeout, reset connection, throttling, 5xx), with exponential backoff and jitter;
             a missing object or a refused permission fails at once.
+        decode_timeout (float or None, default 120.0): seconds one sample's ``decode`` may run;
+            past it the sample fails (``SampleError`` at stage "decode"; skipped with
+            ``on_error="skip"``) and its thread, which cannot be stopped, is left to end by itself
+            and replaced. Generous, so that a slow first call (a model or JIT loading) is not
+            taken for a hang. None: no limit. Decoders that write their row themselves
+            (``ImageDecoder``, ``GpuImageDecoder``) are native code and not timed.
         isolate (bool, default False): the same as ``processes=1``: reads and decodes in one
             child process, away from a training step that holds the GIL.
         processes (int or "auto", default None): None or 0 runs everything in this process,
@@ -146,6 +152,7 @@ class AsyncLoader:
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         read_timeout: float = 60.0,
         read_retries: int = 6,
+        decode_timeout: float | None = 120.0,
         isolate: bool = False,
         processes: int | str | None = None,
         trace: str | os.PathLike | None = None,
@@ -171,7 +178,8 @@ class AsyncLoader:
             source, read, decode, batch_size=batch_size, drop_last=drop_last, threads=threads, cores=cores,
             auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
             max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
-            read_retries=read_retries, normalize=normalize, device=self.device, stats=self.stats)
+            read_retries=read_retries, decode_timeout=decode_timeout, normalize=normalize, device=self.device,
+            stats=self.stats)
         count = process_count(processes, isolate)
         configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)

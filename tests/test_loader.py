@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, GpuImageDecoder, ImageDecoder, SampleError, image_folder
+from asyncload.batch.layout import Field
 from tests.conftest import CLASSES, PER_CLASS, asyncload_threads, identify, make_jpeg
 
 
@@ -438,6 +439,19 @@ def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
         assert sorted(got) == [0, 2, 3, 4, 5, 6, 7, 8]
 
 
+class InPlace:
+    """``decode`` as a decoder that writes its row itself (as ``ImageDecoder``): a stop waits for
+    one that is busy (a decode that returns its sample is abandoned instead: test_hangs.py)."""
+
+    field = Field((1,), np.dtype(np.int64))
+
+    def __init__(self, decode):
+        self.decode = decode
+
+    def decode_into(self, data, out, key):
+        out[:] = self.decode(data)
+
+
 def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises):
     """Ctrl-C while close() waits for a busy decode thread: a second close() must still end
     every thread (it used to return at once, leaving them running)."""
@@ -450,7 +464,8 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises):
             time.sleep(0.3)  # still busy a moment after the release
         return np.int64(i)
 
-    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode),
+                         num_threads=2)
     iterator = iter(loader)
     next(iterator)
     assert stuck.wait(5), "the next batch's decode of 5 never started"  # else close() does not wait
@@ -492,7 +507,8 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
             release.wait(10)
         return np.int64(i)
 
-    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=decode, num_threads=2)
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode),
+                         num_threads=2)
     iterator = iter(loader)
     next(iterator)
     assert stuck.wait(5), "the next batch's decode of 6 never started"  # else the stop has nothing to wait for

@@ -9,9 +9,12 @@ into false failures or a stalled epoch (a ``ThreadPoolExecutor`` keeps neither):
   in the queue behind slow ones is not charged for the wait;
 - a call past its timeout fails (its caller retries or records the failure) and its thread
   counts as lost: a new thread takes its place at once, and the lost one ends when its call
-  returns. So ``threads`` threads always serve the queue, and stuck reads never fill it. At most
-  ``MAX_LOST_FACTOR * threads`` lost threads are replaced; past that, storage that hangs that
-  much makes reads wait in the queue (and the epoch fails on its timeouts meanwhile).
+  returns. So ``threads`` threads always serve the queue, and stuck reads never fill it.
+
+Every wait is bounded: a call waits in the queue at most ``QUEUED_LIMIT`` timeouts, then fails.
+At most ``MAX_LOST_FACTOR * threads`` threads may be lost at once; while that many are stuck,
+new calls fail at once (``StuckCalls``) instead of queueing behind storage that hangs that much.
+A lost thread that returns frees its place, so the pool recovers with the storage.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def timeout_error(name: str, seconds: float) -> TimeoutError:
     return TimeoutError(f"timed out after {name}={seconds:g} s")
 
 
+class StuckCalls(RuntimeError):
+    """Too many calls are stuck past their timeout: no thread is started for more."""
+
+
 @dataclass
 class Call:
     future: Future
@@ -58,7 +65,7 @@ class BlockingCalls:
         self._lock = threading.Lock()
         self._workers: set[threading.Thread] = set()
         self._lost: set[threading.Thread] = set()  # running a call past its timeout; replaced
-        self._replaced = 0
+        self.max_lost = MAX_LOST_FACTOR * self.threads
         self._names = itertools.count()
         self._closed = False
 
@@ -68,6 +75,10 @@ class BlockingCalls:
         with self._lock:
             if self._closed:
                 raise RuntimeError("these blocking calls are shut down")
+            if len(self._lost) >= self.max_lost:
+                raise StuckCalls(f"{len(self._lost)} calls are stuck past {self.timeout_name} and still running, the "
+                                 f"most this loader starts threads for ({self.max_lost}): "
+                                 f"the storage or the read hangs; no more calls start until some return")
             if len(self._workers) - len(self._lost) < self.threads:
                 self._spawn()
         self._queue.put(call)
@@ -105,8 +116,9 @@ class BlockingCalls:
 
     def call(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
         """``function(*args)`` on a pool thread, for a thread that may block (a decode thread):
-        raises ``TimeoutError`` once the call has run ``timeout`` seconds. One wait on the
-        future in the usual case; the start time is looked at only when that wait times out."""
+        raises ``TimeoutError`` once the call has run ``timeout`` seconds, or has waited
+        ``QUEUED_LIMIT`` of them for a thread. One wait on the future in the usual case; the
+        start time is looked at only when that wait times out."""
         call = self.submit(function, *args)
         queued = time.monotonic()
         while True:
@@ -120,10 +132,8 @@ class BlockingCalls:
                 if started is not None and now - started >= timeout:
                     self._timed_out(call)
                     raise timeout_error(self.timeout_name, timeout) from None
-                if started is None and now - queued >= QUEUED_LIMIT * timeout:  # every thread stuck
-                    call.future.cancel()
-                    raise TimeoutError(f"timed out waiting {QUEUED_LIMIT * timeout:g} s ({QUEUED_LIMIT} x "
-                                       f"{self.timeout_name}) for a thread free to start it") from None
+                if started is None and now - queued >= QUEUED_LIMIT * timeout and call.future.cancel():
+                    raise self._queued_too_long(timeout) from None
 
     async def call_async(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
         """As ``call``, awaited on an event loop (whose thread must not block)."""
@@ -136,8 +146,10 @@ class BlockingCalls:
         call = self.submit(function, *args, on_start=on_start)
         result = asyncio.wrap_future(call.future)
         try:
-            await asyncio.wait([began, result], return_when=asyncio.FIRST_COMPLETED)  # queued: not timed
-            return await asyncio.wait_for(asyncio.shield(result), timeout)
+            await asyncio.wait([began, result], timeout=QUEUED_LIMIT * timeout, return_when=asyncio.FIRST_COMPLETED)
+            queued_too_long = call.started is None and call.future.cancel()  # every thread busy or stuck
+            if not queued_too_long:
+                return await asyncio.wait_for(asyncio.shield(result), timeout)
         except asyncio.TimeoutError:
             self._timed_out(call)
             raise timeout_error(self.timeout_name, timeout) from None
@@ -146,17 +158,21 @@ class BlockingCalls:
             raise
         finally:
             began.cancel()
+        raise self._queued_too_long(timeout)
+
+    def _queued_too_long(self, timeout: float) -> TimeoutError:
+        return TimeoutError(f"timed out waiting {QUEUED_LIMIT * timeout:g} s ({QUEUED_LIMIT} x {self.timeout_name}) "
+                            f"for a thread free to start it")
 
     def _timed_out(self, call: Call) -> None:
-        """``call`` ran past its timeout: a new thread takes its thread's place."""
+        """``call`` ran past its timeout: its thread is lost, and a new thread takes its place
+        unless ``max_lost`` threads are stuck (then ``submit`` refuses new calls)."""
         with self._lock:
             if call.future.done() or call.thread is None or call.thread in self._lost or self._closed:
                 return
-            if self._replaced >= MAX_LOST_FACTOR * self.threads:
-                return
             self._lost.add(call.thread)
-            self._replaced += 1
-            self._spawn()
+            if len(self._lost) <= self.max_lost:
+                self._spawn()
 
     def shutdown(self, timeout: float) -> bool:
         """Cancels queued calls and waits up to ``timeout`` s for the running ones, but not for

@@ -24,13 +24,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..run.settings import share
+from ..run.settings import share, split
 from . import shm
 from .child import child_main
 from .merged import ProcessStats
-from .protocol import MAIN_GUARD_EXIT, Broken, Close, Limits, Map, Stop, Stopped, Unmap, pickled_arguments
+from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Probe, Probed, Stop, Stopped, Unmap,
+                       pickled_arguments)
 from .segments import SegmentRing
 
+HELD_SHOWN = 16  # a dead child's samples named in the error, at most
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
 
 
@@ -88,6 +90,8 @@ class ProcessPool:
         self._broken: tuple[str, BaseException | None] | None = None
         self._closed = False
         self._runs = 0
+        self._source, self._labelled = arguments["source"], arguments["labelled"]  # to name what a dead child held
+        self._held: list[dict[tuple[int, Any], Any]] = [{} for _ in range(count)]  # (run, fill) -> its indices
 
     @property
     def count(self) -> int:
@@ -108,6 +112,10 @@ class ProcessPool:
 
     def send(self, index: int, message: Any, fd: int | None = None) -> None:
         self.check()
+        if isinstance(message, Fill):  # per batch, not per sample: what the child holds until it answers
+            self._held[index][message.run, message.fill] = message.indices
+        elif isinstance(message, Probe):
+            self._held[index][message.run, None] = [message.index]
         with self.send_locks[index]:
             self._io(index, self.conns[index].send, message)
             if fd is not None:
@@ -155,12 +163,16 @@ class ProcessPool:
             if isinstance(message, Broken):
                 self._broken = ("a loader process could not build its pipeline", message.error)
                 self.check()
+            if isinstance(message, (Done, Probed)):
+                self._held[index].pop((message.run, getattr(message, "fill", None)), None)
             if isinstance(message, Stopped):
                 self._stopped(index, message.run)
             elif message.run == run:
                 return message
 
     def _stopped(self, index: int, run: int) -> None:
+        for key in [key for key in self._held[index] if key[0] == run]:
+            del self._held[index][key]
         waiting = self._stopping.get(run)
         if waiting is None:
             return
@@ -226,8 +238,24 @@ class ProcessPool:
             how = f"was killed by {name}" + (" (the kernel's out-of-memory killer sends it)" if name == "SIGKILL" else "")
         else:
             how = f"exited with code {code} (its error output, if any, is above)"
-        self._broken = (f"a loader process (pid {process.pid}) {how}; create a new AsyncLoader to go on", None)
+        self._broken = (f"a loader process (pid {process.pid}) {how}{self._held_items(index)}; "
+                        f"create a new AsyncLoader to go on", None)
         self.check()
+
+    def _held_items(self, index: int) -> str:
+        """``" while it held samples ..."``: the items child ``index`` was given and had not
+        answered for, where the cause (a decoder that crashes on one file) usually is."""
+        indices = sorted({int(i) for held in self._held[index].values() for i in held})
+        if not indices:
+            return ""
+        items = []
+        for i in indices[:HELD_SHOWN]:
+            try:
+                items.append(repr(split(self._source, self._labelled, i)[0]))
+            except Exception:
+                items.append(f"source[{i}]")
+        more = f" and {len(indices) - HELD_SHOWN} more" if len(indices) > HELD_SHOWN else ""
+        return f" while it held these samples: {', '.join(items)}{more}"
 
     def close(self) -> None:
         """Stops the children (killing those that do not stop within ``CLOSE_TIMEOUT_S``) and

@@ -21,6 +21,8 @@ from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
 from ..stats.figures import LoaderStats
+from .slots import Slot
+from .workers import current_slot
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -126,16 +128,21 @@ class RowFiller:
 
     def fill(self, batch: Work, rows: Sequence[Row]) -> None:
         """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
-        ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread."""
+        ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread. Each
+        decode's start goes in the thread's slot (``slots.py``), so the watchdog can abandon one
+        that never returns; then this job ends at once and writes nothing more."""
         if batch.cancelled:
             self.rows_done(batch, len(rows))
             return
         buffer, stats, trace = batch.buffer, self.stats, self.stats.tracer
+        slot = current_slot() if not self.in_place else None  # a decode_into cannot be abandoned
+        if slot is not None:
+            slot.on_timeout, slot.work, slot.rows = self._timed_out, batch, rows
         stats.level("decodes_running", 1)
         read_s = decode_s = cpu = 0.0
         nbytes = reads = done = 0
         now = time.perf_counter()
-        for row in rows:
+        for index, row in enumerate(rows):
             data = row.data
             if data is None:
                 try:
@@ -150,9 +157,12 @@ class RowFiller:
                         trace.span("read", started, now, row.key)
                 reads += 1
                 nbytes += len(data)
+            if slot is not None:
+                slot.index, slot.done, slot.started = index, done, now  # started last: the watchdog reads it first
             cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
             try:
-                self._decode_row(buffer, row, data)
+                if not self._decode_row(buffer, row, data, slot):
+                    return  # abandoned: the watchdog reported this job's rows
             except SampleError as error:
                 self.row_failed(batch, row.row, error)
             else:
@@ -170,18 +180,36 @@ class RowFiller:
         if done:
             self.rows_done(batch, done)
 
-    def _decode_row(self, buffer: BatchBuffer, row: Row, data: Any) -> None:
+    def _timed_out(self, slot: Slot, cause: BaseException, submit: Callable[[Callable[[], None]], None]) -> None:
+        """On the watchdog, for a job whose decode it abandoned: the rows done so far are
+        reported, the stuck row fails, and the job's other rows go to another thread."""
+        batch, rows, index = slot.work, slot.rows, slot.index
+        self.stats.level("decodes_running", -1)
+        if slot.done:
+            self.rows_done(batch, slot.done)
+        self.row_failed(batch, rows[index].row, SampleError(rows[index].key, "decode", cause))
+        rest = rows[index + 1:]
+        if rest:
+            submit(lambda: self.fill(batch, rest))
+
+    def _decode_row(self, buffer: BatchBuffer, row: Row, data: Any, slot: Slot | None) -> bool:
+        """Decodes ``row`` and writes it; False, writing nothing, if the decode was abandoned."""
         arrays = buffer.arrays
         try:
             if self.in_place:  # the decoder writes the row itself
                 self.decode.decode_into(data, arrays[0][row.row], (self.epoch, row.index))
                 if row.label is not None:
                     write_label(arrays, row.row, row.label)
-                return
+                return True
             sample = self.decode(data)
         except Exception as error:
+            if slot is not None and not slot.claim():
+                return False
             raise SampleError(row.key, "decode", error) from error
+        if slot is not None and not slot.claim():
+            return False
         self.write(buffer, row.row, labelled(sample, row.label), row.key)
+        return True
 
     def write(self, buffer: BatchBuffer, row: int, sample: Any, key: Any) -> None:
         """Copies an already decoded (and labelled) sample into ``row``."""

@@ -25,9 +25,10 @@ from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
-from .messages import Done, Fill, Probe, Probed, Start, Stop, Stopped
+from .messages import Done, Failed, Fill, Probe, Probed, Start, Stop, Stopped
 from .run_state import RunState
 from .settings import PipelineSettings, split
+from .slots import Watchdog
 from .threads import LoopThread, wait_ended
 from .workers import DecodeWorkers
 
@@ -54,12 +55,12 @@ class Pipeline:
         self.loop = self.loop_thread.loop
         self.thread = self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(self._make_reader(), self.loop).result()
+        Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
     async def _make_reader(self) -> Reader:
-        user_read = self.s.read if callable(self.s.read) else None
         return Reader(self.loop, storage_options=self.s.storage_options, timeout=self.s.read_timeout,
                       retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.stats,
-                      user_read=user_read)
+                      user_read=self.s.read if callable(self.s.read) else None)
 
     # ----- the driver's thread (or a child's control thread) -----
 
@@ -85,6 +86,7 @@ class Pipeline:
             first, self._closing = not self._closing, True
         if first:  # a second close (another thread) only waits: its shutdown would never run
             self.loop_thread.submit(self._shut())
+        self.workers.abandon_all()  # a decode that never returns must not hold the stop
         wait_ended([self.thread], deadline)
         self.workers.stop()  # no queued job starts; the threads end after the one they run
         wait_ended(self.workers.all_threads()[:1], deadline)  # the starter: then the list is whole
@@ -267,6 +269,11 @@ class Pipeline:
         for state in self.runs.values():
             if state.stream is not None:
                 state.stream.set_limit(limit)
+
+    def _stuck(self, message: str) -> None:
+        """Too many decode threads are stuck to go on: every run fails (``Failed``)."""
+        for run in [run for run, state in self.runs.items() if not state.stopped]:
+            self.send(Failed(run, RuntimeError(message)))
 
     # ----- any thread -----
 

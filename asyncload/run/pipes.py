@@ -77,7 +77,10 @@ class LocalPipes:
                 if not block:
                     return None
                 pipeline = self._pipelines.get(run)
-                if pipeline is not None and not pipeline.thread.is_alive() and answers.empty():
+                dead = pipeline is not None and not pipeline.thread.is_alive()
+                if run in self._ended:  # looked at after the thread: a stop (close()) marks it first
+                    raise RuntimeError(ENDED)
+                if dead and answers.empty():
                     raise RuntimeError("the loader's event loop stopped unexpectedly")
                 continue
             if not isinstance(message, Stopped) and message.run == run:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -24,13 +25,24 @@ import cv2
 import torch
 
 from ..autotune import Gate
+from ..io.blocking import MAX_LOST_FACTOR  # as for reads: stuck threads replaced, at most this many per thread
+from .slots import Slot
 
 Job = Callable[[], None]
+_current = threading.local()  # .slot: the decode thread's own Slot
+
+
+def current_slot() -> Slot:
+    """The calling decode thread's slot (a fresh one, never watched, on any other thread)."""
+    slot = getattr(_current, "slot", None)
+    return slot if slot is not None else Slot(threading.current_thread())
 
 
 class DecodeWorkers:
     """``count`` threads running jobs in the order they were submitted, within the tuner's
-    ``gate`` when there is one. ``stop`` is bounded: a thread stuck in a job cannot hold it."""
+    ``gate`` when there is one. ``stop`` is bounded: a thread stuck in a job cannot hold it.
+    A thread whose decode was abandoned (``slots.py``) is lost: another takes its place, up to
+    ``MAX_LOST_FACTOR * count`` lost at once."""
 
     def __init__(self, count: int, gate: Gate | None, name: str = "asyncload-decode") -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -39,19 +51,59 @@ class DecodeWorkers:
         self._name = name
         self._stopping = False
         native_threads.acquire()
-        self.threads: list[threading.Thread] = []
+        self.slots: list[Slot] = []  # one per started thread, the lost ones' included
+        self._lock = threading.Lock()  # threads and slots: the starter, the watchdog and close() add and read
+        self._numbers = 0
+        self.max_lost = MAX_LOST_FACTOR * count
         # Each Thread.start() waits for the new thread to run, which under a busy GIL takes a while:
         # a starter thread starts them, so the epoch's first jobs are queued meanwhile.
         self._starter = threading.Thread(target=self._start_threads, name=f"{name}-starter", daemon=True)
         self._starter.start()
 
     def _start_threads(self) -> None:
-        for number in range(self._count):
+        for _ in range(self._count):
             if self._stopping:
                 return
-            thread = threading.Thread(target=self._work, name=f"{self._name}-{number}", daemon=True)
-            thread.start()
-            self.threads.append(thread)
+            self._start_one()
+
+    def _start_one(self) -> None:
+        with self._lock:
+            thread = threading.Thread(target=self._work, name=f"{self._name}-{self._numbers}", daemon=True)
+            self._numbers += 1
+            self.slots.append(Slot(thread))
+        thread.start()
+
+    def lost(self) -> list[Slot]:
+        """The slots of threads whose decode was abandoned and is still running (those that
+        ended are forgotten)."""
+        with self._lock:
+            self.slots = [slot for slot in self.slots if not slot.abandoned or slot.thread.is_alive()]
+            return [slot for slot in self.slots if slot.abandoned]
+
+    def replace(self) -> bool:
+        """A thread's decode was abandoned: start another in its place. False when ``max_lost``
+        threads are stuck already (none is started: the pipeline cannot go on)."""
+        self._let_go()
+        if self._stopping:
+            return True
+        if len(self.lost()) > self.max_lost:
+            return False
+        self._start_one()
+        return True
+
+    def abandon_all(self) -> None:
+        """Abandons every decode in flight (``Slot.abandon``): closing never waits for one."""
+        with self._lock:
+            slots = list(self.slots)
+        for slot in slots:
+            if slot.abandon():
+                self._let_go()
+
+    def _let_go(self) -> None:
+        """An abandoned thread's place in the tuner's gate goes back now (the gate outlives this
+        pool); the thread, when its job ever returns, does not give it back again (``_work``)."""
+        if self._gate is not None:
+            self._gate.__exit__()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
@@ -61,19 +113,31 @@ class DecodeWorkers:
         need a result back on the loop: the first sample, which teaches the batch layout)."""
         future: Future = Future()
 
+        def on_timeout(slot: Slot, cause: BaseException, submit: Any) -> None:
+            future.set_exception(cause)  # the watchdog won the slot: the thread sets nothing
+
         def job() -> None:
             if not future.set_running_or_notify_cancel():
                 return
+            slot = current_slot()
+            slot.on_timeout, slot.started = on_timeout, time.perf_counter()
             try:
-                future.set_result(function(*args))
+                result = function(*args)
             except BaseException as error:  # the awaiting coroutine re-raises it
-                future.set_exception(error)
+                if slot.claim():
+                    future.set_exception(error)
+            else:
+                if slot.claim():
+                    future.set_result(result)
 
         self.submit(job)
         return asyncio.wrap_future(future, loop=loop)
 
     def _work(self) -> None:
         torch.set_num_threads(1)  # per thread: the user's own threads keep their setting
+        with self._lock:
+            slot = next(slot for slot in self.slots if slot.thread is threading.current_thread())
+        _current.slot = slot
         while True:
             job = self._jobs.get()
             if job is None or self._stopping:
@@ -81,12 +145,20 @@ class DecodeWorkers:
             if self._gate is None:
                 job()
             else:
-                with self._gate:
+                self._gate.__enter__()
+                try:
                     job()
+                finally:
+                    if not slot.abandoned:  # else its place went back when it was abandoned
+                        self._gate.__exit__()
+            if slot.abandoned:  # another thread has taken its place
+                return
 
     def all_threads(self) -> list[threading.Thread]:
-        """Every thread this pool started (the starter included), for a bounded wait on them."""
-        return [self._starter, *self.threads]
+        """Every thread this pool started (the starter included) but those whose decode was
+        abandoned (they write nothing more and end when it returns), for a bounded wait."""
+        with self._lock:
+            return [self._starter, *(slot.thread for slot in self.slots if not slot.abandoned)]
 
     def stop(self) -> None:
         """Lets no queued job start; each thread ends after the job it runs. Does not wait: the

@@ -1,0 +1,97 @@
+"""What each decode thread is doing, so that a decode that never returns is abandoned, not waited for.
+
+A thread running user code cannot be stopped. Each decode thread has a ``Slot``: when it starts
+a decode it writes the start time there (two attribute stores, no lock), and when the decode
+returns it ``claim``s the result under the slot's lock before it writes anything. A watchdog on
+the pipeline's event loop looks at the slots a few times a second (``overdue``) and
+``abandon``s a decode past ``decode_timeout``, under the same lock: exactly one side wins. If
+the watchdog wins, its ``on_timeout`` fails the sample and hands the rest of the job to another
+thread, and the stuck thread, when its decode ever returns, drops the result and ends: it never
+writes into a buffer that may have been handed out or reused since. ``close`` abandons every
+decode in flight the same way, so a stop never waits for one.
+
+A decoder that writes its row itself (``decode_into``: the library's image decoders) or a whole
+batch (``decode_batch``) cannot be abandoned safely (the write is inside the call): its jobs do
+not take a slot's start time, and a stop waits for them as for any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+WATCH_S = 0.25  # how often the watchdog looks at the slots (a timeout is noticed that much late at most)
+
+
+class Slot:
+    """One decode thread's current decode: ``started`` (``time.perf_counter()``, None when none
+    runs), what to do if it times out (``on_timeout(slot, cause, submit)``) and the job's place."""
+
+    __slots__ = ("lock", "started", "abandoned", "thread", "on_timeout", "work", "rows", "index", "done")
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.lock = threading.Lock()
+        self.started: float | None = None
+        self.abandoned = False
+        self.thread = thread
+        self.on_timeout: Callable[[Slot, BaseException, Callable[[Any], None]], None] | None = None
+        self.work: Any = None  # the job's fill, its rows, the row running and how many were done
+        self.rows: Any = None
+        self.index = 0
+        self.done = 0
+
+    def claim(self) -> bool:
+        """On the decode thread, once the decode returned: True if its result may be written;
+        False if it was abandoned (the thread then writes nothing and ends)."""
+        with self.lock:
+            if self.abandoned:
+                return False
+            self.started = None
+            return True
+
+    def abandon(self, started: float | None = None) -> bool:
+        """On the watchdog (or a closing) thread: True if the decode in flight (the one that
+        began at ``started``, if given: not one begun since it was looked at) is abandoned now."""
+        with self.lock:
+            if self.started is None or self.abandoned or (started is not None and self.started != started):
+                return False
+            self.abandoned = True
+            return True
+
+
+def timed_out_error(timeout: float) -> TimeoutError:
+    return TimeoutError(f"did not return within decode_timeout={timeout:g} s")
+
+
+class Watchdog:
+    """Looks at ``workers``' slots a few times a second on ``loop`` and abandons every decode
+    past ``timeout`` seconds: its ``on_timeout`` fails the sample, and another thread takes the
+    stuck one's place. When too many threads are stuck to replace another, ``on_stuck(message)``
+    (the pipeline then fails its runs: waiting would be for ever). ``timeout`` None: no watchdog."""
+
+    def __init__(self, loop: Any, workers: Any, timeout: float | None, on_stuck: Callable[[str], None]) -> None:
+        self.loop = loop
+        self.workers = workers
+        self.timeout = timeout
+        self.on_stuck = on_stuck
+        self.period = WATCH_S if timeout is None else min(WATCH_S, timeout / 4)
+
+    def start(self) -> None:
+        if self.timeout is not None:
+            self.loop.call_soon_threadsafe(self._watch)
+
+    def _watch(self) -> None:
+        timeout, now = self.timeout, time.perf_counter()
+        assert timeout is not None
+        for slot in list(self.workers.slots):
+            started = slot.started
+            if started is None or now - started < timeout or not slot.abandon(started):
+                continue
+            if not self.workers.replace():
+                self.on_stuck(f"{len(self.workers.lost())} decodes are stuck past decode_timeout={timeout:g} s and "
+                              f"still running, more than this loader replaces threads for "
+                              f"({self.workers.max_lost}): the decode hangs")
+            if slot.on_timeout is not None:
+                slot.on_timeout(slot, timed_out_error(timeout), self.workers.submit)
+        self.loop.call_later(self.period, self._watch)

@@ -1,0 +1,263 @@
+"""Nothing hangs: a read or a decode that never returns fails its sample (or is skipped) within a
+bounded time, too many of them give a clear error, ``close()`` from another thread returns at
+once, and a child that dies names the samples it held.
+
+What blocks here blocks on a file the test creates at teardown (``Gate``), so that it works in a
+child process too; in this process the stuck threads then end before the no-thread-left check.
+What the children run is defined at module level: spawn finds it by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncload import AsyncLoader, SampleError, TooManyFailures
+from asyncload.io.blocking import BlockingCalls, StuckCalls
+from tests.conftest import asyncload_threads, wait_until
+
+MODES = [0, 2]
+BOUND_S = 60.0  # a loop still running after this long hangs (each case takes a few seconds)
+
+
+class Gate:
+    """Blocks until the file at ``path`` exists (the test creates it at teardown)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def wait(self) -> None:
+        while not os.path.exists(self.path):
+            time.sleep(0.02)
+
+
+class HangingRead:
+    """A synchronous read that hangs for the indices in ``stuck`` (a dead mount, say)."""
+
+    def __init__(self, stuck, gate: Gate) -> None:
+        self.stuck = set(stuck)
+        self.gate = gate
+
+    def __call__(self, index):
+        if index in self.stuck:
+            self.gate.wait()
+        return index
+
+
+class HangingDecode:
+    """A decode that hangs for the indices in ``stuck``; once let go, it returns -1s (which
+    must never show up in a batch)."""
+
+    def __init__(self, stuck, gate: Gate) -> None:
+        self.stuck = set(stuck)
+        self.gate = gate
+
+    def __call__(self, index):
+        if index in self.stuck:
+            self.gate.wait()
+            return np.full(2, -1, np.int64)
+        return np.full(2, index, np.int64)
+
+
+class CrashingDecode:
+    """A decode that kills its own process with ``signum`` on index ``fatal`` (a codec crash)."""
+
+    def __init__(self, fatal: int, signum: int) -> None:
+        self.fatal = fatal
+        self.signum = signum
+
+    def __call__(self, index):
+        if index == self.fatal:
+            os.kill(os.getpid(), self.signum)
+            time.sleep(10)
+        return np.full(2, index, np.int64)
+
+
+@pytest.fixture
+def gate(tmp_path):
+    """The gate the stuck calls wait on; opened at teardown, then their threads must end."""
+    opened = Gate(tmp_path / "open")
+    yield opened
+    Path(opened.path).touch()
+    assert wait_until(lambda: not asyncload_threads(), timeout=10)
+
+
+def run_bounded(function):
+    """``function()`` on a thread of its own: (its result or the exception it raised). Fails the
+    test, instead of hanging it, if it has not returned within ``BOUND_S``."""
+    outcome: list = []
+
+    def target():
+        try:
+            outcome.append(function())
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(BOUND_S)
+    assert not thread.is_alive(), f"still running after {BOUND_S:g} s: it hangs"
+    return outcome[0]
+
+
+def samples(loader) -> list[int]:
+    return [value for batch in loader for value in batch[:, 0].tolist()]
+
+
+# ----- reads -----
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_reads_that_hang_fail_their_samples(processes, gate):
+    with AsyncLoader(list(range(24)), batch_size=4, shuffle=False, read=HangingRead({6, 13}, gate),
+                     decode=np.atleast_1d, num_threads=2, read_timeout=0.5, read_retries=0,
+                     processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, SampleError) and error.item == 6 and error.stage == "read"
+    assert "timed out after read_timeout=0.5 s" in str(error)
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_reads_that_hang_are_skipped_and_the_rest_delivered_once(processes, gate):
+    with AsyncLoader(list(range(24)), batch_size=4, shuffle=False, read=HangingRead({6, 13}, gate),
+                     decode=np.atleast_1d, num_threads=2, read_timeout=0.5, read_retries=0, on_error="skip",
+                     max_failures=2, processes=processes) as loader:
+        got = run_bounded(lambda: samples(loader))
+        assert sorted(got) == [i for i in range(24) if i not in (6, 13)]
+        assert sorted(failure.item for failure in loader.stats.failures) == [6, 13]
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_more_stuck_reads_than_threads_can_be_replaced_for_is_a_clear_error(processes, gate):
+    """One read thread (io_concurrency=1), so at most 4 lost: the 5th stuck read used to wait in
+    the queue for ever; now reads fail at once, saying why, and the epoch stops at the budget."""
+    with AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=HangingRead(range(12), gate),
+                     decode=np.atleast_1d, num_threads=2, io_concurrency=processes or 1, read_timeout=0.3,
+                     read_retries=0, on_error="skip", max_failures=20, processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, TooManyFailures), error
+    assert any("calls are stuck past read_timeout and still running" in str(failure) for failure in error.failures)
+
+
+def test_a_call_queued_behind_stuck_threads_times_out(gate):
+    """One thread and room for one lost: A and B hang, so nothing is left to start C. C used to
+    wait in the queue for ever; it now fails after QUEUED_LIMIT timeouts, and D fails at once."""
+    calls = BlockingCalls(1, "asyncload-test", "read_timeout")
+    calls.max_lost = 1
+
+    async def attempt(function):
+        try:
+            return await calls.call_async(function, timeout=0.2)
+        except Exception as error:
+            return error
+
+    async def main():
+        tasks = [asyncio.create_task(attempt(function)) for function in (gate.wait, gate.wait, lambda: "C")]
+        return await asyncio.gather(*tasks), await attempt(lambda: "D")
+
+    (a, b, c), d = run_bounded(lambda: asyncio.run(main()))
+    assert "timed out after read_timeout=0.2 s" in str(a) and "timed out after read_timeout=0.2 s" in str(b)
+    assert isinstance(c, TimeoutError) and "for a thread free to start it" in str(c)
+    assert isinstance(d, StuckCalls) and "2 calls are stuck past read_timeout" in str(d)
+    calls.shutdown(0)
+
+
+# ----- decodes -----
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_decode_that_hangs_fails_its_sample(processes, gate):
+    with AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({6}, gate),
+                     num_threads=2, decode_timeout=1.0, processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, SampleError) and error.item == 6 and error.stage == "decode"
+    assert "did not return within decode_timeout=1 s" in str(error)
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_decode_that_hangs_is_skipped_and_never_writes_a_batch_handed_out(processes, gate):
+    """The stuck decode returns (-1s) after every batch was handed out and while the user still
+    holds them: its result must be dropped, not written into the row its replacement filled."""
+    with AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({1, 6}, gate),
+                     num_threads=2, decode_timeout=1.0, on_error="skip", max_failures=2,
+                     processes=processes) as loader:
+        held = run_bounded(lambda: list(loader))
+        expected = [i for i in range(16) if i not in (1, 6)]
+        assert sorted(v for batch in held for v in batch[:, 0].tolist()) == expected
+        assert sorted(failure.item for failure in loader.stats.failures) == [1, 6]
+        Path(gate.path).touch()  # the stuck decodes return now, while the user holds every batch
+        if processes:
+            time.sleep(0.5)  # the children's threads: not visible from here
+        else:
+            assert wait_until(lambda: not asyncload_threads(), timeout=5)
+        assert sorted(v for batch in held for v in batch[:, 0].tolist()) == expected
+
+
+def test_stuck_decodes_give_their_place_in_the_tuners_gate_back(gate, monkeypatch):
+    """num_threads="auto": a gate lets ``threads`` of the started threads work. Stuck decodes
+    used to keep their places in it, so their replacements waited at the gate for ever."""
+    monkeypatch.setattr("asyncload.loader.usable_cores", lambda: 2)
+    with AsyncLoader(list(range(24)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({1, 2, 5, 6}, gate),
+                     num_threads="auto", decode_timeout=0.5, on_error="skip", max_failures=4) as loader:
+        got = run_bounded(lambda: samples(loader))
+    assert sorted(got) == [i for i in range(24) if i not in (1, 2, 5, 6)]
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_more_stuck_decodes_than_threads_can_be_replaced_for_is_a_clear_error(processes, gate):
+    """One decode thread per pipeline, so at most 4 lost each: past that the run fails, saying why."""
+    with AsyncLoader(list(range(48)), batch_size=4, shuffle=False, read=False, decode=HangingDecode(range(1, 24), gate),
+                     num_threads=max(1, processes), decode_timeout=0.3, on_error="skip", max_failures=40,
+                     processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, RuntimeError) and "decodes are stuck past decode_timeout=0.3 s" in str(error), error
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_close_from_another_thread_during_a_hung_decode_returns_at_once(processes, gate):
+    loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({5}, gate),
+                         num_threads=2, decode_timeout=None, processes=processes)
+    outcome: list = []
+
+    def consume():
+        try:
+            samples(loader)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    time.sleep(2.0 if processes else 0.5)  # the decode of 5 has started and hangs
+    started = time.monotonic()
+    loader.close()
+    first = time.monotonic() - started
+    started = time.monotonic()
+    loader.close()
+    second = time.monotonic() - started
+    consumer.join(timeout=10)
+    assert not consumer.is_alive() and len(outcome) == 1 and "ended" in str(outcome[0]), outcome
+    assert first < 5.0 and second < 2.0, (first, second)  # they took 20 s each (bounds kept loose for a busy box)
+
+
+# ----- children that die -----
+
+
+@pytest.mark.parametrize("signum", [signal.SIGSEGV, signal.SIGKILL])
+def test_a_child_that_dies_names_the_samples_it_held(signum):
+    with AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=CrashingDecode(9, signum),
+                     num_threads=2, processes=2) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, RuntimeError) and f"was killed by {signal.Signals(signum).name}" in str(error), error
+    assert "while it held these samples: " in str(error) and " 9" in str(error).split("held these samples:")[1]
+
+
+def test_decode_timeout_must_be_positive_or_none():
+    with pytest.raises(ValueError, match="decode_timeout must be a positive number of seconds or None, got 0"):
+        AsyncLoader([1, 2], read=False, decode=np.atleast_1d, decode_timeout=0)
