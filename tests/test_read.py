@@ -1,6 +1,7 @@
 import asyncio
 import os
 import random
+import re
 import threading
 import time
 
@@ -56,8 +57,8 @@ def as_int64(value):
     return np.int64(value)
 
 
-def loader_for(read, n=6, **kwargs):
-    return AsyncLoader(list(range(n)), batch_size=3, shuffle=False, read=read, decode=as_int64, **kwargs)
+def loader_for(read, n=6, batch_size=3, **kwargs):
+    return AsyncLoader(list(range(n)), batch_size=batch_size, shuffle=False, read=read, decode=as_int64, **kwargs)
 
 
 def test_transient_errors_are_retried_and_counted():
@@ -180,14 +181,65 @@ def test_stats_count_bytes_read(jpeg_folder):
     assert "read" in loader.stats.report() and "decode" in loader.stats.report()
 
 
-def test_the_default_retries_wait_long_enough_to_outlast_a_short_restart():
-    """Equal jitter: each wait is at least half its exponential step, so 6 retries always wait
-    over 3 s in all (full jitter sometimes waited under 1 s and failed across a restart)."""
+def test_backoff_is_jittered_and_capped_so_a_server_that_is_back_is_seen_within_two_seconds():
     random.seed(1)
     for _ in range(1000):
-        waits = [backoff(attempt) for attempt in range(6)]
-        assert 3.15 <= sum(waits) <= 6.3
-        assert all(0.1 * 2**a / 2 <= w <= 0.1 * 2**a for a, w in enumerate(waits))
+        waits = [backoff(attempt) for attempt in range(40)]
+        assert all(min(2.0, 0.1 * 2**a) / 2 <= w <= min(2.0, 0.1 * 2**a) for a, w in enumerate(waits))
+    assert len({round(backoff(20), 6) for _ in range(20)}) > 1, "jittered"
+
+
+class FailsFor:
+    """A read that fails with a refused connection (at once, as a dead server does) until
+    ``seconds`` have passed since its first call, then returns the key."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.first: float | None = None
+        self.calls = 0
+
+    def __call__(self, key: int) -> int:
+        self.calls += 1
+        self.first = self.first or time.monotonic()
+        if time.monotonic() - self.first < self.seconds:
+            raise ConnectionRefusedError("connection refused")
+        return key
+
+
+def test_by_default_a_read_outlasts_fast_failures_by_time_not_by_count():
+    """Six counted retries of a refused connection spanned ~3-6 s of backoff: a short outage
+    failed the epoch. The default retries for read_retry_seconds (60 s): here 5.2 s of
+    failures, more than six retries can wait (at most 0.1 + 0.2 + ... + 2 = 5.1 s)."""
+    store = FailsFor(5.2)
+    with loader_for(store, n=1, batch_size=1) as loader:
+        assert [b.tolist() for b in loader] == [[0]]
+    assert store.calls >= 8 and loader.stats.retries == store.calls - 1
+    assert 5.0 < loader.stats.retry_wait_seconds < 5.2 + 2.0, "the time it waited is in the stats"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_past_its_time_budget_a_read_fails_saying_for_how_long_and_after_how_many_attempts(processes):
+    started = time.monotonic()
+    with loader_for(FailsFor(3600), n=1, batch_size=1, read_retry_seconds=1.5, processes=processes) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert re.fullmatch(r"sample 0 failed at read: ConnectionRefusedError: connection refused "
+                        r"\(storage failed for 1\.[5-9] s, attempt \d+ \(read_retry_seconds=1\.5\)\)", message), message
+    attempts = int(re.search(r"attempt (\d+)", message).group(1))
+    assert attempts >= 4, "backoff starts at 0.1 s"
+    assert elapsed < 1.5 + 3.0 + (5.0 if processes else 0.0), "the budget, not more (and children's start)"
+    assert type(caught.value.__cause__) is ConnectionRefusedError
+
+
+def test_the_count_of_read_retries_still_wins_where_it_is_given():
+    started = time.monotonic()
+    store = FailsFor(3600)
+    with loader_for(store, n=1, batch_size=1, read_retries=1, read_retry_seconds=60) as loader:
+        with pytest.raises(SampleError, match=r"connection refused \(attempt 2 of 2\)$"):
+            list(loader)
+    assert store.calls == 2 and time.monotonic() - started < 5
 
 
 def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them():

@@ -70,7 +70,9 @@ class Settings:
     max_failures: int | float
     storage_options: dict[str, Any] | None
     read_timeout: float
-    read_retries: int
+    read_retries: int | None
+    read_retry_seconds: float
+    max_sample_bytes: int | None
     normalize: tuple[Sequence[float], Sequence[float]] | None
     ring: BufferRing
     device_stage: DeviceStage | None
@@ -85,6 +87,7 @@ class Settings:
             io_concurrency=share(self.io_concurrency, processes),
             thread_limit=None if thread_limit is None else share(thread_limit, processes),
             storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
+            read_retry_seconds=self.read_retry_seconds, max_sample_bytes=self.max_sample_bytes,
             trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
         )
 
@@ -105,7 +108,9 @@ class PipelineSettings:
     thread_limit: int | None  # with num_threads="auto": decode threads that may work at once
     storage_options: dict[str, Any] | None
     read_timeout: float
-    read_retries: int
+    read_retries: int | None
+    read_retry_seconds: float
+    max_sample_bytes: int | None
     trace_events: int | None = None  # with trace=: a child records its events and sends them with its answers
 
 
