@@ -295,3 +295,64 @@ def test_a_local_read_that_hangs_times_out(tmp_path, jpeg_folder):
         loader.close()
         consumer.join(5)
     assert wait_until(lambda: not asyncload_threads())
+
+
+MEMORY_CHECK = r"""
+import json, os, resource, sys
+from asyncload import AsyncLoader, ImageDecoder
+good, sparse, processes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+items = [good, "/dev/zero", good, sparse, good]
+with AsyncLoader(items, batch_size=5, shuffle=False, decode=ImageDecoder(16), on_error="skip", max_failures=2,
+                 max_sample_bytes=8 << 20, read_timeout=20, processes=processes) as loader:
+    sizes = [len(batch) for batch in loader]
+    failures = [(f.item, f.error) for f in loader.stats.failures]
+print(json.dumps({"sizes": sizes, "failures": failures,
+                  "grew_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
+                  "children_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_dev_zero_and_a_sparse_file_larger_than_max_sample_bytes_fail_alone_in_bounded_memory(
+        tmp_path, jpeg_folder, processes):
+    """``/dev/zero`` as an item grew without bound; a sparse 3 GiB file took 6.4 GB. Each now
+    fails alone, naming its size (or that it is over) and the limit; memory barely moves."""
+    import json
+    import subprocess
+    import sys
+
+    sparse = tmp_path / "sparse.jpg"
+    with open(sparse, "wb") as file:
+        file.truncate(3 << 30)
+    good = str(next(iter(sorted(jpeg_folder.rglob("*.jpg")))))
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHECK, good, str(sparse), str(processes)],
+                         capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["sizes"] == [3]
+    limit = "over max_sample_bytes=8388608 (8.0 MiB); pass AsyncLoader(max_sample_bytes=...) a larger budget to read it"
+    assert dict(result["failures"]) == {
+        "/dev/zero": f"SampleTooLarge: /dev/zero is more than 8388608 bytes, {limit}",
+        str(sparse): f"SampleTooLarge: {sparse} is 3221225472 bytes (3072.0 MiB), {limit}",
+    }
+    assert result["grew_kb"] < 200_000, "no object read whole"
+    assert result["children_kb"] < 1_500_000
+
+
+def test_what_a_read_function_returns_is_held_to_max_sample_bytes():
+    with AsyncLoader([0, 1, 2], batch_size=3, shuffle=False, read=lambda key: bytes(key * 1000),
+                     decode=lambda data: np.int64(len(data)), max_sample_bytes=1500) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    assert str(caught.value) == ("sample 2 failed at read: SampleTooLarge: what read returned is 2000 bytes (0.0 MiB), "
+                                 "over max_sample_bytes=1500 (0.0 MiB); pass AsyncLoader(max_sample_bytes=...) "
+                                 "a larger budget to read it")
+
+
+def test_a_local_file_of_exactly_max_sample_bytes_is_read(tmp_path):
+    path = tmp_path / "sample.bin"
+    path.write_bytes(b"x" * 4096)
+    with AsyncLoader([str(path), f"file://{path}"], batch_size=2, shuffle=False, decode=lambda data: np.int64(len(data)),
+                     max_sample_bytes=4096) as loader:
+        assert [b.tolist() for b in loader] == [[4096, 4096]]

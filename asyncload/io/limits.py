@@ -24,11 +24,15 @@ class SampleTooLarge(ValueError):
     ``on_error="skip"``)."""
 
     def __init__(self, what: str, size: int | None, limit: int) -> None:
+        self.what = what
         self.size = size
         self.limit = limit
         told = f"{size} bytes ({_mib(size)})" if size is not None else f"more than {limit} bytes"
         super().__init__(f"{what} is {told}, over max_sample_bytes={limit} ({_mib(limit)}); "
                          f"pass AsyncLoader(max_sample_bytes=...) a larger budget to read it")
+
+    def __reduce__(self):  # to a parent process as it is (the arguments are not the message)
+        return (type(self), (self.what, self.size, self.limit), self.__dict__)
 
 
 def _mib(size: int) -> str:
