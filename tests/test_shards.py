@@ -181,8 +181,10 @@ def test_shards_are_written_and_indexed_in_s3_through_obstore(shard_dir, s3_jpeg
     urls = [f"{s3_shards}/{s['url']}" for s in local["shards"]]
     indexed = index_shards(urls, "s3://asyncload-test/indexed/index.json", storage_options=s3_options, classes=CLASSES)
     expected = epoch_of(tar_shards(str(shard_dir), shuffle_buffer=5))
+    with pytest.raises(ValueError, match="outside the index's folder"):
+        tar_shards(indexed, storage_options=s3_options)  # its shards are in another folder
     for index_url in (written, indexed):
-        source = tar_shards(index_url, storage_options=s3_options, shuffle_buffer=5)
+        source = tar_shards(index_url, storage_options=s3_options, shuffle_buffer=5, allow_external_shards=True)
         got = epoch_of(source, storage_options=s3_options)
         assert len(got) == 4 and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, expected))
 
