@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -36,6 +37,7 @@ OBSTORE_PERMANENT_ERRORS = {
     "UnknownConfigurationKeyError": ValueError,
     "NotSupportedError": NotImplementedError,
 }
+RANGE_PAST_END = re.compile(r"status code: 416|Range Not Satisfiable", re.IGNORECASE)
 MAX_STEP_S = 2.0  # the backoff's cap: a server back from a restart is seen within 2 s
 MIN_TIMED_RETRIES = 2  # retries a read gets under a time budget even once the budget is spent
 
@@ -121,9 +123,18 @@ def note_attempt(error: BaseException, attempt: int, budget: RetryBudget | int, 
     return error
 
 
+class RangeNotSatisfiable(ValueError):
+    """A ranged read that starts at or past the object's end (HTTP 416): the object is shorter
+    than the reader was told (a shard's index), which another try will not change."""
+
+
 def as_builtin(error: Exception) -> Exception | None:
     """obstore's errors for what another try cannot fix, as the built-in errors the other fsspec
     filesystems raise (so they are not retried and read the same); None for any other error."""
     kind = type(error)
-    builtin = OBSTORE_PERMANENT_ERRORS.get(kind.__name__) if kind.__module__ == "obstore.exceptions" else None
+    if kind.__module__ != "obstore.exceptions":
+        return None
+    if RANGE_PAST_END.search(str(error)):
+        return RangeNotSatisfiable(str(error).splitlines()[0][:300])
+    builtin = OBSTORE_PERMANENT_ERRORS.get(kind.__name__)
     return None if builtin is None else builtin(str(error))
