@@ -634,3 +634,49 @@ def test_an_index_bytes_larger_than_the_shard_fails_its_samples_at_the_first_sho
         f"but its index says it holds {sizes[0] + 100_000} bytes (field 'bytes')"}
     downloads = sum(-(-size // chunk) for size in sizes)  # every shard's chunks, once
     assert loader.stats.read.items <= downloads + 1
+
+
+def test_index_shards_refuses_a_gnu_sparse_member_without_reading_it(tmp_path):
+    """A 10 KB tar holding a sparse 2.3 GB ``.cls``: it was read whole and its repr put in the
+    error (2.3 GB of memory, a 1 GB message)."""
+    import resource
+    import shutil
+    import subprocess
+
+    if shutil.which("tar") is None or "GNU" not in subprocess.run(["tar", "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("needs GNU tar to write a sparse member")
+    (tmp_path / "00000000.jpg").write_bytes(b"x")
+    with open(tmp_path / "00000000.cls", "wb") as file:
+        file.truncate(2300 << 20)
+    subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", "shard.tar", "00000000.jpg", "00000000.cls"],
+                   cwd=tmp_path, check=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as caught:
+        index_shards([str(tmp_path / "shard.tar")])
+    assert str(caught.value) == (f"{tmp_path / 'shard.tar'}: member '00000000.cls' is a GNU sparse file: what the tar "
+                                 "holds is not its content, so no byte range reads it; repack the shard without --sparse")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000, "not read"
+
+
+def test_index_shards_reads_no_more_of_a_label_than_a_number_needs(tmp_path):
+    import io
+
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        for name, data in (("00000000.jpg", b"x"), ("00000000.cls", b"7" * 100_000)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ValueError) as caught:
+        index_shards([str(tmp_path / "shard.tar")])
+    assert str(caught.value) == f"{tmp_path / 'shard.tar'}: '00000000.cls' holds b'{'7' * 65}', not an integer class"
+
+
+def test_index_shards_records_shards_below_the_index_relative_to_it(shard_dir, tmp_path):
+    (tmp_path / "part").mkdir()
+    for path in sorted(shard_dir.glob("*.tar"))[:2]:
+        (tmp_path / "part" / path.name).write_bytes(path.read_bytes())
+    urls = sorted(str(p) for p in (tmp_path / "part").glob("*.tar"))
+    index_url = index_shards(urls, str(tmp_path / "index.json"), classes=CLASSES)
+    assert [s["url"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]] == [
+        "part/shard-000000.tar", "part/shard-000001.tar"]
+    assert len(tar_shards(index_url)) == 10
