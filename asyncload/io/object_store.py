@@ -35,7 +35,8 @@ SESSION_CLOSE_TIMEOUT_S = 10.0  # closing a session waits on no server; this bou
 OWNED = "_asyncload_owned"  # set on the filesystems url_to_fs made for us alone
 SESSIONS = ("_s3", "_session")  # where s3fs, and fsspec's http and gcsfs, keep an open client
 # A listing's timeout per request and its retries (``sources/listing.py``) when neither its
-# caller nor the storage options name them: AsyncLoader's read_timeout and read_retries.
+# caller nor the storage options name them: AsyncLoader's read_timeout, and the count of retries
+# reads had before they retried by time (``io/retries.py``): a listing runs before training.
 LISTING_TIMEOUT_S = 60.0
 LISTING_RETRIES = 6
 
