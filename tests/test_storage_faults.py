@@ -196,7 +196,7 @@ def test_a_storage_restart_mid_epoch_loses_and_repeats_nothing(restartable, tmp_
                     if number == 0:
                         first_batch.wait(timeout=60)
                         down.wait(timeout=60)  # the next batches' reads meet a dead server
-            results[name] = (seen, loader.stats.retries, loader.stats.failures)
+            results[name] = (seen, loader.stats.retries, loader.stats.retry_wait_seconds, loader.stats.failures)
         except BaseException as error:  # noqa: BLE001: reported below
             results[name] = error
             first_batch.abort()
@@ -216,9 +216,9 @@ def test_a_storage_restart_mid_epoch_loses_and_repeats_nothing(restartable, tmp_
     for name, _, _ in configs:
         result = results.get(name)
         assert not isinstance(result, BaseException), f"{name}: {result!r}"
-        seen, retries, failures = result
+        seen, retries, waited, failures = result
         assert sorted(seen) == ALL, f"{name}: every sample once"
-        assert retries > 0 and failures == [], name
+        assert retries > 0 and waited > 1.0 and failures == [], name
 
 
 @pytest.mark.parametrize("processes", [0, 2])
