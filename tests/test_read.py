@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError
-from asyncload.io.reader import backoff
+from asyncload.io.retries import backoff
 from tests.conftest import asyncload_threads, wait_until
 
 

@@ -19,7 +19,7 @@ from fsspec.core import split_protocol
 from ..stats.figures import LoaderStats
 from . import bucket_region, limits, object_store
 from .blocking import BlockingCalls, timeout_error
-from .retries import OBSTORE_PERMANENT_ERRORS, PERMANENT_ERRORS, RetryBudget, backoff, note_attempt, retried  # noqa: F401
+from .retries import PERMANENT_ERRORS, RetryBudget, note_attempt, retried
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
 TIMEOUT_NAME = "read_timeout"  # the user's name for ``Reader.timeout``, in the message of a read that timed out
