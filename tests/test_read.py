@@ -208,13 +208,26 @@ class FailsFor:
 
 def test_by_default_a_read_outlasts_fast_failures_by_time_not_by_count():
     """Six counted retries of a refused connection spanned ~3-6 s of backoff: a short outage
-    failed the epoch. The default retries for read_retry_seconds (60 s): here 5.2 s of
-    failures, more than six retries can wait (at most 0.1 + 0.2 + ... + 2 = 5.1 s)."""
-    store = FailsFor(5.2)
+    failed the epoch. The default budget retries fast failures for 60 s, trying at least every
+    2 s, and gives up at the budget, not a backoff step later."""
+    from asyncload.io.retries import RetryBudget
+
+    random.seed(2)
+    budget, failing_for, attempt = RetryBudget(), 0.0, 1
+    while (pause := budget.wait(attempt, failing_for)) is not None:
+        assert pause <= 2.0
+        failing_for += pause
+        attempt += 1
+    assert 60.0 <= failing_for <= 60.0 + 1e-9 and attempt > 30
+    assert RetryBudget(retries=6).wait(7, 0.0) is None and RetryBudget(retries=6).wait(6, 100.0) is not None
+
+
+def test_a_loader_waits_out_fast_failures_and_says_how_long_in_its_stats():
+    store = FailsFor(2.0)
     with loader_for(store, n=1, batch_size=1) as loader:
         assert [b.tolist() for b in loader] == [[0]]
-    assert store.calls >= 8 and loader.stats.retries == store.calls - 1
-    assert 5.0 < loader.stats.retry_wait_seconds < 5.2 + 2.0, "the time it waited is in the stats"
+    assert loader.stats.retries == store.calls - 1 >= 4
+    assert 1.9 < loader.stats.retry_wait_seconds < 2.0 + 2.0, "the time it waited is in the stats"
 
 
 @pytest.mark.parametrize("processes", [0, 2])
