@@ -58,8 +58,8 @@ def test_the_server_takes_a_bucket_per_test_module(s3_options):
 
 @pytest.mark.parametrize("client", ["obstore", "fsspec"])
 def test_an_object_over_max_sample_bytes_fails_alone_naming_its_size(s3_options, client):
-    """obstore reads at most max_sample_bytes + 1 bytes of it (a ranged GET: no request added
-    per sample), then asks its size for the message; s3fs's read is checked once read."""
+    """Each client reads at most max_sample_bytes + 1 bytes of it (a ranged GET: no request
+    added per sample), then asks its size for the message; an empty object still reads."""
     from tests.conftest import make_bucket, setup_s3fs
 
     with setup_s3fs(s3_options) as fs:
@@ -121,6 +121,41 @@ def test_obstore_reads_an_object_no_further_than_the_budget(s3_options):
         fs._construct_store = lambda bucket: Spy()
         with pytest.raises(SampleTooLarge, match="is 2097152 bytes"):
             await object_store.cat(fs, "asyncload-test/sizes/big.bin", limit=1 << 20)
+        return asked
+
+    assert asyncio.run(read()) == [(0, (1 << 20) + 1, (1 << 20) + 1)]
+
+
+def test_s3fs_reads_an_object_no_further_than_the_budget(s3_options):
+    import asyncio
+
+    from asyncload.io import object_store
+    from asyncload.io.limits import SampleTooLarge
+    from asyncload.io.reader import one_request_read
+    from tests.conftest import make_bucket, setup_s3fs
+
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        fs.pipe_file("asyncload-test/sizes/big.bin", b"x" * (2 << 20))
+
+    async def read():
+        fs = object_store.filesystem("s3", {**s3_options, "client": "fsspec"}, loop=asyncio.get_running_loop(),
+                                     read_timeout=10)
+        asked = []
+        cat_file = fs._cat_file
+        cat = one_request_read(fs, 1 << 20)  # bounded_cat, which calls fs._cat_file when it runs
+
+        async def spy(path, start=None, end=None, **kwargs):
+            data = await cat_file(path, start=start, end=end, **kwargs)
+            asked.append((start, end, len(data)))
+            return data
+
+        fs._cat_file = spy
+        try:
+            with pytest.raises(SampleTooLarge, match="is 2097152 bytes"):
+                await cat("asyncload-test/sizes/big.bin")
+        finally:
+            await object_store.close_sessions(fs)
         return asked
 
     assert asyncio.run(read()) == [(0, (1 << 20) + 1, (1 << 20) + 1)]

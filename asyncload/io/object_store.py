@@ -211,6 +211,27 @@ async def cat(fs: Any, path: str, start: int | None = None, end: int | None = No
     return (await result.bytes_async()).to_bytes()
 
 
+async def bounded_cat(fs: Any, limit: int, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """``fs._cat_file`` (s3fs and other async fsspec filesystems) in one request, a whole object
+    no further than ``limit + 1`` bytes (a ranged GET; an empty object, which has no byte to
+    range over, with a plain one), ``SampleTooLarge`` past ``limit`` (its size then asked)."""
+    if start is not None or end is not None:
+        return await fs._cat_file(path, start=start, end=end, max_concurrency=1)
+    try:
+        data = await fs._cat_file(path, start=0, end=limit + 1, max_concurrency=1)
+    except OSError as error:
+        if "not satisfiable" not in str(error).lower():
+            raise
+        return await fs._cat_file(path, max_concurrency=1)
+    if len(data) > limit:
+        try:
+            size = int((await fs._info(path))["size"])
+        except Exception:
+            size = None
+        raise SampleTooLarge(fs.unstrip_protocol(path), size, limit)
+    return data
+
+
 async def _size_or_none(store: Any, key: str) -> int | None:
     """The object's size, for the message of one that was too large (a HEAD, on that path alone)."""
     try:

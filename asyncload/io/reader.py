@@ -194,14 +194,17 @@ class Reader:
 def one_request_read(fs: Any, max_bytes: int | None = None) -> Callable[..., Awaitable[bytes]] | None:
     """How to read ``(path, start=, end=)`` from async filesystem ``fs`` in a single request
     (None for a synchronous one): obstore's one ranged GET (``object_store.cat``, which reads a
-    whole object no further than ``max_bytes``), or the filesystem's ``_cat_file``, told not to
-    send s3fs's HEAD before the GET (its size is checked once read: ``Reader.read``)."""
+    whole object no further than ``max_bytes``), or s3fs's ``_cat_file``, told not to send its
+    HEAD before the GET and bounded the same way (``object_store.bounded_cat``), or another
+    filesystem's ``_cat_file`` (its result is checked once read: ``Reader.read``)."""
     if object_store.is_obstore(fs):
         return functools.partial(object_store.cat, fs, limit=max_bytes)
     if not fs.async_impl:
         return None
     if "max_concurrency" in inspect.signature(fs._cat_file).parameters:
         # s3fs sends a HEAD before the GET to split large objects; one request is enough.
+        if max_bytes is not None:
+            return functools.partial(object_store.bounded_cat, fs, max_bytes)
         return functools.partial(fs._cat_file, max_concurrency=1)
     return fs._cat_file
 
