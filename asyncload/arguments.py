@@ -101,7 +101,8 @@ def default_decode(source: Sequence[Any], decode: Any) -> Any:
 def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, drop_last: bool, threads: int,
                   cores: int, auto_threads: bool, io: int, prefetch: int, in_order: bool, on_error: str,
                   max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
-                  read_retries: int, decode_timeout: float | None, normalize: Any, device: torch.device | None,
+                  read_retries: int | None, read_retry_seconds: float, max_sample_bytes: int | None,
+                  decode_timeout: float | None, normalize: Any, device: torch.device | None,
                   stats: LoaderStats) -> Settings:
     """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
     cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
@@ -112,7 +113,8 @@ def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: 
         num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,
         thread_gate=Gate(threads) if auto_threads else None, prefetch=prefetch, in_order=in_order,
         skip_errors=on_error == "skip", max_failures=max_failures, storage_options=storage_options,
-        read_timeout=read_timeout, read_retries=read_retries, decode_timeout=decode_timeout, normalize=normalize,
+        read_timeout=read_timeout, read_retries=read_retries, read_retry_seconds=read_retry_seconds,
+        max_sample_bytes=max_sample_bytes, decode_timeout=decode_timeout, normalize=normalize,
         ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
         device_stage=DeviceStage(device, normalize) if device is not None else None,
         stats=stats, source_names=source.names if isinstance(source, MixedSource) else None,

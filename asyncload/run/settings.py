@@ -70,7 +70,9 @@ class Settings:
     max_failures: int | float
     storage_options: dict[str, Any] | None
     read_timeout: float
-    read_retries: int
+    read_retries: int | None
+    read_retry_seconds: float
+    max_sample_bytes: int | None
     decode_timeout: float | None
     normalize: tuple[Sequence[float], Sequence[float]] | None
     ring: BufferRing
@@ -91,6 +93,7 @@ class Settings:
             io_concurrency=share(self.io_concurrency, processes),
             thread_limit=None if thread_limit is None else share(thread_limit, processes),
             storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
+            read_retry_seconds=self.read_retry_seconds, max_sample_bytes=self.max_sample_bytes,
             decode_timeout=self.decode_timeout,
             trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
         )
@@ -112,7 +115,9 @@ class PipelineSettings:
     thread_limit: int | None  # with num_threads="auto": decode threads that may work at once
     storage_options: dict[str, Any] | None
     read_timeout: float
-    read_retries: int
+    read_retries: int | None
+    read_retry_seconds: float
+    max_sample_bytes: int | None
     decode_timeout: float | None = None  # seconds a decode may run before its sample fails (slots.py)
     trace_events: int | None = None  # with trace=: a child records its events and sends them with its answers
 
