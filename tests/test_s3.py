@@ -75,7 +75,7 @@ def test_an_object_over_max_sample_bytes_fails_alone_naming_its_size(s3_options,
     assert batch.tolist() == [1 << 20, 0]
     (failure,) = loader.stats.failures
     assert failure.item == items[1] and failure.error == (
-        f"SampleTooLarge: {items[1]} is 2097152 bytes (2.0 MiB), over max_sample_bytes=1048576 (1.0 MiB); "
+        f"SampleTooLarge: the object is 2097152 bytes (2.0 MiB), over max_sample_bytes=1048576 (1.0 MiB); "
         "pass AsyncLoader(max_sample_bytes=...) a larger budget to read it")
     assert loader.stats.retries == 0
 

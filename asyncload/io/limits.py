@@ -18,6 +18,9 @@ DEFAULT_MAX_SAMPLE_BYTES = 256 << 20
 READ_STEP = 1 << 20  # a file of unknown size (a device, a FIFO, a file that grew) is read this much at a time
 
 
+READ_RESULT = "what read returned"  # ``what`` for a user read's result
+
+
 class SampleTooLarge(ValueError):
     """A sample's object is larger than ``max_sample_bytes`` (a ValueError: another try will not
     make it smaller). Its ``SampleError`` fails that sample alone (skipped with
@@ -28,7 +31,10 @@ class SampleTooLarge(ValueError):
         self.size = size
         self.limit = limit
         told = f"{size} bytes ({_mib(size)})" if size is not None else f"more than {limit} bytes"
-        super().__init__(f"{what} is {told}, over max_sample_bytes={limit} ({_mib(limit)}); "
+        # The path is ``what`` and the SampleError's item: not repeated here, where it would push
+        # the limit out of the 200 characters a SampleError shows of its cause.
+        subject = what if what == READ_RESULT else "the object"
+        super().__init__(f"{subject} is {told}, over max_sample_bytes={limit} ({_mib(limit)}); "
                          f"pass AsyncLoader(max_sample_bytes=...) a larger budget to read it")
 
     def __reduce__(self):  # to a parent process as it is (the arguments are not the message)

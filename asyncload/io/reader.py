@@ -62,7 +62,7 @@ class Reader:
         transient errors with backoff and jitter within the retry budget (see ``retries.py``),
         at most ``max_bytes`` of them (``limits.SampleTooLarge``)."""
         data = await self._counted(lambda: self._fetch(key), key=key)
-        return limits.checked(data, self.max_bytes, key if isinstance(key, str) else "what read returned")
+        return limits.checked(data, self.max_bytes, key if isinstance(key, str) else limits.READ_RESULT)
 
     async def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``url`` in one ranged request, retried as ``read`` is."""
