@@ -37,8 +37,13 @@ def initial_reads(io_concurrency: int | str | None, shards: bool) -> int:
     return AUTO_OBJECT_READS if io_concurrency == "auto" else OBJECT_READS
 
 
-def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float) -> None:
-    """Fails at construction, naming the argument, rather than later on a thread."""
+NO_LIMIT_ALLOWED = ("decode_timeout", "max_sample_bytes")  # None: no limit
+
+
+def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float,
+                    limits: dict[str, float | None]) -> None:
+    """Fails at construction, naming the argument, rather than later on a thread. ``limits``:
+    the budgets (seconds, bytes) that must be positive, or None where None means no limit."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
@@ -51,6 +56,12 @@ def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: i
         raise ValueError(f"max_failures as a fraction must be in [0, 1), got {max_failures}")
     if isinstance(max_failures, int) and max_failures < 0:
         raise ValueError(f"max_failures must not be negative, got {max_failures}")
+    for name, value in limits.items():
+        if name in NO_LIMIT_ALLOWED and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            none = " or None" if name in NO_LIMIT_ALLOWED else ""
+            raise ValueError(f"{name} must be a positive number{none}, got {value!r}")
 
 
 def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:

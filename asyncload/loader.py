@@ -171,7 +171,9 @@ class AsyncLoader:
         trace: str | os.PathLike | None = None,
         trace_events: int = DEFAULT_EVENTS,
     ) -> None:
-        check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
+        check_arguments(on_error, io_concurrency, prefetch, read, max_failures,
+                        dict(decode_timeout=decode_timeout, max_sample_bytes=max_sample_bytes,
+                             read_retry_seconds=read_retry_seconds))
         cores = usable_cores()
         auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
         threads = cores if auto_threads or num_threads is None else int(num_threads)

@@ -80,11 +80,6 @@ class Settings:
     stats: LoaderStats
     source_names: tuple[str, ...] | None = None  # a mix's: each sample then carries its source's number
 
-    def __post_init__(self) -> None:
-        if self.decode_timeout is not None and not self.decode_timeout > 0:
-            raise ValueError(f"decode_timeout must be a positive number of seconds or None, "
-                             f"got {self.decode_timeout!r}")
-
     def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
         """What one pipeline needs; with ``processes`` children, its share of the totals."""
         return PipelineSettings(
