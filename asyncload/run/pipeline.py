@@ -25,7 +25,7 @@ from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
-from .messages import Done, Failed, Fill, Probe, Probed, Start, Stop, Stopped
+from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
 from .run_state import RunState
 from .settings import PipelineSettings, split
 from .slots import Watchdog
@@ -112,7 +112,8 @@ class Pipeline:
             self.loop.create_task(self._stop(message.run))
 
     def _start(self, message: Start) -> None:
-        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done, self._row_failed)
+        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done, self._row_failed,
+                           lambda work: self.send(Poisoned(work.run.run, work.buffer.number)))
         jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
         stream = None
         if message.chunks is not None:
