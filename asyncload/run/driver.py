@@ -163,8 +163,7 @@ class EpochDriver:
             if self._stopped:  # stop() from another thread (close()) while this one waited
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
-            if batch.buffer is not None and batch.buffer.poisoned:  # before its replacements are sent
-                batch.move_to(self.pipes.ring.take())
+            batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
             self._settle_known()

@@ -9,6 +9,7 @@ one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
@@ -37,11 +38,14 @@ class Batch:
     def first_error(self) -> SampleError | None:
         return self.errors[min(self.errors)] if self.errors else None
 
-    def move_to(self, fresh: BatchBuffer) -> None:
-        """The batch's buffer is poisoned (an abandoned ``decode_into`` may write it at any
-        time, ``slots.py``): rows sent from now on go to ``fresh``; those written or being
-        written in the old one stay there until ``gather``. Rare: one batch's copy."""
-        assert self.buffer is not None
+    def leave_if_poisoned(self, take: Callable[[], BatchBuffer]) -> None:
+        """If the batch's buffer is poisoned (an abandoned ``decode_into`` may write it at any
+        time, ``slots.py``): rows sent from now on go to a fresh one (``take()``); those
+        written or being written in the old one stay there until ``gather``. Rare: then one
+        batch's copy."""
+        if self.buffer is None or not self.buffer.poisoned:
+            return
+        fresh = take()
         for row in range(len(self.positions)):
             self.moved.setdefault(row, self.buffer)  # a row moved before stays where it is
         self.buffer = fresh
