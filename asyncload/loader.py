@@ -115,8 +115,9 @@ class AsyncLoader:
             past it the sample fails (``SampleError`` at stage "decode"; skipped with
             ``on_error="skip"``) and its thread, which cannot be stopped, is left to end by itself
             and replaced. Generous, so that a slow first call (a model or JIT loading) is not
-            taken for a hang. None: no limit. Decoders that write their row themselves
-            (``ImageDecoder``, ``GpuImageDecoder``) are native code and not timed.
+            taken for a hang. None: no limit. A decoder that writes its row itself
+            (``decode_into``, as ``ImageDecoder``) is timed too (its batch moves to a fresh
+            buffer); one of whole batches (``decode_batch``, ``GpuImageDecoder``) is not.
         isolate (bool, default False): the same as ``processes=1``: reads and decodes in one
             child process, away from a training step that holds the GIL.
         processes (int or "auto", default None): None or 0 runs everything in this process,

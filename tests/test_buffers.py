@@ -146,3 +146,37 @@ def test_a_forgotten_buffer_lives_on_while_the_gpu_may_read_it():
     ring.take()
     gc.collect()
     assert alive() is None, "kept after the GPU was done with it"
+
+
+def test_a_poisoned_buffer_is_never_taken_again():
+    """An abandoned ``decode_into`` may still write its buffer: once poisoned, the ring never
+    hands it out again, even given back and with nothing else holding it."""
+    ring = ring_with(keep=4)
+    poisoned = ring.take()
+    poisoned.poisoned = True
+    poisoned.give_back()
+    taken = [ring.take() for _ in range(3)]
+    assert all(buffer is not poisoned for buffer in taken)
+    for buffer in taken:
+        buffer.give_back()
+    assert ring.take() is not poisoned
+
+
+def test_a_batch_moved_off_a_poisoned_buffer_keeps_its_rows_and_takes_replacements_in_the_fresh_one():
+    from asyncload.run.in_flight import Batch
+
+    ring = ring_with(keep=4)
+    batch = Batch(0, [0, 1, 2], ring.take())
+    for row in range(3):
+        batch.buffer.write(row, (np.full(4, row, np.float32), row))
+    old = batch.buffer
+    old.poisoned = True
+    batch.leave_if_poisoned(ring.take)
+    batch.sending([1])  # row 1's replacement goes to the fresh buffer
+    batch.buffer.write(1, (np.full(4, 7, np.float32), 7))
+    old.write(1, (np.full(4, -1, np.float32), -1))  # the stuck decode's late write
+    batch.gather()
+    values, labels = batch.buffer.batch(3)
+    assert labels.tolist() == [0, 7, 2] and values[:, 0].tolist() == [0, 7, 2]
+    old.write(0, (np.full(4, -1, np.float32), -1))  # later still: the batch handed out does not change
+    assert labels.tolist() == [0, 7, 2]

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError, TooManyFailures
+from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
 from tests.conftest import asyncload_threads, wait_until
 
@@ -64,6 +65,28 @@ class HangingDecode:
             self.gate.wait()
             return np.full(2, -1, np.int64)
         return np.full(2, index, np.int64)
+
+
+class HangingInPlace:
+    """A decoder that writes its row itself (``decode_into``, as the library's ``ImageDecoder``),
+    hanging for the indices in ``stuck``; once let go, it writes -1s into the row it was given
+    (which must never show up in a batch)."""
+
+    field = Field((2,), np.dtype(np.int64))
+
+    def __init__(self, stuck, gate: Gate) -> None:
+        self.stuck = set(stuck)
+        self.gate = gate
+
+    def __call__(self, index):
+        return np.full(2, index, np.int64)
+
+    def decode_into(self, index, out, key=None) -> None:
+        if index in self.stuck:
+            self.gate.wait()
+            out[...] = -1
+            return
+        out[...] = index
 
 
 class CrashingDecode:
@@ -198,6 +221,60 @@ def test_a_decode_that_hangs_is_skipped_and_never_writes_a_batch_handed_out(proc
         else:
             assert wait_until(lambda: not asyncload_threads(), timeout=5)
         assert sorted(v for batch in held for v in batch[:, 0].tolist()) == expected
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_an_in_place_decode_that_hangs_fails_its_sample(processes, gate):
+    with AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingInPlace({6}, gate),
+                     num_threads=2, decode_timeout=1.0, processes=processes) as loader:
+        got: list[int] = []
+        error = run_bounded(lambda: got.extend(v for batch in loader for v in batch[:, 0].tolist()))
+    assert isinstance(error, SampleError) and error.item == 6 and error.stage == "decode", error
+    assert "did not return within decode_timeout=1 s" in str(error)
+    assert got == [0, 1, 2, 3]  # the batches before the failing one, in order
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_an_in_place_decode_that_hangs_is_skipped_and_its_late_write_never_shows(processes, gate):
+    """The stuck ``decode_into`` writes -1s into its row once let go, after every batch was
+    handed out and while the user holds them all: its buffer was poisoned and the batch moved
+    to a fresh one, so no batch the user holds changes."""
+    with AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingInPlace({1, 6}, gate),
+                     num_threads=2, decode_timeout=1.0, on_error="skip", max_failures=2,
+                     processes=processes) as loader:
+        held = run_bounded(lambda: list(loader))
+        delivered = [v for batch in held for v in batch.reshape(-1).tolist()]
+        assert sorted(delivered[::2]) == [i for i in range(16) if i not in (1, 6)] and delivered[::2] == delivered[1::2]
+        assert sorted(failure.item for failure in loader.stats.failures) == [1, 6]
+        Path(gate.path).touch()  # the stuck decodes write now, while the user holds every batch
+        if processes:
+            time.sleep(0.5)  # the children's threads: not visible from here
+        else:
+            assert wait_until(lambda: not asyncload_threads(), timeout=5)
+        assert [v for batch in held for v in batch.reshape(-1).tolist()] == delivered
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_close_from_another_thread_during_a_hung_in_place_decode_returns_at_once(processes, gate):
+    loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingInPlace({5}, gate),
+                         num_threads=2, decode_timeout=None, processes=processes)
+    outcome: list = []
+
+    def consume():
+        try:
+            samples(loader)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    time.sleep(2.0 if processes else 0.5)  # the decode of 5 has started and hangs
+    started = time.monotonic()
+    loader.close()
+    first = time.monotonic() - started
+    consumer.join(timeout=10)
+    assert not consumer.is_alive() and len(outcome) == 1 and "ended" in str(outcome[0]), outcome
+    assert first < 5.0, first  # it took 20 s (a bound kept loose for a busy box)
 
 
 def test_stuck_decodes_give_their_place_in_the_tuners_gate_back(gate, monkeypatch):

@@ -439,17 +439,24 @@ def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
         assert sorted(got) == [0, 2, 3, 4, 5, 6, 7, 8]
 
 
-class InPlace:
-    """``decode`` as a decoder that writes its row itself (as ``ImageDecoder``): a stop waits for
-    one that is busy (a decode that returns its sample is abandoned instead: test_hangs.py)."""
+class WholeBatches:
+    """``decode`` as a decoder of whole batches (``decode_batch``, as ``GpuImageDecoder``): a stop
+    waits for one that is busy (a decode of one sample, returned or written in place, is
+    abandoned instead: test_hangs.py)."""
 
+    batched = True
     field = Field((1,), np.dtype(np.int64))
 
     def __init__(self, decode):
         self.decode = decode
 
-    def decode_into(self, data, out, key):
-        out[:] = self.decode(data)
+    def __call__(self, data):
+        return np.atleast_1d(self.decode(data))
+
+    def decode_batch(self, datas, keys, out, stream=None, rows=None):
+        for data, row in zip(datas, rows):
+            out[row] = int(self.decode(data))
+        return {}, None, []
 
 
 def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises):
@@ -464,7 +471,7 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises):
             time.sleep(0.3)  # still busy a moment after the release
         return np.int64(i)
 
-    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode),
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=WholeBatches(decode),
                          num_threads=2)
     iterator = iter(loader)
     next(iterator)
@@ -507,7 +514,7 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
             release.wait(10)
         return np.int64(i)
 
-    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=InPlace(decode),
+    loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=WholeBatches(decode),
                          num_threads=2)
     iterator = iter(loader)
     next(iterator)

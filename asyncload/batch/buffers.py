@@ -77,6 +77,7 @@ class BatchBuffer:
         self.writes: list[Any] = []  # CUDA events after which the device fields hold their rows
         self.pinned = pin_memory if pinned is None else pinned
         self.in_pipeline = False  # taken by the pipeline and not yet handed out or given back
+        self.poisoned = False  # a stuck decode_into may write it whenever it returns: never free again
         self.number = -1  # its ring's name for it: what a fill names (a shared segment's number)
         self.copy_done: Any = None  # a CUDA event: the GPU's reads of the buffer end before it
         self._handed: list[weakref.ref] = []  # the NumPy views under the tensors the user got
@@ -164,9 +165,9 @@ class BatchBuffer:
         return True
 
     def is_free(self) -> bool:
-        """True when no view handed out is alive, the user has moved past a pinned batch, and
-        no device copy still reads the memory."""
-        if self.in_pipeline or not self.gpu_done():
+        """True when no view handed out is alive, the user has moved past a pinned batch, no
+        device copy still reads the memory, and no abandoned decode may still write it."""
+        if self.in_pipeline or self.poisoned or not self.gpu_done():
             return False
         return all(ref() is None for ref in self._handed)
 

@@ -120,7 +120,9 @@ class _Child:
                 if isinstance(message, Map):
                     fd = reduction.recv_handle(self.conn)
                     try:
-                        self.segments[message.segment] = shm.buffer_on(fd, message.layout, message.capacity)
+                        buffer = shm.buffer_on(fd, message.layout, message.capacity)
+                        buffer.number = message.segment  # the name a Poisoned answer gives it back by
+                        self.segments[message.segment] = buffer
                     finally:
                         os.close(fd)
             except (EOFError, OSError):

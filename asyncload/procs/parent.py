@@ -28,8 +28,8 @@ from ..run.settings import share, split
 from . import shm
 from .child import child_main
 from .merged import ProcessStats
-from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Probe, Probed, Stop, Stopped, Unmap,
-                       pickled_arguments)
+from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Stop, Stopped,
+                       Unmap, pickled_arguments)
 from .segments import SegmentRing
 
 HELD_SHOWN = 16  # a dead child's samples named in the error, at most
@@ -165,7 +165,11 @@ class ProcessPool:
                 self.check()
             if isinstance(message, (Done, Probed)):
                 self._held[index].pop((message.run, getattr(message, "fill", None)), None)
-            if isinstance(message, Stopped):
+            if isinstance(message, Poisoned):  # whatever the run: the segment is never free again
+                poisoned = self.ring.segments.get(message.segment)
+                if poisoned is not None:
+                    poisoned.poisoned = True
+            elif isinstance(message, Stopped):
                 self._stopped(index, message.run)
             elif message.run == run:
                 return message

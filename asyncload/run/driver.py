@@ -107,6 +107,8 @@ class EpochDriver:
             self._failing.append((batch, row, self._known.pop(batch.positions[row])))
         batch.settling += len(known)
         rows = [row for row in rows if row not in known] if known else rows
+        if batch.moved:
+            batch.sending(rows)
         if rows:
             self.dispatch.send(batch, rows)
 
@@ -161,6 +163,7 @@ class EpochDriver:
             if self._stopped:  # stop() from another thread (close()) while this one waited
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
+            batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
             self._settle_known()
@@ -169,6 +172,8 @@ class EpochDriver:
     def _count_ready(self, batch: Batch) -> None:
         """The stats' level of batches complete and not yet handed out."""
         if not batch.counted and batch.complete():
+            if batch.moved:
+                batch.gather()
             batch.counted = True
             self.s.stats.level("batches_ready", 1)
 

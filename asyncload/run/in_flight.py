@@ -9,6 +9,7 @@ one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
@@ -28,6 +29,7 @@ class Batch:
     padded: list[int] = field(default_factory=list)  # positions the plan gave it as DDP padding
     settling: int = 0  # rows that failed in the probe, their policy not yet applied
     counted: bool = False  # counted in the stats' batches_ready
+    moved: dict[int, BatchBuffer] = field(default_factory=dict)  # rows left in a poisoned buffer: where
 
     def complete(self) -> bool:
         """Every row is written, failed or a hole, and every failure has taken the policy."""
@@ -35,3 +37,34 @@ class Batch:
 
     def first_error(self) -> SampleError | None:
         return self.errors[min(self.errors)] if self.errors else None
+
+    def leave_if_poisoned(self, take: Callable[[], BatchBuffer]) -> None:
+        """If the batch's buffer is poisoned (an abandoned ``decode_into`` may write it at any
+        time, ``slots.py``): rows sent from now on go to a fresh one (``take()``); those
+        written or being written in the old one stay there until ``gather``. Rare: then one
+        batch's copy."""
+        if self.buffer is None or not self.buffer.poisoned:
+            return
+        fresh = take()
+        for row in range(len(self.positions)):
+            self.moved.setdefault(row, self.buffer)  # a row moved before stays where it is
+        self.buffer = fresh
+
+    def sending(self, rows: list[int]) -> None:
+        """``rows`` are sent to be filled again (replacements): into the current buffer."""
+        for row in rows:
+            self.moved.pop(row, None)
+
+    def gather(self) -> None:
+        """Once complete: copies the rows left in poisoned buffers into the current one. The
+        stuck decode's own row is not among them (it failed: replaced, a hole or raised), so
+        whatever it writes later is never read."""
+        assert self.buffer is not None
+        by_buffer: dict[int, tuple[BatchBuffer, list[int]]] = {}
+        for row, old in self.moved.items():
+            by_buffer.setdefault(id(old), (old, []))[1].append(row)
+        for old, rows in by_buffer.values():
+            for target, source in zip(self.buffer.arrays, old.arrays):
+                if target is not None and source is not None:
+                    target[rows] = source[rows]
+        self.moved.clear()

@@ -110,11 +110,14 @@ class RowFiller:
     ``read_other`` reads a local URL that is not a plain path or regular file (``memory://``, a
     FIFO) with the reader's timeout; ``rows_done`` is
     called with a batch and how many of its rows are complete; ``row_failed`` with a batch, a row
-    and its ``SampleError`` (the row is then not done: the failure policy completes it)."""
+    and its ``SampleError`` (the row is then not done: the failure policy completes it);
+    ``poisoned`` with a batch whose in-place decode was abandoned (``slots.py``), before its
+    row fails."""
 
     def __init__(self, decode: Callable[[Any], Any], epoch: int, stats: LoaderStats,
                  read_other: Callable[[str], bytes], rows_done: Callable[[Work, int], None],
-                 row_failed: Callable[[Work, int, SampleError], None], max_bytes: int | None = None) -> None:
+                 row_failed: Callable[[Work, int, SampleError], None], max_bytes: int | None = None,
+                 poisoned: Callable[[Work], None] = lambda work: None) -> None:
         self.decode = decode
         self.in_place = decodes_in_place(decode)
         self.epoch = epoch
@@ -123,19 +126,21 @@ class RowFiller:
         self.max_bytes = max_bytes  # max_sample_bytes, for the files read here
         self.rows_done = rows_done
         self.row_failed = row_failed
+        self.poisoned = poisoned
 
     def fill(self, batch: Work, rows: Sequence[Row]) -> None:
         """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
         ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread. Each
         decode's start goes in the thread's slot (``slots.py``), so the watchdog can abandon one
-        that never returns; then this job ends at once and writes nothing more."""
+        that never returns; then this job ends at once and writes nothing more (a ``decode_into``
+        running may still write its row: the buffer is poisoned, see ``slots.py``)."""
         if batch.cancelled:
             self.rows_done(batch, len(rows))
             return
         buffer, stats, trace = batch.buffer, self.stats, self.stats.tracer
-        slot = current_slot() if not self.in_place else None  # a decode_into cannot be abandoned
-        if slot is not None:
-            slot.on_timeout, slot.work, slot.rows = self._timed_out, batch, rows
+        slot = current_slot()
+        slot.on_timeout, slot.work, slot.rows = self._timed_out, batch, rows
+        slot.writes = buffer if self.in_place else None
         stats.level("decodes_running", 1)
         read_s = decode_s = cpu = 0.0
         nbytes = reads = done = 0
@@ -155,8 +160,7 @@ class RowFiller:
                         trace.span("read", started, now, row.key)
                 reads += 1
                 nbytes += len(data)
-            if slot is not None:
-                slot.index, slot.done, slot.started = index, done, now  # started last: the watchdog reads it first
+            slot.index, slot.done, slot.started = index, done, now  # started last: the watchdog reads it first
             cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
             try:
                 if not self._decode_row(buffer, row, data, slot):
@@ -183,6 +187,8 @@ class RowFiller:
         reported, the stuck row fails, and the job's other rows go to another thread."""
         batch, rows, index = slot.work, slot.rows, slot.index
         self.stats.level("decodes_running", -1)
+        if slot.writes is not None:
+            self.poisoned(batch)
         if slot.done:
             self.rows_done(batch, slot.done)
         self.row_failed(batch, rows[index].row, SampleError(rows[index].key, "decode", cause))
@@ -190,21 +196,23 @@ class RowFiller:
         if rest:
             submit(lambda: self.fill(batch, rest))
 
-    def _decode_row(self, buffer: BatchBuffer, row: Row, data: Any, slot: Slot | None) -> bool:
-        """Decodes ``row`` and writes it; False, writing nothing, if the decode was abandoned."""
+    def _decode_row(self, buffer: BatchBuffer, row: Row, data: Any, slot: Slot) -> bool:
+        """Decodes ``row`` and writes it; False, writing nothing more, if the decode was abandoned."""
         arrays = buffer.arrays
         try:
             if self.in_place:  # the decoder writes the row itself
                 self.decode.decode_into(data, arrays[0][row.row], (self.epoch, row.index))
+                if not slot.claim():
+                    return False
                 if row.label is not None:
                     write_label(arrays, row.row, row.label)
                 return True
             sample = self.decode(data)
         except Exception as error:
-            if slot is not None and not slot.claim():
+            if not slot.claim():
                 return False
             raise SampleError(row.key, "decode", error) from error
-        if slot is not None and not slot.claim():
+        if not slot.claim():
             return False
         self.write(buffer, row.row, labelled(sample, row.label), row.key)
         return True

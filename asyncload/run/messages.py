@@ -74,6 +74,17 @@ class Done:
 
 
 @dataclass
+class Poisoned:
+    """An abandoned in-place decode of run ``run`` may still write buffer ``segment`` (sent
+    before its row's failure): the buffer is never handed out or reused again (``slots.py``)."""
+
+    run: int
+    segment: int
+    figures: dict[str, Any] | None = None
+    trace: Any = None
+
+
+@dataclass
 class Probed:
     """The answer to ``Probe``: the layout of the labelled sample, or the ``SampleError``."""
 

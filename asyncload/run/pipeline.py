@@ -25,7 +25,7 @@ from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
-from .messages import Done, Failed, Fill, Probe, Probed, Start, Stop, Stopped
+from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
 from .run_state import RunState
 from .settings import PipelineSettings, split
 from .slots import Watchdog
@@ -54,14 +54,8 @@ class Pipeline:
         self.loop_thread = LoopThread()
         self.loop = self.loop_thread.loop
         self.thread = self.loop_thread.thread
-        self.reader: Reader = asyncio.run_coroutine_threadsafe(self._make_reader(), self.loop).result()
+        self.reader: Reader = asyncio.run_coroutine_threadsafe(settings.reader(self.loop, stats), self.loop).result()
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
-
-    async def _make_reader(self) -> Reader:
-        return Reader(self.loop, storage_options=self.s.storage_options, timeout=self.s.read_timeout,
-                      retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.stats,
-                      user_read=self.s.read if callable(self.s.read) else None,
-                      retry_seconds=self.s.read_retry_seconds, max_bytes=self.s.max_sample_bytes)
 
     # ----- the driver's thread (or a child's control thread) -----
 
@@ -114,7 +108,8 @@ class Pipeline:
 
     def _start(self, message: Start) -> None:
         filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done, self._row_failed,
-                           max_bytes=self.s.max_sample_bytes)
+                           max_bytes=self.s.max_sample_bytes,
+                           poisoned=lambda work: self.send(Poisoned(work.run.run, work.buffer.number)))  # a stuck decode_into
         jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
         stream = None
         if message.chunks is not None:

@@ -19,6 +19,7 @@ from ..batch.buffers import BufferRing, OnDevice
 from ..batch.layout import Field, SampleLayout
 from ..device import DeviceStage
 from ..errors import SampleError
+from ..io.reader import Reader
 from ..sources.items import is_labelled
 from ..sources.mixed import MixedSource
 from ..sources.shards import ShardSource
@@ -115,6 +116,12 @@ class PipelineSettings:
     max_sample_bytes: int | None
     decode_timeout: float | None = None  # seconds a decode may run before its sample fails (slots.py)
     trace_events: int | None = None  # with trace=: a child records its events and sends them with its answers
+
+    async def reader(self, loop: Any, stats: Any) -> Reader:
+        """The pipeline's reader (made on its event loop, ``loop``)."""
+        return Reader(loop, storage_options=self.storage_options, timeout=self.read_timeout, retries=self.read_retries,
+                      io_concurrency=self.io_concurrency, stats=stats, user_read=self.read if callable(self.read) else None,
+                      retry_seconds=self.read_retry_seconds, max_bytes=self.max_sample_bytes)
 
 
 def share(total: int, processes: int) -> int:

@@ -10,9 +10,12 @@ thread, and the stuck thread, when its decode ever returns, drops the result and
 writes into a buffer that may have been handed out or reused since. ``close`` abandons every
 decode in flight the same way, so a stop never waits for one.
 
-A decoder that writes its row itself (``decode_into``: the library's image decoders) or a whole
-batch (``decode_batch``) cannot be abandoned safely (the write is inside the call): its jobs do
-not take a slot's start time, and a stop waits for them as for any thread.
+A decoder that writes its row itself (``decode_into``: the library's image decoders) may still
+write when it returns, whatever the watchdog decided: its job names the buffer in ``writes``,
+and abandoning it *poisons* that buffer (``BatchBuffer.poisoned``), which is then never handed
+out nor recycled. The driver moves the batch to a fresh buffer (``in_flight.py``), so the
+stuck thread only ever writes memory nobody reads. A whole batch's decode (``decode_batch``)
+is not timed: its rows are written by the call, for the whole batch at once.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class Slot:
     """One decode thread's current decode: ``started`` (``time.perf_counter()``, None when none
     runs), what to do if it times out (``on_timeout(slot, cause, submit)``) and the job's place."""
 
-    __slots__ = ("lock", "started", "abandoned", "thread", "on_timeout", "work", "rows", "index", "done")
+    __slots__ = ("lock", "started", "abandoned", "thread", "on_timeout", "work", "rows", "index", "done", "writes")
 
     def __init__(self, thread: threading.Thread) -> None:
         self.lock = threading.Lock()
@@ -40,6 +43,7 @@ class Slot:
         self.rows: Any = None
         self.index = 0
         self.done = 0
+        self.writes: Any = None  # the BatchBuffer a decode_into job writes in itself (None: one that returns)
 
     def claim(self) -> bool:
         """On the decode thread, once the decode returned: True if its result may be written;
@@ -52,11 +56,14 @@ class Slot:
 
     def abandon(self, started: float | None = None) -> bool:
         """On the watchdog (or a closing) thread: True if the decode in flight (the one that
-        began at ``started``, if given: not one begun since it was looked at) is abandoned now."""
+        began at ``started``, if given: not one begun since it was looked at) is abandoned now;
+        the buffer an in-place decode writes is poisoned then, before anyone hears of it."""
         with self.lock:
             if self.started is None or self.abandoned or (started is not None and self.started != started):
                 return False
             self.abandoned = True
+            if self.writes is not None:  # it may write there whenever it returns: never hand it out
+                self.writes.poisoned = True
             return True
 
 

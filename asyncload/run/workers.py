@@ -120,7 +120,8 @@ class DecodeWorkers:
             if not future.set_running_or_notify_cancel():
                 return
             slot = current_slot()
-            slot.on_timeout, slot.started = on_timeout, time.perf_counter()
+            slot.on_timeout, slot.writes = on_timeout, None
+            slot.started = time.perf_counter()
             try:
                 result = function(*args)
             except BaseException as error:  # the awaiting coroutine re-raises it
