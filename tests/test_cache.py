@@ -285,3 +285,53 @@ def test_a_copy_used_while_storage_was_down_is_checked_again_when_it_answers(tmp
         assert asyncio.run(read(cache)) == first
     remote["down"] = False
     assert asyncio.run(read(cache)) == bytes(2048)
+
+
+def rot(path) -> None:
+    """Overwrites ``path`` with garbage of its size, keeping its times (bit rot: the once-per-process
+    checksum, keyed by the file's modification time, does not see it)."""
+    info = path.stat()
+    path.write_bytes(os.urandom(info.st_size))
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_copy_damaged_after_its_check_is_downloaded_again(shards, s3_options, tmp_path, processes):
+    """A copy checked at its first use and damaged afterwards failed all its samples for the rest
+    of the run; now their failed decodes send it back to storage, and each is decoded again."""
+    url, _, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes) as loader:
+        assert sorted(flat(delivered(loader))) == ALL  # downloads and checks every copy
+        damaged = copies(tmp_path)[1]
+        good, inode = damaged.read_bytes(), damaged.stat().st_ino
+        rot(damaged)
+        assert sorted(flat(delivered(loader))) == ALL  # each once, none failed
+    assert damaged.read_bytes() == good and damaged.stat().st_ino != inode, "the copy was not downloaded again"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_an_object_bad_in_storage_fails_its_samples_without_refetching(shards, s3_options, tmp_path, processes,
+                                                                        on_error):
+    """Garbage in the bucket: its copy holds its checksum, so its samples fail (or are skipped) as
+    they would without a cache, in each epoch; the copy is downloaded once, never again."""
+    url, fs, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    bad = source.urls[2]
+    fs.pipe_file(bad[len("s3://"):], os.urandom(int(source.shard_bytes[2])))
+    copy, downloads = shard_files(tmp_path, bad).shard, set()
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes,
+                     on_error=on_error, max_failures=10) as loader:
+        for _ in range(2):
+            if on_error == "raise":
+                with pytest.raises(SampleError, match="failed at decode") as caught:
+                    list(loader)
+                assert caught.value.item.shard == bad
+            else:
+                samples = flat(delivered(loader))
+                assert len(samples) == len(ALL) - 5 and set(samples) < set(ALL)
+                failures = loader.stats.failures[-5:]
+                assert len({error.item.key for error in failures}) == 5 and {error.item.shard for error in failures} == {bad}
+            downloads.add((copy.stat().st_ino, copy.stat().st_mtime_ns))
+    assert len(downloads) == 1, "the copy of a bad object was downloaded again"

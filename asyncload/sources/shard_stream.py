@@ -33,6 +33,7 @@ class Chunk:
     end: int
     indices: list[int]
     task: asyncio.Task | None = None
+    copy: Any = None  # the cached copy its bytes came from (None: storage, or not read yet)
 
 
 def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> list[Chunk]:
@@ -123,12 +124,17 @@ class ShardStream:
     bytes: padding (a DDP rank that skipped samples repeats its first ones to deliver as many
     batches as the other ranks) may ask for a sample whose bytes were dropped at their last
     planned use, or, after a resume, for one delivered before and so left out of the plan.
+
+    Bytes read from a cached copy that fail (a chunk that does not parse here, a sample that does
+    not decode: ``refetched``) may be the copy's fault, damaged on disk after the cache checked
+    it: the cache checks it again (``ShardCache.damaged``) and, if it was damaged, they are read
+    once more from a fresh download; else the failure stands. Only failures pay for this.
     """
 
     def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
                  cache: Any = None, run_blocking: Any = None) -> None:
         self.source = source
-        self.read_range = read_range  # async (url, start, end) -> bytes
+        self.read_range = read_range  # async (url, start, end) -> (bytes, cached copy they came from or None)
         # where a source that parses a whole shard (Parquet) does it: off the loop, which a
         # row group's parse (tens of ms) would otherwise stall; tar's cuts stay on the loop
         self.run_blocking = run_blocking if getattr(source, "read_whole", False) else None
@@ -143,6 +149,7 @@ class ShardStream:
         self.ready: dict[int, Any] = {}  # sample -> bytes (or members), read and not yet taken
         self.failed: dict[int, BaseException] = {}
         self.waiting: dict[int, asyncio.Future] = {}
+        self.refetched_samples: set[int] = set()  # decoded again once already: a failure now stands
 
     async def get(self, sample: ShardSample) -> Any:
         index = sample.index
@@ -172,7 +179,7 @@ class ShardStream:
         start, end = int(self.source.sample_begin[index]), int(self.source.sample_end[index])
         await self.slots.acquire()
         try:
-            data = await self.read_range(url, start, end)
+            data, _ = await self.read_range(url, start, end)
         finally:
             self.slots.release()
         if len(data) < end - start:
@@ -181,6 +188,23 @@ class ShardStream:
         if isinstance(sample, BaseException):
             raise sample
         return sample
+
+    async def refetched(self, index: int) -> Any:
+        """Sample ``index`` read again, once, after its decode failed, if the bytes came from a
+        cached copy that turned out damaged (see the class); None: the failure stands."""
+        number = int(self.chunk_of[index])
+        if self.cache is None or number < 0 or index in self.refetched_samples:
+            return None
+        self.refetched_samples.add(index)
+        if not await self._copy_damaged(self.chunks[number]):
+            return None
+        return await self._read_again(index)
+
+    async def _copy_damaged(self, chunk: Chunk) -> bool:
+        if chunk.copy is None or self.cache is None:
+            return False
+        size = int(self.source.shard_bytes[int(self.source.shard_of[chunk.indices[0]])])
+        return await self.cache.damaged(chunk.url, size, chunk.copy)
 
     def _take(self, index: int) -> Any:
         more = self.repeats.get(index, 1) - 1
@@ -198,17 +222,12 @@ class ShardStream:
 
     async def _fetch(self, chunk: Chunk) -> None:
         try:
-            await self.slots.acquire()
             try:
-                data = await self.read_range(chunk.url, chunk.start, chunk.end)
-            finally:
-                self.slots.release()
-            if len(data) < chunk.end - chunk.start:
-                raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
-            if self.run_blocking is not None:
-                samples = await self.run_blocking(self.source.split_chunk, memoryview(data), chunk.start, chunk.indices)
-            else:
-                samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
+                samples = await self._read_chunk(chunk)
+            except Exception:
+                if not await self._copy_damaged(chunk):
+                    raise
+                samples = await self._read_chunk(chunk)  # from a fresh download, once
         except asyncio.CancelledError:
             raise
         except BaseException as error:
@@ -220,6 +239,18 @@ class ShardStream:
                 self._settle(index, error=sample)
             else:
                 self._settle(index, sample)
+
+    async def _read_chunk(self, chunk: Chunk) -> dict[int, Any]:
+        await self.slots.acquire()
+        try:
+            data, chunk.copy = await self.read_range(chunk.url, chunk.start, chunk.end)
+        finally:
+            self.slots.release()
+        if len(data) < chunk.end - chunk.start:
+            raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
+        if self.run_blocking is not None:
+            return await self.run_blocking(self.source.split_chunk, memoryview(data), chunk.start, chunk.indices)
+        return self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
 
     def _settle(self, index: int, sample: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
@@ -247,16 +278,18 @@ class ShardStream:
 def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int) -> ShardStream:
     """A ``ShardStream`` of ``plan`` through ``reader``'s ranged reads, and through the disk
     cache for remote shards when the source has one."""
-    read_range = reader.read_range
+    async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
+        return await reader.read_range(url, start, end), None
+
     cache = None
     if source.cache_dir is not None:
         cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
                            version=reader.version, timeout=reader.timeout)
         sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
 
-        async def read_range(url: str, start: int, end: int) -> bytes:
+        async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
             if reader.is_local(url):
-                return await reader.read_range(url, start, end)
-            return await cache.read_range(url, start, end, sizes[url])
+                return await reader.read_range(url, start, end), None
+            return await cache.read_copy(url, start, end, sizes[url])
 
     return ShardStream(source, plan, read_range, concurrent_reads, cache=cache, run_blocking=reader.run_blocking)
