@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, tar_shards, write_shards
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, tar_shards, write_parquet, write_shards
 from asyncload.io.cache_files import shard_files
 from bench.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, setup_s3fs, make_bucket
@@ -309,6 +309,24 @@ def test_a_copy_damaged_after_its_check_is_downloaded_again(shards, s3_options, 
         rot(damaged)
         assert sorted(flat(delivered(loader))) == ALL  # each once, none failed
     assert damaged.read_bytes() == good and damaged.stat().st_mtime_ns != checked, "the copy was not downloaded again"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_parquet_copy_damaged_after_its_check_is_downloaded_again(s3_options, jpeg_folder, tmp_path, processes):
+    """As above, where the damage shows as a row group that does not parse (a whole read failed)."""
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+    url = write_parquet(image_folder(str(jpeg_folder)), f"s3://asyncload-test/cache-parquet/{processes}.parquet",
+                        rows_per_group=6, storage_options=s3_options)
+    source = parquet(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    assert epoch(source, s3_options) == ALL
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes) as loader:
+        assert sorted(flat(delivered(loader))) == ALL
+        (copy,) = [path for path in tmp_path.iterdir() if path.name.endswith(".parquet")]
+        good, checked = copy.read_bytes(), copy.stat().st_mtime_ns
+        rot(copy)
+        assert sorted(flat(delivered(loader))) == ALL
+    assert copy.read_bytes() == good and copy.stat().st_mtime_ns != checked, "the copy was not downloaded again"
 
 
 @pytest.mark.parametrize("processes", [0, 2])
