@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from . import cache_files as files
+from .cache_evict import evict, owned_bytes
 from .reader import PERMANENT_ERRORS
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
@@ -85,7 +86,7 @@ class ShardCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.max_bytes = max_bytes if max_bytes is not None else default_budget(self.directory)
-            files.evict(self.directory, self.max_bytes, set())  # a run that downloads nothing cleans up too
+            evict(self.directory, self.max_bytes, set())  # a run that downloads nothing cleans up too
         except OSError as error:
             self._warn("folder", f"cannot use {error}; shards are read from storage")
             self._usable = False
@@ -260,7 +261,7 @@ class ShardCache:
     async def _evict(self, room: int) -> None:
         """Evicts until ``room`` more bytes fit ``max_bytes``."""
         try:
-            self._over_size = await self.run_blocking(files.evict, self.directory, self.max_bytes - room,
+            self._over_size = await self.run_blocking(evict, self.directory, self.max_bytes - room,
                                                       set(self._in_use))
         except OSError as error:
             self._warn("evict", f"cannot evict: {error}")
@@ -281,5 +282,5 @@ def default_budget(directory: Path) -> int:
     """``DEFAULT_CAP``, or less: ``FREE_FRACTION`` of what the disk has free plus what the cache
     keeps already (a shared node's disk is not the cache's alone)."""
     disk = os.statvfs(directory)
-    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + files.owned_bytes(directory))))
+    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + owned_bytes(directory))))
 
