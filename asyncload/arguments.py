@@ -37,8 +37,13 @@ def initial_reads(io_concurrency: int | str | None, shards: bool) -> int:
     return AUTO_OBJECT_READS if io_concurrency == "auto" else OBJECT_READS
 
 
-def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float) -> None:
-    """Fails at construction, naming the argument, rather than later on a thread."""
+NO_LIMIT_ALLOWED = ("decode_timeout", "max_sample_bytes")  # None: no limit
+
+
+def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: int, read: Any, max_failures: int | float,
+                    limits: dict[str, float | None]) -> None:
+    """Fails at construction, naming the argument, rather than later on a thread. ``limits``:
+    the budgets (seconds, bytes) that must be positive, or None where None means no limit."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
@@ -51,6 +56,12 @@ def check_arguments(on_error: str, io_concurrency: int | str | None, prefetch: i
         raise ValueError(f"max_failures as a fraction must be in [0, 1), got {max_failures}")
     if isinstance(max_failures, int) and max_failures < 0:
         raise ValueError(f"max_failures must not be negative, got {max_failures}")
+    for name, value in limits.items():
+        if name in NO_LIMIT_ALLOWED and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            none = " or None" if name in NO_LIMIT_ALLOWED else ""
+            raise ValueError(f"{name} must be a positive number{none}, got {value!r}")
 
 
 def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
@@ -101,7 +112,8 @@ def default_decode(source: Sequence[Any], decode: Any) -> Any:
 def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, drop_last: bool, threads: int,
                   cores: int, auto_threads: bool, io: int, prefetch: int, in_order: bool, on_error: str,
                   max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
-                  read_retries: int, decode_timeout: float | None, normalize: Any, device: torch.device | None,
+                  read_retries: int | None, read_retry_seconds: float, max_sample_bytes: int | None,
+                  decode_timeout: float | None, normalize: Any, device: torch.device | None,
                   stats: LoaderStats) -> Settings:
     """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
     cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
@@ -112,7 +124,8 @@ def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: 
         num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,
         thread_gate=Gate(threads) if auto_threads else None, prefetch=prefetch, in_order=in_order,
         skip_errors=on_error == "skip", max_failures=max_failures, storage_options=storage_options,
-        read_timeout=read_timeout, read_retries=read_retries, decode_timeout=decode_timeout, normalize=normalize,
+        read_timeout=read_timeout, read_retries=read_retries, read_retry_seconds=read_retry_seconds,
+        max_sample_bytes=max_sample_bytes, decode_timeout=decode_timeout, normalize=normalize,
         ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
         device_stage=DeviceStage(device, normalize) if device is not None else None,
         stats=stats, source_names=source.names if isinstance(source, MixedSource) else None,

@@ -182,7 +182,7 @@ def _interval_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str
         if key.endswith("/mean"):
             window[key] = (value * after["active_seconds"] - before[key] * before["active_seconds"]) / span if span > 0 else 0.0
         elif key.endswith(("/items", "/seconds", "/cpu_seconds", "/bytes")) or key in (
-            "batches", "samples", "consumer_wait_seconds", "retries", "active_seconds", "cpu_seconds",
+            "batches", "samples", "consumer_wait_seconds", "retries", "retry_wait_seconds", "active_seconds", "cpu_seconds",
             "other_processes_cpu_seconds",
         ):
             window[key] = value - before[key]

@@ -13,6 +13,7 @@ import torch
 
 from .arguments import check_arguments, initial_reads, make_sampler, make_settings, make_tuner
 from .device import resolve_device
+from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
 from .procs.processes import process_count, start_processes, window
 from .run.batched import image_placement
@@ -97,9 +98,19 @@ class AsyncLoader:
             ``(x / 255 - mean) / std`` per channel; on the GPU with a CUDA ``device``.
         read_timeout (float, default 60.0): seconds one read may take before it fails (a remote
             read is then retried). Raise it for very large objects on a slow link.
-        read_retries (int, default 6): retries of a remote read after a transient error
-            (timeout, reset connection, throttling, 5xx), with exponential backoff and jitter;
-            a missing object or a refused permission fails at once.
+        read_retries (int, default None): None retries a read after a transient error (timeout,
+            refused or reset connection, throttling, 5xx) until ``read_retry_seconds`` have
+            passed since it first failed (and at least twice), with backoff and jitter (at most
+            2 s between tries); an int retries exactly that many times instead (0: fail at the
+            first error). A missing object or a refused permission fails at once.
+        read_retry_seconds (float, default 60.0): how long a read keeps retrying while storage
+            fails (a restart, a burst of 503 SlowDown), with ``read_retries=None``; the read then
+            fails naming how long storage failed and the attempts. ``loader.stats`` counts
+            ``retries`` and ``retry_wait_seconds``.
+        max_sample_bytes (int, default 256 MiB): the largest object one sample may read; a
+            larger one fails alone (``SampleError``, skipped with ``on_error="skip"``) before
+            it is read whole: local files by their size, object stores by a read that stops
+            there, a ``read`` result once returned. None: no limit.
         decode_timeout (float or None, default 120.0): seconds one sample's ``decode`` may run;
             past it the sample fails (``SampleError`` at stage "decode"; skipped with
             ``on_error="skip"``) and its thread, which cannot be stopped, is left to end by itself
@@ -151,14 +162,18 @@ class AsyncLoader:
         progress: bool = False,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
         read_timeout: float = 60.0,
-        read_retries: int = 6,
+        read_retries: int | None = None,
+        read_retry_seconds: float = 60.0,
+        max_sample_bytes: int | None = DEFAULT_MAX_SAMPLE_BYTES,
         decode_timeout: float | None = 120.0,
         isolate: bool = False,
         processes: int | str | None = None,
         trace: str | os.PathLike | None = None,
         trace_events: int = DEFAULT_EVENTS,
     ) -> None:
-        check_arguments(on_error, io_concurrency, prefetch, read, max_failures)
+        check_arguments(on_error, io_concurrency, prefetch, read, max_failures,
+                        dict(decode_timeout=decode_timeout, max_sample_bytes=max_sample_bytes,
+                             read_retry_seconds=read_retry_seconds))
         cores = usable_cores()
         auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
         threads = cores if auto_threads or num_threads is None else int(num_threads)
@@ -178,8 +193,8 @@ class AsyncLoader:
             source, read, decode, batch_size=batch_size, drop_last=drop_last, threads=threads, cores=cores,
             auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
             max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
-            read_retries=read_retries, decode_timeout=decode_timeout, normalize=normalize, device=self.device,
-            stats=self.stats)
+            read_retries=read_retries, read_retry_seconds=read_retry_seconds, max_sample_bytes=max_sample_bytes,
+            decode_timeout=decode_timeout, normalize=normalize, device=self.device, stats=self.stats)
         count = process_count(processes, isolate)
         configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)

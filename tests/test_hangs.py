@@ -259,5 +259,12 @@ def test_a_child_that_dies_names_the_samples_it_held(signum):
 
 
 def test_decode_timeout_must_be_positive_or_none():
-    with pytest.raises(ValueError, match="decode_timeout must be a positive number of seconds or None, got 0"):
+    with pytest.raises(ValueError, match="decode_timeout must be a positive number or None, got 0"):
         AsyncLoader([1, 2], read=False, decode=np.atleast_1d, decode_timeout=0)
+
+
+@pytest.mark.parametrize("name, value, allowed", [("max_sample_bytes", -1, " or None"), ("read_retry_seconds", 0, ""),
+                                                  ("read_retry_seconds", None, "")])
+def test_the_other_budgets_are_checked_at_construction(name, value, allowed):
+    with pytest.raises(ValueError, match=f"{name} must be a positive number{allowed}, got {value}"):
+        AsyncLoader([1, 2], read=False, decode=np.atleast_1d, **{name: value})

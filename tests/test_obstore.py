@@ -114,7 +114,7 @@ def test_credentials_from_an_aws_profile(s3_server, source, tmp_path, monkeypatc
     (tmp_path / "config").write_text("[profile asyncload]\nregion = eu-west-3\n")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION"):
         monkeypatch.delenv(name, raising=False)
     options = {"endpoint_url": s3_server.endpoint_url, "profile": "asyncload"}
     _, settings = object_store.client_for("s3", options)

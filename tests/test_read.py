@@ -1,6 +1,7 @@
 import asyncio
 import os
 import random
+import re
 import threading
 import time
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError
-from asyncload.io.reader import backoff
+from asyncload.io.retries import backoff
 from tests.conftest import asyncload_threads, wait_until
 
 
@@ -56,8 +57,8 @@ def as_int64(value):
     return np.int64(value)
 
 
-def loader_for(read, n=6, **kwargs):
-    return AsyncLoader(list(range(n)), batch_size=3, shuffle=False, read=read, decode=as_int64, **kwargs)
+def loader_for(read, n=6, batch_size=3, **kwargs):
+    return AsyncLoader(list(range(n)), batch_size=batch_size, shuffle=False, read=read, decode=as_int64, **kwargs)
 
 
 def test_transient_errors_are_retried_and_counted():
@@ -180,14 +181,78 @@ def test_stats_count_bytes_read(jpeg_folder):
     assert "read" in loader.stats.report() and "decode" in loader.stats.report()
 
 
-def test_the_default_retries_wait_long_enough_to_outlast_a_short_restart():
-    """Equal jitter: each wait is at least half its exponential step, so 6 retries always wait
-    over 3 s in all (full jitter sometimes waited under 1 s and failed across a restart)."""
+def test_backoff_is_jittered_and_capped_so_a_server_that_is_back_is_seen_within_two_seconds():
     random.seed(1)
     for _ in range(1000):
-        waits = [backoff(attempt) for attempt in range(6)]
-        assert 3.15 <= sum(waits) <= 6.3
-        assert all(0.1 * 2**a / 2 <= w <= 0.1 * 2**a for a, w in enumerate(waits))
+        waits = [backoff(attempt) for attempt in range(40)]
+        assert all(min(2.0, 0.1 * 2**a) / 2 <= w <= min(2.0, 0.1 * 2**a) for a, w in enumerate(waits))
+    assert len({round(backoff(20), 6) for _ in range(20)}) > 1, "jittered"
+
+
+class FailsFor:
+    """A read that fails with a refused connection (at once, as a dead server does) until
+    ``seconds`` have passed since its first call, then returns the key."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.first: float | None = None
+        self.calls = 0
+
+    def __call__(self, key: int) -> int:
+        self.calls += 1
+        self.first = self.first or time.monotonic()
+        if time.monotonic() - self.first < self.seconds:
+            raise ConnectionRefusedError("connection refused")
+        return key
+
+
+def test_by_default_a_read_outlasts_fast_failures_by_time_not_by_count():
+    """Six counted retries of a refused connection spanned ~3-6 s of backoff: a short outage
+    failed the epoch. The default budget retries fast failures for 60 s, trying at least every
+    2 s, and gives up at the budget, not a backoff step later."""
+    from asyncload.io.retries import RetryBudget
+
+    random.seed(2)
+    budget, failing_for, attempt = RetryBudget(), 0.0, 1
+    while (pause := budget.wait(attempt, failing_for)) is not None:
+        assert pause <= 2.0
+        failing_for += pause
+        attempt += 1
+    assert 60.0 <= failing_for <= 60.0 + 1e-9 and attempt > 30
+    assert RetryBudget(retries=6).wait(7, 0.0) is None and RetryBudget(retries=6).wait(6, 100.0) is not None
+
+
+def test_a_loader_waits_out_fast_failures_and_says_how_long_in_its_stats():
+    store = FailsFor(2.0)
+    with loader_for(store, n=1, batch_size=1) as loader:
+        assert [b.tolist() for b in loader] == [[0]]
+    assert loader.stats.retries == store.calls - 1 >= 4
+    assert 1.9 < loader.stats.retry_wait_seconds < 2.0 + 2.0, "the time it waited is in the stats"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_past_its_time_budget_a_read_fails_saying_for_how_long_and_after_how_many_attempts(processes):
+    started = time.monotonic()
+    with loader_for(FailsFor(3600), n=1, batch_size=1, read_retry_seconds=1.5, processes=processes) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert re.fullmatch(r"sample 0 failed at read: ConnectionRefusedError: connection refused "
+                        r"\(storage failed for 1\.[5-9] s, attempt \d+ \(read_retry_seconds=1\.5\)\)", message), message
+    attempts = int(re.search(r"attempt (\d+)", message).group(1))
+    assert attempts >= 4, "backoff starts at 0.1 s"
+    assert elapsed < 1.5 + 3.0 + (5.0 if processes else 0.0), "the budget, not more (and children's start)"
+    assert type(caught.value.__cause__) is ConnectionRefusedError
+
+
+def test_the_count_of_read_retries_still_wins_where_it_is_given():
+    started = time.monotonic()
+    store = FailsFor(3600)
+    with loader_for(store, n=1, batch_size=1, read_retries=1, read_retry_seconds=60) as loader:
+        with pytest.raises(SampleError, match=r"connection refused \(attempt 2 of 2\)$"):
+            list(loader)
+    assert store.calls == 2 and time.monotonic() - started < 5
 
 
 def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them():
@@ -243,3 +308,64 @@ def test_a_local_read_that_hangs_times_out(tmp_path, jpeg_folder):
         loader.close()
         consumer.join(5)
     assert wait_until(lambda: not asyncload_threads())
+
+
+MEMORY_CHECK = r"""
+import json, os, resource, sys
+from asyncload import AsyncLoader, ImageDecoder
+good, sparse, processes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+items = [good, "/dev/zero", good, sparse, good]
+with AsyncLoader(items, batch_size=5, shuffle=False, decode=ImageDecoder(16), on_error="skip", max_failures=2,
+                 max_sample_bytes=8 << 20, read_timeout=20, processes=processes) as loader:
+    sizes = [len(batch) for batch in loader]
+    failures = [(f.item, f.error) for f in loader.stats.failures]
+print(json.dumps({"sizes": sizes, "failures": failures,
+                  "grew_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
+                  "children_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_dev_zero_and_a_sparse_file_larger_than_max_sample_bytes_fail_alone_in_bounded_memory(
+        tmp_path, jpeg_folder, processes):
+    """``/dev/zero`` as an item grew without bound; a sparse 3 GiB file took 6.4 GB. Each now
+    fails alone, naming its size (or that it is over) and the limit; memory barely moves."""
+    import json
+    import subprocess
+    import sys
+
+    sparse = tmp_path / "sparse.jpg"
+    with open(sparse, "wb") as file:
+        file.truncate(3 << 30)
+    good = str(next(iter(sorted(jpeg_folder.rglob("*.jpg")))))
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHECK, good, str(sparse), str(processes)],
+                         capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["sizes"] == [3]
+    limit = "over max_sample_bytes=8388608 (8.0 MiB); pass AsyncLoader(max_sample_bytes=...) a larger budget to read it"
+    assert dict(result["failures"]) == {
+        "/dev/zero": f"SampleTooLarge: the object is more than 8388608 bytes, {limit}",
+        str(sparse): f"SampleTooLarge: the object is 3221225472 bytes (3072.0 MiB), {limit}",
+    }
+    assert result["grew_kb"] < 200_000, "no object read whole"
+    assert result["children_kb"] < 1_500_000
+
+
+def test_what_a_read_function_returns_is_held_to_max_sample_bytes():
+    with AsyncLoader([0, 1, 2], batch_size=3, shuffle=False, read=lambda key: bytes(key * 1000),
+                     decode=lambda data: np.int64(len(data)), max_sample_bytes=1500) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    assert str(caught.value) == ("sample 2 failed at read: SampleTooLarge: what read returned is 2000 bytes (0.0 MiB), "
+                                 "over max_sample_bytes=1500 (0.0 MiB); pass AsyncLoader(max_sample_bytes=...) "
+                                 "a larger budget to read it")
+
+
+def test_a_local_file_of_exactly_max_sample_bytes_is_read(tmp_path):
+    path = tmp_path / "sample.bin"
+    path.write_bytes(b"x" * 4096)
+    with AsyncLoader([str(path), f"file://{path}"], batch_size=2, shuffle=False, decode=lambda data: np.int64(len(data)),
+                     max_sample_bytes=4096) as loader:
+        assert [b.tolist() for b in loader] == [[4096, 4096]]

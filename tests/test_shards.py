@@ -181,8 +181,10 @@ def test_shards_are_written_and_indexed_in_s3_through_obstore(shard_dir, s3_jpeg
     urls = [f"{s3_shards}/{s['url']}" for s in local["shards"]]
     indexed = index_shards(urls, "s3://asyncload-test/indexed/index.json", storage_options=s3_options, classes=CLASSES)
     expected = epoch_of(tar_shards(str(shard_dir), shuffle_buffer=5))
+    with pytest.raises(ValueError, match="outside the index's folder"):
+        tar_shards(indexed, storage_options=s3_options)  # its shards are in another folder
     for index_url in (written, indexed):
-        source = tar_shards(index_url, storage_options=s3_options, shuffle_buffer=5)
+        source = tar_shards(index_url, storage_options=s3_options, shuffle_buffer=5, allow_external_shards=True)
         got = epoch_of(source, storage_options=s3_options)
         assert len(got) == 4 and all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(got, expected))
 
@@ -565,3 +567,124 @@ def test_a_shard_evicted_by_another_process_while_touched_is_downloaded_again(tm
         stop.set()
         evictor.join()
         sys.setswitchinterval(switch)
+
+
+# ----- hostile or wrong indexes -----
+
+def index_with(shard_dir, change) -> dict:
+    index = json.loads((shard_dir / "index.json").read_text())
+    change(index["shards"])
+    return index
+
+
+@pytest.mark.parametrize("change, field, message", [
+    (lambda s: s[1].update(url="/etc/passwd"), "url", "'/etc/passwd' points to another location"),
+    (lambda s: s[1].update(url="file:///etc/passwd"), "url", "points to another protocol or store"),
+    (lambda s: s[1].update(url="s3://other-bucket/x.tar"), "url", "points to another protocol or store"),
+    (lambda s: s[1].update(url="../../x.tar"), "url", "climbs out of the index's folder"),
+    (lambda s: s[1].update(url="a/../../x.tar"), "url", "climbs out of the index's folder"),
+    (lambda s: s[1].update(bytes=-1), "bytes", "must be an integer in [0, 2**40], got -1"),
+    (lambda s: s[1].update(bytes=2**62), "bytes", "must be an integer in [0, 2**40]"),
+    (lambda s: s[1].update(bytes="12"), "bytes", "got '12'"),
+    (lambda s: s[1]["members"][2][0].__setitem__(1, -5), "offset", "is before the end of the first tar header"),
+    (lambda s: s[1]["members"][2][0].__setitem__(2, -5), "size", "is negative"),
+    (lambda s: s[1]["members"][2][0].__setitem__(2, 2**62), "size", "runs past the shard's end"),
+    (lambda s: (s[1]["members"][2][0].__setitem__(1, 2**62), s[1]["members"][2][0].__setitem__(2, 2**62)),
+     "size", "runs past the shard's end"),
+    (lambda s: s[1]["members"][2][0].__setitem__(1, s[1]["members"][1][0][1]), "offset", "overlaps another member"),
+    (lambda s: s[1]["members"][2][0].__setitem__(1, 1.5), "offset", "must be an integer, got 1.5"),
+    (lambda s: s[1]["members"].pop(), "members", "one entry per key"),
+    (lambda s: s[1]["members"].__setitem__(2, [["jpg", "A" * 10_000]]), "members", "each must be [extension, offset, size]"),
+])
+def test_a_hostile_index_entry_is_refused_naming_the_field(shard_dir, change, field, message):
+    index = index_with(shard_dir, change)
+    from asyncload.sources.shards import ShardSource
+
+    with pytest.raises(ValueError) as caught:
+        ShardSource(index, str(shard_dir))
+    text = str(caught.value)
+    assert text.startswith(f"shard index of {shard_dir}: shard 1") and f"field '{field}'" in text and message in text, text
+    assert len(text) < 400, "an index's values are cut short in the message"
+
+
+def test_external_shards_are_read_where_the_user_allows_them(shard_dir, tmp_path):
+    index = index_with(shard_dir, lambda shards: [s.update(url=str(shard_dir / s["url"])) for s in shards])
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"shard 0: field 'url' .* allow_external_shards=True"):
+        tar_shards(str(tmp_path))
+    with AsyncLoader(tar_shards(str(tmp_path), allow_external_shards=True), batch_size=24, decode=DECODE) as loader:
+        assert sorted(flat(delivered(loader))) == sorted(ALL)
+
+
+@pytest.mark.parametrize("chunk", [3000, 4096], ids=["short read", "read past the end"])
+def test_an_index_bytes_larger_than_the_shard_fails_its_samples_at_the_first_short_read(shard_dir, s3_options, tmp_path,
+                                                                                        chunk):
+    """Through the disk cache a shorter shard was downloaded again for every chunk read from it
+    (14x the requests): now the first download that meets its end fails the shard's samples,
+    and no request is made for it again."""
+    index = index_with(shard_dir, lambda shards: shards[0].update(bytes=shards[0]["bytes"] + 100_000))
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        for path in sorted(shard_dir.glob("*.tar")):
+            fs.pipe_file(f"asyncload-test/bigger/{path.name}", path.read_bytes())
+        fs.pipe_file("asyncload-test/bigger/index.json", json.dumps(index).encode())
+    sizes = [s["bytes"] for s in json.loads((shard_dir / "index.json").read_text())["shards"]]
+    source = tar_shards("s3://asyncload-test/bigger", s3_options, cache_dir=str(tmp_path), chunk_bytes=chunk)
+    with AsyncLoader(source, batch_size=4, shuffle=False, decode=DECODE, storage_options=s3_options,
+                     on_error="skip", max_failures=5) as loader:
+        got = flat(delivered(loader))
+    assert sorted(got) == sorted(ALL)[5:], "the other shards' samples all arrive"
+    failures = loader.stats.failures
+    assert len(failures) == 5 and {f.item.key for f in failures} == {f"{n:08d}" for n in range(5)}
+    ends = f"at byte {sizes[0]}" if sizes[0] % chunk else f"at or before byte {sizes[0]}"  # the next range starts there
+    assert {f.error for f in failures} == {
+        f"ShardTruncated: s3://asyncload-test/bigger/shard-000000.tar ends {ends}, "
+        f"but its index says it holds {sizes[0] + 100_000} bytes (field 'bytes')"}
+    downloads = sum(-(-size // chunk) for size in sizes)  # every shard's chunks, once
+    assert loader.stats.read.items <= downloads + 1
+
+
+def test_index_shards_refuses_a_gnu_sparse_member_without_reading_it(tmp_path):
+    """A 10 KB tar holding a sparse 2.3 GB ``.cls``: it was read whole and its repr put in the
+    error (2.3 GB of memory, a 1 GB message)."""
+    import resource
+    import shutil
+    import subprocess
+
+    if shutil.which("tar") is None or "GNU" not in subprocess.run(["tar", "--version"], capture_output=True, text=True).stdout:
+        pytest.skip("needs GNU tar to write a sparse member")
+    (tmp_path / "00000000.jpg").write_bytes(b"x")
+    with open(tmp_path / "00000000.cls", "wb") as file:
+        file.truncate(2300 << 20)
+    subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", "shard.tar", "00000000.jpg", "00000000.cls"],
+                   cwd=tmp_path, check=True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError) as caught:
+        index_shards([str(tmp_path / "shard.tar")])
+    assert str(caught.value) == (f"{tmp_path / 'shard.tar'}: member '00000000.cls' is a GNU sparse file: what the tar "
+                                 "holds is not its content, so no byte range reads it; repack the shard without --sparse")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000, "not read"
+
+
+def test_index_shards_reads_no_more_of_a_label_than_a_number_needs(tmp_path):
+    import io
+
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        for name, data in (("00000000.jpg", b"x"), ("00000000.cls", b"7" * 100_000)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ValueError) as caught:
+        index_shards([str(tmp_path / "shard.tar")])
+    assert str(caught.value) == f"{tmp_path / 'shard.tar'}: '00000000.cls' holds b'{'7' * 65}', not an integer class"
+
+
+def test_index_shards_records_shards_below_the_index_relative_to_it(shard_dir, tmp_path):
+    (tmp_path / "part").mkdir()
+    for path in sorted(shard_dir.glob("*.tar"))[:2]:
+        (tmp_path / "part" / path.name).write_bytes(path.read_bytes())
+    urls = sorted(str(p) for p in (tmp_path / "part").glob("*.tar"))
+    index_url = index_shards(urls, str(tmp_path / "index.json"), classes=CLASSES)
+    assert [s["url"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]] == [
+        "part/shard-000000.tar", "part/shard-000001.tar"]
+    assert len(tar_shards(index_url)) == 10

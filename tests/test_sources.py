@@ -125,3 +125,24 @@ def test_reading_a_manifest_leaves_the_users_own_filesystem_open(http_folder):
     for listed in (f"{url}/m.txt", f"simplecache::{url}/m.txt", f"simplecache::{url}/m.txt"):
         assert list(manifest(listed)) == [("s3://b/0.jpg", 0), ("s3://b/1.jpg", 1)], listed
     assert users.cat_file(f"{url}/m.txt").startswith(b"s3://b/0.jpg")
+
+
+def test_a_manifest_drops_a_byte_order_mark_and_splits_lines_only_at_newlines(tmp_path):
+    """A BOM was kept in the first URL; U+2028, U+0085 and a form feed (valid in object names)
+    split a URL in two; CRLF line ends are fine."""
+    path = tmp_path / "m.tsv"
+    path.write_bytes("\ufeffs3://b/a.jpg\t1\r\ns3://b/x\u2028y.jpg\t2\ns3://b/p\x85q\x0cr.jpg\t0\n".encode())
+    assert list(manifest(str(path))) == [("s3://b/a.jpg", 1), ("s3://b/x\u2028y.jpg", 2), ("s3://b/p\x85q\x0cr.jpg", 0)]
+
+
+def test_a_manifest_with_a_nul_byte_is_refused_naming_the_line(tmp_path):
+    path = tmp_path / "m.txt"
+    path.write_bytes(b"s3://b/a.jpg\n\ns3://b/b\x00.jpg\n")
+    assert raised(ValueError, manifest, str(path)) == (
+        f"manifest {path}: line 3 holds a NUL byte (a binary file, or not UTF-8 text?)")
+
+
+def test_a_bad_manifest_line_is_named_by_number_and_cut_short(tmp_path):
+    (tmp_path / "bad.csv").write_text("x.jpg,1\n" + "y" * 500 + ".jpg,one\n")
+    message = raised(ValueError, manifest, str(tmp_path / "bad.csv"))
+    assert message.endswith("yyy... on line 2") and len(message) < 300

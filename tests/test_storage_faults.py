@@ -2,6 +2,7 @@
 with each client: obstore (the default) and s3fs (``client="fsspec"``). The errors, retries and
 timeouts users see are asyncload's, whichever client reads."""
 
+import re
 import threading
 import time
 
@@ -130,3 +131,112 @@ def test_close_from_another_thread_during_a_stalled_read(moto_server, source, cl
         assert time.monotonic() - started < 1.0
         assert not asyncload_threads() and not consumer.is_alive()
     assert "loader was closed" in str(outcome[0])
+
+
+# ----- a real storage restart (SeaweedFS SIGKILLed, back on the same ports and data) -----
+
+@pytest.fixture(scope="module")
+def restartable(jpeg_folder, tmp_path_factory):
+    """A SeaweedFS of this module's own (the session's is not restarted under other tests),
+    holding the JPEG folder as objects and as tar shards of 4 samples."""
+    from asyncload import write_shards
+    from bench.s3server import SeaweedFS
+    from tests.conftest import upload_jpegs
+
+    server = SeaweedFS()
+    server.start(timeout=60)
+    try:
+        options = storage_options(server.endpoint_url)
+        upload_jpegs(options, jpeg_folder)
+        write_shards(image_folder(str(jpeg_folder)), "s3://asyncload-test/shards", samples_per_shard=4,
+                     storage_options=options)
+        yield server
+    finally:
+        server.stop()
+
+
+def restart_configs(server, cache_dir):
+    """(name, source, loader options): single objects and tar shards, in this process and in 2
+    children, and shards through the disk cache; every retry setting left at its default."""
+    from asyncload import tar_shards
+
+    options = storage_options(server.endpoint_url)
+    objects = image_folder("s3://asyncload-test/jpegs", storage_options=options)
+    common = {"batch_size": 4, "prefetch": 1, "decode": ImageDecoder(16), "storage_options": options}
+    shard_options = {"shuffle_buffer": 1}  # batch k reads shard k alone: later shards wait for the outage
+    shards = tar_shards("s3://asyncload-test/shards", options, **shard_options)
+    cached = tar_shards("s3://asyncload-test/shards", options, cache_dir=str(cache_dir), **shard_options)
+    return [
+        ("objects", objects, {**common, "io_concurrency": 4}),
+        ("objects, 2 processes", objects, {**common, "io_concurrency": 4, "processes": 2}),
+        ("shards", shards, {**common, "io_concurrency": 1, "shuffle": False}),
+        ("shards, 2 processes", shards, {**common, "io_concurrency": 2, "shuffle": False, "processes": 2}),
+        ("shards, cache_dir", cached, {**common, "io_concurrency": 1, "shuffle": False}),
+    ]
+
+
+def test_a_storage_restart_mid_epoch_loses_and_repeats_nothing(restartable, tmp_path):
+    """SeaweedFS killed after each loader's first batch and serving again ~8 s later (5 s down,
+    ~3 s to start): with the default retry settings every sample arrives exactly once. (With
+    the old count of 6 retries every run failed ~5 s into the outage.) The loaders run at once,
+    so one outage serves them all."""
+    configs = restart_configs(restartable, tmp_path / "cache")
+    first_batch = threading.Barrier(len(configs) + 1)
+    down = threading.Event()
+    results: dict[str, object] = {}
+
+    def consume(name, source, options):
+        seen = []
+        try:
+            with AsyncLoader(source, **options) as loader:
+                for number, (images, labels) in enumerate(loader):
+                    found = [identify(image) for image in images.numpy()]
+                    assert [label for label, _ in found] == labels.tolist()
+                    seen += found
+                    if number == 0:
+                        first_batch.wait(timeout=60)
+                        down.wait(timeout=60)  # the next batches' reads meet a dead server
+            results[name] = (seen, loader.stats.retries, loader.stats.retry_wait_seconds, loader.stats.failures)
+        except BaseException as error:  # noqa: BLE001: reported below
+            results[name] = error
+            first_batch.abort()
+
+    threads = [threading.Thread(target=consume, args=config) for config in configs]
+    for thread in threads:
+        thread.start()
+    try:
+        first_batch.wait(timeout=60)
+    finally:
+        restartable.kill()
+        down.set()
+    time.sleep(5)
+    restartable.restart()
+    for thread in threads:
+        thread.join(timeout=90)
+    for name, _, _ in configs:
+        result = results.get(name)
+        assert not isinstance(result, BaseException), f"{name}: {result!r}"
+        seen, retries, waited, failures = result
+        assert sorted(seen) == ALL, f"{name}: every sample once"
+        assert retries > 0 and waited > 1.0 and failures == [], name
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_storage_down_past_the_retry_budget_fails_once_naming_the_url_the_outage_and_the_attempts(processes):
+    """Nothing listens on the port (a server that stays down). A small budget set here: one
+    clear error within the budget and a little, not a minute."""
+    from bench.s3server import free_port
+
+    options = storage_options(f"http://127.0.0.1:{free_port()}")
+    url = "s3://asyncload-test/jpegs/cat/0.jpg"
+    started = time.monotonic()
+    with AsyncLoader([url], batch_size=1, decode=ImageDecoder(16), storage_options=options, read_retry_seconds=2,
+                     processes=processes) as loader:
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert message.startswith(f"sample '{url}' failed at read: "), message
+    assert re.search(r"\(storage failed for 2\.\d s, attempt \d+ \(read_retry_seconds=2\)\)$", message), message
+    assert int(re.search(r"attempt (\d+)", message).group(1)) >= 5
+    assert elapsed < 2 + 3 + (5 if processes else 0), "the budget and a little (and the children's start)"

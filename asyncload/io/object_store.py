@@ -25,6 +25,7 @@ import fsspec.asyn
 from fsspec.core import split_protocol
 
 from .bucket_region import _region_known, _regions, bucket_region
+from .limits import SampleTooLarge
 from .store_options import Unsupported, obstore_settings
 
 # fsspec protocol -> obstore's scheme for it.
@@ -34,7 +35,8 @@ SESSION_CLOSE_TIMEOUT_S = 10.0  # closing a session waits on no server; this bou
 OWNED = "_asyncload_owned"  # set on the filesystems url_to_fs made for us alone
 SESSIONS = ("_s3", "_session")  # where s3fs, and fsspec's http and gcsfs, keep an open client
 # A listing's timeout per request and its retries (``sources/listing.py``) when neither its
-# caller nor the storage options name them: AsyncLoader's read_timeout and read_retries.
+# caller nor the storage options name them: AsyncLoader's read_timeout, and the count of retries
+# reads had before they retried by time (``io/retries.py``): a listing runs before training.
 LISTING_TIMEOUT_S = 60.0
 LISTING_RETRIES = 6
 
@@ -172,16 +174,18 @@ WHOLE_OBJECT = 1 << 62
 RANGE_REFUSED = re.compile(r"status code: 416|Range Not Satisfiable|non-partial response", re.IGNORECASE)
 
 
-async def cat(fs: Any, path: str, start: int | None = None, end: int | None = None) -> bytes:
+async def cat(fs: Any, path: str, start: int | None = None, end: int | None = None, limit: int | None = None) -> bytes:
     """The bytes of ``path`` ("bucket/key"; ``start``/``end``: of that range) from obstore
-    filesystem ``fs``, in one request.
+    filesystem ``fs``, in one request; a whole object no larger than ``limit`` bytes (else
+    ``limits.SampleTooLarge``: it is read no further than ``limit + 1`` bytes).
 
     Why not ``fs._cat_file``: for a whole object it awaits obstore's ``get`` and then the body,
     two futures that each come back from obstore's Rust threads through the GIL, and parses the
     path as a URL on the way; one ranged GET to the end of the object is one future. On the
     2-core bench box that is 0.28-0.34 ms of CPU per 100 KB GET against 0.37-0.48 (the server
-    on the same cores). Where the server does not answer that range (see ``RANGE_REFUSED``) the
-    object is read with a plain GET, and a server that ignored it is read plainly from then on."""
+    on the same cores). The size budget costs no request: the range ends at ``limit + 1``. Where
+    the server does not answer that range (see ``RANGE_REFUSED``) the object is read with a plain
+    GET, its size checked before its body, and a server that ignored it is read plainly from then on."""
     bucket, _, key = path.partition("/")
     store = fs._construct_store(bucket)  # cached per bucket by FsspecStore
     if start is not None or end is not None:
@@ -190,13 +194,50 @@ async def cat(fs: Any, path: str, start: int | None = None, end: int | None = No
         return (await store.get_range_async(key, start=start, end=end)).to_bytes()
     if not getattr(fs, "plain_gets", False):
         try:
-            return (await store.get_range_async(key, start=0, end=WHOLE_OBJECT)).to_bytes()
+            data = (await store.get_range_async(key, start=0, end=WHOLE_OBJECT if limit is None else limit + 1)).to_bytes()
         except Exception as error:
             if type(error).__module__ != "obstore.exceptions" or not RANGE_REFUSED.search(str(error)):
                 raise
             if "non-partial" in str(error).lower():
                 fs.plain_gets = True  # it ignores ranges: one GET, not two, for every later object
-    return (await (await store.get_async(key)).bytes_async()).to_bytes()
+        else:
+            if limit is not None and len(data) > limit:
+                raise SampleTooLarge(fs.unstrip_protocol(path), await _size_or_none(store, key), limit)
+            return data
+    result = await store.get_async(key)
+    size = result.meta.get("size") if isinstance(result.meta, dict) else None
+    if limit is not None and size is not None and size > limit:
+        raise SampleTooLarge(fs.unstrip_protocol(path), size, limit)
+    return (await result.bytes_async()).to_bytes()
+
+
+async def bounded_cat(fs: Any, limit: int, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """``fs._cat_file`` (s3fs and other async fsspec filesystems) in one request, a whole object
+    no further than ``limit + 1`` bytes (a ranged GET; an empty object, which has no byte to
+    range over, with a plain one), ``SampleTooLarge`` past ``limit`` (its size then asked)."""
+    if start is not None or end is not None:
+        return await fs._cat_file(path, start=start, end=end, max_concurrency=1)
+    try:
+        data = await fs._cat_file(path, start=0, end=limit + 1, max_concurrency=1)
+    except OSError as error:
+        if "not satisfiable" not in str(error).lower():
+            raise
+        return await fs._cat_file(path, max_concurrency=1)
+    if len(data) > limit:
+        try:
+            size = int((await fs._info(path))["size"])
+        except Exception:
+            size = None
+        raise SampleTooLarge(fs.unstrip_protocol(path), size, limit)
+    return data
+
+
+async def _size_or_none(store: Any, key: str) -> int | None:
+    """The object's size, for the message of one that was too large (a HEAD, on that path alone)."""
+    try:
+        return int((await store.head_async(key))["size"])
+    except Exception:
+        return None
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None, *, listing: bool = False,

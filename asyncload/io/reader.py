@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import random
 import sys
 import time
 from typing import Any, Awaitable, Callable
@@ -18,41 +17,13 @@ from typing import Any, Awaitable, Callable
 from fsspec.core import split_protocol
 
 from ..stats.figures import LoaderStats
-from . import bucket_region, object_store
+from . import bucket_region, limits, object_store
 from .blocking import BlockingCalls, timeout_error
+from .retries import PERMANENT_ERRORS, RetryBudget, note_attempt, retried
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
 TIMEOUT_NAME = "read_timeout"  # the user's name for ``Reader.timeout``, in the message of a read that timed out
 SHUTDOWN_WAIT_S = 1.0  # how long closing waits for reads still running: their callers are gone, stuck ones are left to end by themselves
-
-# Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
-PERMANENT_ERRORS = (
-    FileNotFoundError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    ValueError,
-    TypeError,
-    NotImplementedError,
-)
-# obstore raises FileNotFoundError itself, and these of its own (all derive from Exception only).
-OBSTORE_PERMANENT_ERRORS = {
-    "NotFoundError": FileNotFoundError,
-    "PermissionDeniedError": PermissionError,
-    "UnauthenticatedError": PermissionError,
-    "InvalidPathError": ValueError,
-    "UnknownConfigurationKeyError": ValueError,
-    "NotSupportedError": NotImplementedError,
-}
-
-
-def backoff(attempt: int) -> float:
-    """Seconds to wait before retry ``attempt`` (0-based): half of an exponential step for sure,
-    the other half drawn at random ("equal jitter"). The random half spreads many readers'
-    retries apart; the sure half gives the default 6 retries at least 3.1 s in all (full jitter
-    could spend under 1 s now and then, failing reads across a server restart of a second)."""
-    step = min(5.0, 0.1 * 2**attempt)
-    return step / 2 + random.uniform(0, step / 2)
 
 
 class Reader:
@@ -64,15 +35,18 @@ class Reader:
         *,
         storage_options: dict[str, Any] | None,
         timeout: float,
-        retries: int,
+        retries: int | None,
         io_concurrency: int,
         stats: LoaderStats,
         user_read: Callable[[Any], Any] | None = None,
+        retry_seconds: float = 60.0,
+        max_bytes: int | None = None,
     ) -> None:
         self.loop = loop
         self.storage_options = storage_options or {}
         self.timeout = timeout
-        self.retries = retries
+        self.budget = RetryBudget(retries, retry_seconds)
+        self.max_bytes = max_bytes  # one object's size budget (max_sample_bytes; see limits.py)
         self.stats = stats
         self.user_read = user_read
         self.io_concurrency = io_concurrency
@@ -85,8 +59,10 @@ class Reader:
 
     async def read(self, key: Any) -> Any:
         """The bytes at URL ``key`` (or what the user's ``read`` returns for it), retried on
-        transient errors with exponential backoff and jitter (see ``backoff``)."""
-        return await self._counted(lambda: self._fetch(key), key=key)
+        transient errors with backoff and jitter within the retry budget (see ``retries.py``),
+        at most ``max_bytes`` of them (``limits.SampleTooLarge``)."""
+        data = await self._counted(lambda: self._fetch(key), key=key)
+        return limits.checked(data, self.max_bytes, key if isinstance(key, str) else limits.READ_RESULT)
 
     async def read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``url`` in one ranged request, retried as ``read`` is."""
@@ -108,25 +84,8 @@ class Reader:
         return data
 
     async def _with_retries(self, fetch: Callable[[], Awaitable[Any]], what: str | None = None) -> Any:
-        """``fetch()``, tried again after transient errors; the error that ends it is noted with
-        ``what`` was read and on which attempt (see ``note_attempt``)."""
-        attempts = self.retries + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return await fetch()  # _fetch and _fetch_file apply self.timeout
-            except PERMANENT_ERRORS as error:
-                note_attempt(error, attempt, attempts, what, transient=False)
-                raise
-            except Exception as error:
-                permanent = _as_builtin(error)
-                if permanent is not None:
-                    raise note_attempt(permanent, attempt, attempts, what, transient=False) from error
-                if attempt == attempts:
-                    note_attempt(error, attempt, attempts, what, transient=True)
-                    raise
-                self.stats.add_retry()
-                await asyncio.sleep(backoff(attempt - 1))
-        raise AssertionError("unreachable")
+        """``fetch()``, tried again after transient errors within the budget (``retries.retried``)."""
+        return await retried(fetch, self.budget, what, self.stats.add_retry)
 
     def is_local(self, key: Any) -> bool:
         """True for URLs on local disk or in memory. These are read by the decode thread itself
@@ -143,12 +102,17 @@ class Reader:
         """Reads a local URL for the calling (decode) thread (see ``is_local``), on a read
         thread so that a read that hangs (a stuck network mount, a FIFO) fails after the read
         timeout, as remote reads do, instead of holding the decode thread and its row for ever.
-        Not retried: a local file that did not answer within the timeout will not soon."""
+        Not retried: a local file that did not answer within the timeout will not soon. Read
+        no further than ``max_bytes`` (``/dev/zero`` is endless)."""
         started = time.perf_counter()
         fs, _ = self._filesystems[split_protocol(key)[0] or "file"]
+        path = fs._strip_protocol(key)
         self.stats.level("reads_in_flight", 1)
         try:
-            data = self._blocking.call(fs.cat_file, fs._strip_protocol(key), timeout=self.timeout)
+            if _protocol(fs) == "memory":  # held in memory already: measured after
+                data = limits.checked(fs.cat_file(path), self.max_bytes, key)
+            else:
+                data = self._blocking.call(limits.read_file, path, self.max_bytes, timeout=self.timeout)
         except Exception as error:
             note_attempt(error, 1, 1, None, transient=not isinstance(error, PERMANENT_ERRORS))
             raise
@@ -211,7 +175,7 @@ class Reader:
         if protocol not in self._filesystems:
             fs = object_store.filesystem(protocol, self.storage_options, loop=self.loop, read_timeout=self.timeout,
                                          connections=self.io_concurrency)
-            self._filesystems[protocol] = (fs, one_request_read(fs))
+            self._filesystems[protocol] = (fs, one_request_read(fs, self.max_bytes))
         return self._filesystems[protocol]
 
     async def aclose(self) -> None:
@@ -227,16 +191,20 @@ class Reader:
             self._blocking.shutdown(SHUTDOWN_WAIT_S)
 
 
-def one_request_read(fs: Any) -> Callable[..., Awaitable[bytes]] | None:
+def one_request_read(fs: Any, max_bytes: int | None = None) -> Callable[..., Awaitable[bytes]] | None:
     """How to read ``(path, start=, end=)`` from async filesystem ``fs`` in a single request
-    (None for a synchronous one): obstore's one ranged GET (``object_store.cat``), or the
-    filesystem's ``_cat_file``, told not to send s3fs's HEAD before the GET."""
+    (None for a synchronous one): obstore's one ranged GET (``object_store.cat``, which reads a
+    whole object no further than ``max_bytes``), or s3fs's ``_cat_file``, told not to send its
+    HEAD before the GET and bounded the same way (``object_store.bounded_cat``), or another
+    filesystem's ``_cat_file`` (its result is checked once read: ``Reader.read``)."""
     if object_store.is_obstore(fs):
-        return functools.partial(object_store.cat, fs)
+        return functools.partial(object_store.cat, fs, limit=max_bytes)
     if not fs.async_impl:
         return None
     if "max_concurrency" in inspect.signature(fs._cat_file).parameters:
         # s3fs sends a HEAD before the GET to split large objects; one request is enough.
+        if max_bytes is not None:
+            return functools.partial(object_store.bounded_cat, fs, max_bytes)
         return functools.partial(fs._cat_file, max_concurrency=1)
     return fs._cat_file
 
@@ -259,27 +227,6 @@ async def within(awaitable: Awaitable[Any], timeout: float) -> Any:
         if not scope.expired():
             raise  # the awaitable's own
         raise timeout_error(TIMEOUT_NAME, timeout) from None
-
-
-def note_attempt(error: BaseException, attempt: int, attempts: int, what: str | None, transient: bool) -> BaseException:
-    """Notes on ``error``, as ``read_detail``, ``what`` was read (a ranged read's bytes and URL;
-    a key is in its ``SampleError`` already) and on which attempt it failed: always after
-    transient errors ("attempt 3 of 3": the retries ran out), after permanent ones only if
-    retries came before. ``SampleError`` and ``loader.stats.failures`` show it (``describe``).
-    An attribute, not a new exception: the error keeps its type, and it pickles with it."""
-    parts = [what] if what else []
-    if transient or attempt > 1:
-        parts.append(f"attempt {attempt} of {attempts}")
-    error.read_detail = ", ".join(parts) or None  # type: ignore[attr-defined]
-    return error
-
-
-def _as_builtin(error: Exception) -> Exception | None:
-    """obstore's errors for what another try cannot fix, as the built-in errors the other fsspec
-    filesystems raise (so they are not retried and read the same); None for any other error."""
-    kind = type(error)
-    builtin = OBSTORE_PERMANENT_ERRORS.get(kind.__name__) if kind.__module__ == "obstore.exceptions" else None
-    return None if builtin is None else builtin(str(error))
 
 
 VERSION_KEYS = ("ETag", "etag", "e_tag", "version_id", "generation", "mtime", "LastModified", "last_modified", "created")

@@ -41,6 +41,7 @@ class ProcessStats(LoaderStats):
                 stage.bytes = sum(getattr(c, name).bytes for c in children)
             self.stages["decode"].cpu_seconds = sum(c.decode.cpu_seconds for c in children)
             self.retries = sum(c.retries for c in children)
+            self.retry_wait_seconds = sum(c.retry_wait_seconds for c in children)
 
     def snapshot(self) -> StatsSnapshot:
         """The parent's figures with the children's levels and CPU added."""

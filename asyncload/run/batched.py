@@ -125,7 +125,7 @@ class BatchJobs:
             if data is None:
                 started = time.perf_counter()
                 try:
-                    data = read_local(row.key, self.filler.read_other)
+                    data = read_local(row.key, self.filler.read_other, self.filler.max_bytes)
                 except Exception as error:
                     self.filler.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue

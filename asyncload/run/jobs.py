@@ -20,6 +20,7 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
+from ..io.limits import SampleTooLarge, read_bounded
 from ..stats.figures import LoaderStats
 from .slots import Slot
 from .workers import current_slot
@@ -66,17 +67,17 @@ def local_path(key: Any) -> str | None:
     return None
 
 
-def read_plain_file(key: Any) -> bytes | None:
+def read_plain_file(key: Any, limit: int | None = None) -> bytes | None:
     """The bytes of a plain path or ``file://`` URL naming a regular file; None for anything else
     (another protocol, a FIFO): the caller reads those through the reader, with its timeout."""
     path = local_path(key)
-    return read_file(path) if path is not None else None
+    return read_file(path, limit) if path is not None else None
 
 
-def read_local(key: Any, read_other: Callable[[str], bytes]) -> bytes:
-    """A local row's bytes: a plain regular file read here (``read_plain_file``), any other
-    local URL through ``read_other`` (the reader, with its timeout)."""
-    data = read_plain_file(key)
+def read_local(key: Any, read_other: Callable[[str], bytes], limit: int | None = None) -> bytes:
+    """A local row's bytes: a plain regular file read here (``read_plain_file``, at most ``limit``
+    bytes), any other local URL through ``read_other`` (the reader, with its timeout and limit)."""
+    data = read_plain_file(key, limit)
     return read_other(key) if data is None else data
 
 
@@ -85,24 +86,20 @@ def decodes_in_place(decode: Any) -> bool:
     return isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
 
 
-def read_file(path: str) -> bytes | None:
+def read_file(path: str, limit: int | None = None) -> bytes | None:
     """The whole regular file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A
     Python file object or a read of unknown size costs several times more GIL time than these
-    calls. None for anything but a regular file (a FIFO, a device): those may never answer, so
+    calls. A file over ``limit`` bytes raises ``SampleTooLarge`` unread (see ``io/limits.py``).
+    None for anything but a regular file (a FIFO, a device): those may never answer, so
     they take the reader's path, which has a timeout (opening without blocking lets us tell)."""
     fd = os.open(path, os.O_RDONLY | O_CLOEXEC | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             return None
-        size = info.st_size
-        data = os.pread(fd, size, 0) if size else b""
-        if len(data) < size or not size:  # shrank meanwhile, or a file that reports no size
-            chunks = [data]
-            while chunk := os.pread(fd, 1 << 20, sum(len(c) for c in chunks)):
-                chunks.append(chunk)
-            data = b"".join(chunks)
-        return data
+        if limit is not None and info.st_size > limit:
+            raise SampleTooLarge(path, info.st_size, limit)
+        return read_bounded(fd, info.st_size, limit, path)
     finally:
         os.close(fd)
 
@@ -117,12 +114,13 @@ class RowFiller:
 
     def __init__(self, decode: Callable[[Any], Any], epoch: int, stats: LoaderStats,
                  read_other: Callable[[str], bytes], rows_done: Callable[[Work, int], None],
-                 row_failed: Callable[[Work, int, SampleError], None]) -> None:
+                 row_failed: Callable[[Work, int, SampleError], None], max_bytes: int | None = None) -> None:
         self.decode = decode
         self.in_place = decodes_in_place(decode)
         self.epoch = epoch
         self.stats = stats
         self.read_other = read_other
+        self.max_bytes = max_bytes  # max_sample_bytes, for the files read here
         self.rows_done = rows_done
         self.row_failed = row_failed
 
@@ -146,7 +144,7 @@ class RowFiller:
             data = row.data
             if data is None:
                 try:
-                    data = read_local(row.key, self.read_other)
+                    data = read_local(row.key, self.read_other, self.max_bytes)
                 except Exception as error:
                     self.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue

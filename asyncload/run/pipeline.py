@@ -60,7 +60,8 @@ class Pipeline:
     async def _make_reader(self) -> Reader:
         return Reader(self.loop, storage_options=self.s.storage_options, timeout=self.s.read_timeout,
                       retries=self.s.read_retries, io_concurrency=self.s.io_concurrency, stats=self.stats,
-                      user_read=self.s.read if callable(self.s.read) else None)
+                      user_read=self.s.read if callable(self.s.read) else None,
+                      retry_seconds=self.s.read_retry_seconds, max_bytes=self.s.max_sample_bytes)
 
     # ----- the driver's thread (or a child's control thread) -----
 
@@ -112,7 +113,8 @@ class Pipeline:
             self.loop.create_task(self._stop(message.run))
 
     def _start(self, message: Start) -> None:
-        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done, Refetch(self).row_failed)
+        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done,
+                           Refetch(self).row_failed, max_bytes=self.s.max_sample_bytes)
         jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
         stream = None
         if message.chunks is not None:

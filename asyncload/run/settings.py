@@ -70,18 +70,15 @@ class Settings:
     max_failures: int | float
     storage_options: dict[str, Any] | None
     read_timeout: float
-    read_retries: int
+    read_retries: int | None
+    read_retry_seconds: float
+    max_sample_bytes: int | None
     decode_timeout: float | None
     normalize: tuple[Sequence[float], Sequence[float]] | None
     ring: BufferRing
     device_stage: DeviceStage | None
     stats: LoaderStats
     source_names: tuple[str, ...] | None = None  # a mix's: each sample then carries its source's number
-
-    def __post_init__(self) -> None:
-        if self.decode_timeout is not None and not self.decode_timeout > 0:
-            raise ValueError(f"decode_timeout must be a positive number of seconds or None, "
-                             f"got {self.decode_timeout!r}")
 
     def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
         """What one pipeline needs; with ``processes`` children, its share of the totals."""
@@ -91,6 +88,7 @@ class Settings:
             io_concurrency=share(self.io_concurrency, processes),
             thread_limit=None if thread_limit is None else share(thread_limit, processes),
             storage_options=self.storage_options, read_timeout=self.read_timeout, read_retries=self.read_retries,
+            read_retry_seconds=self.read_retry_seconds, max_sample_bytes=self.max_sample_bytes,
             decode_timeout=self.decode_timeout,
             trace_events=None if self.stats.tracer is None else self.stats.tracer.events.maxlen,
         )
@@ -112,7 +110,9 @@ class PipelineSettings:
     thread_limit: int | None  # with num_threads="auto": decode threads that may work at once
     storage_options: dict[str, Any] | None
     read_timeout: float
-    read_retries: int
+    read_retries: int | None
+    read_retry_seconds: float
+    max_sample_bytes: int | None
     decode_timeout: float | None = None  # seconds a decode may run before its sample fails (slots.py)
     trace_events: int | None = None  # with trace=: a child records its events and sends them with its answers
 

@@ -102,7 +102,7 @@ _TIMEOUT_AND_RETRIES = """timeout (float, optional): seconds each request to obj
             obstore's ``client_options["timeout"]``) and else 60 s, as ``AsyncLoader``'s
             ``read_timeout``. Lower it to fail fast against an endpoint that does not answer.
         retries (int, optional): how many times a failed request is tried again, after a
-            jittered pause that doubles from about 0.1 s up to 5 s. Default: ``None``, which
+            jittered pause that doubles from about 0.1 s up to 2 s. Default: ``None``, which
             takes the retries ``storage_options`` name (s3fs's
             ``config_kwargs={"retries": {"max_attempts": ...}}``, obstore's
             ``retry_config["max_retries"]``) and else 6, as ``AsyncLoader``'s
@@ -212,16 +212,38 @@ def manifest(url: str, storage_options: dict | None = None, *, timeout: float | 
         {storage errors}
     """
     data = listing.read_bytes(url, storage_options, timeout=timeout, retries=retries, what="manifest")
-    rows = [line.strip() for line in data.decode().splitlines() if line.strip()]
+    rows = _manifest_lines(data, url)
     if not rows:
         raise ValueError(f"manifest {url} lists no item (expected one 'url' or 'url<TAB>label' a line)")
-    split = [row.split("\t") if "\t" in row else row.rsplit(",", 1) if "," in row else [row] for row in rows]
+    split = [row.split("\t") if "\t" in row else row.rsplit(",", 1) if "," in row else [row] for _, row in rows]
     if all(len(parts) == 1 for parts in split):
         return Source(parts[0] for parts in split)
-    bad = [row for row, parts in zip(rows, split) if len(parts) != 2 or not parts[1].strip().lstrip("-").isdigit()]
+    bad = [(number, row) for (number, row), parts in zip(rows, split)
+           if len(parts) != 2 or not parts[1].strip().lstrip("-").isdigit()]
     if bad:
-        raise ValueError(f"{url}: expected 'url<TAB>label' with an integer label on every line, got {bad[0]!r}")
+        number, row = bad[0]
+        raise ValueError(f"{url}: expected 'url<TAB>label' with an integer label on every line, "
+                         f"got {_short(row)} on line {number}")
     return Source((parts[0] for parts in split), (int(parts[1]) for parts in split))
+
+
+def _manifest_lines(data: bytes, url: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a manifest as ``(line number, text)``, stripped: UTF-8, a leading
+    byte order mark dropped, lines ended by ``\\n`` (or ``\\r\\n``) alone. ``str.splitlines`` would
+    also split inside a URL at U+2028, U+0085 or a form feed, which are valid in object names.
+    A NUL, which no path or URL holds, means a file that is no manifest: ValueError naming the line."""
+    text = data.decode("utf-8-sig")
+    lines = text.split("\n")
+    if "\0" in text:
+        number = next(n for n, line in enumerate(lines, 1) if "\0" in line)
+        raise ValueError(f"manifest {url}: line {number} holds a NUL byte (a binary file, or not UTF-8 text?)")
+    return [(number, line.strip(" \t\r")) for number, line in enumerate(lines, 1) if line.strip(" \t\r")]
+
+
+def _short(value: str) -> str:
+    """``repr(value)`` cut to 80 characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _find(url: str, storage_options: dict | None, extensions: Sequence[str], timeout: float | None,

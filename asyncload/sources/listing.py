@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import StorageError
 from ..io import object_store
-from ..io.reader import OBSTORE_PERMANENT_ERRORS, PERMANENT_ERRORS, backoff
+from ..io.retries import OBSTORE_PERMANENT_ERRORS, PERMANENT_ERRORS, backoff
 from ..io.store_options import named_retries
 
 T = TypeVar("T")

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..autotune import AsyncGate
 from ..io.cache import ShardCache
+from ..io.retries import RangeNotSatisfiable
 from .shards import ShardSample, ShardSource
 
 if TYPE_CHECKING:
@@ -275,6 +276,28 @@ class ShardStream:
             await self.cache.aclose()
 
 
+def whole_or_failed(read_range: Any, sizes: dict[str, int]) -> Any:
+    """``read_range`` for the disk cache's downloads: a shard that ends before its index's
+    ``bytes`` fails with ``ShardTruncated`` at the first read that sees its end, and every later
+    read of it at once, with no request (a short download was downloaded again for every chunk
+    read from it: 14 times the requests)."""
+    short: dict[str, str] = {}  # url -> what is wrong with it
+
+    async def read(url: str, start: int, end: int) -> bytes:
+        if url in short:
+            raise ShardTruncated(short[url])
+        try:
+            data = await read_range(url, start, end)
+        except RangeNotSatisfiable:
+            data = b""  # it ends at or before start
+        if len(data) < end - start:
+            short[url] = f"{url} ends {'at' if data else 'at or before'} byte {start + len(data)}, but its index says it holds {sizes[url]} bytes (field 'bytes')"
+            raise ShardTruncated(short[url])
+        return data
+
+    return read
+
+
 def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int) -> ShardStream:
     """A ``ShardStream`` of ``plan`` through ``reader``'s ranged reads, and through the disk
     cache for remote shards when the source has one."""
@@ -283,9 +306,9 @@ def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, co
 
     cache = None
     if source.cache_dir is not None:
-        cache = ShardCache(source.cache_dir, source.cache_bytes, reader.read_range, source.chunk_bytes, reader.run_blocking,
-                           version=reader.version, timeout=reader.timeout)
         sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
+        cache = ShardCache(source.cache_dir, source.cache_bytes, whole_or_failed(reader.read_range, sizes),
+                           source.chunk_bytes, reader.run_blocking, version=reader.version, timeout=reader.timeout)
 
         async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
             if reader.is_local(url):

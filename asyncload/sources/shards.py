@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..io import object_store
+from . import shard_index
 from .items import Source, checked_index
 
 INDEX_NAME = "index.json"
@@ -82,6 +83,8 @@ class ShardSource(Sequence):
     many encoded samples). ``chunk_bytes``: the largest single ranged read. ``cache_dir``: keep
     remote shards on local disk, at most ``cache_bytes`` (default: the smaller of 64 GiB and half
     the disk's free space at the start of a run; see ``io/cache.py``).
+    ``allow_external_shards``: trust shard URLs outside the index's folder (another protocol or
+    bucket, an absolute path, ``..``), refused by default (see ``shard_index``).
     """
 
     read_whole = False  # True: a shard is parsed whole (a Parquet row group), one read per shard
@@ -92,14 +95,16 @@ class ShardSource(Sequence):
         base_url: str,
         *,
         storage_options: dict | None = None,
+        allow_external_shards: bool = False,
         members: str = "image",
         shuffle_buffer: int = 1000,
         chunk_bytes: int = 16 << 20,
         cache_dir: str | None = None,
         cache_bytes: int | None = None,
     ) -> None:
-        if index.get("format") != INDEX_FORMAT:
-            raise ValueError(f"{base_url}: not an asyncload shard index (format {index.get('format')!r})")
+        if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+            found = index.get("format") if isinstance(index, dict) else type(index).__name__
+            raise ValueError(f"{base_url}: not an asyncload shard index (format {str(found)[:80]!r})")
         if members not in ("image", "all"):
             raise ValueError(f"members must be 'image' or 'all', got {members!r}")
         self.storage_options = storage_options
@@ -109,31 +114,22 @@ class ShardSource(Sequence):
         self.cache_dir = cache_dir
         self.cache_bytes = cache_bytes
         self.classes = list(index.get("classes", []))
-        self._read_index(index["shards"], base_url)
+        self._read_index(index["shards"], base_url, allow_external_shards)
 
-    def _read_index(self, shards: list[dict[str, Any]], base_url: str) -> None:
-        """Flattens the index into arrays: a million samples cost tens of MB, not a GB of objects."""
-        self.urls = [_join(base_url, shard["url"]) for shard in shards]
-        self.shard_bytes = np.array([shard["bytes"] for shard in shards], dtype=np.int64)
-        counts = [len(shard["keys"]) for shard in shards]
-        self.shard_of = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
+    def _read_index(self, shards: list[dict[str, Any]], base_url: str, allow_external: bool = False) -> None:
+        """Flattens the index into arrays, checked (``shard_index``): a million samples cost tens
+        of MB, not a GB of objects."""
+        flat = shard_index.flatten(shards, base_url, allow_external)
+        self.urls = flat["urls"]
+        self.shard_bytes = flat["shard_bytes"]
+        counts = flat["counts"]
+        self.shard_of = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
         self.shard_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.keys = Source(key for shard in shards for key in shard["keys"])  # one blob, not a list of str
-        ext_ids: dict[str, int] = {}
-        member_start, member_ext, member_offset, member_size = [0], [], [], []
-        for shard in shards:
-            for sample in shard["members"]:
-                for ext, offset, size in sample:
-                    member_ext.append(ext_ids.setdefault(ext, len(ext_ids)))
-                    member_offset.append(offset)
-                    member_size.append(size)
-                member_start.append(len(member_ext))
-        self.extensions: list[str] = list(ext_ids)
-        self.member_start = np.array(member_start, dtype=np.int64)
-        self.member_ext = np.array(member_ext, dtype=np.int16)
-        self.member_offset = np.array(member_offset, dtype=np.int64)
-        self.member_size = np.array(member_size, dtype=np.int64)
-        labels = [label for shard in shards for label in shard.get("labels") or [None] * len(shard["keys"])]
+        self.keys = Source(flat["keys"])  # one blob, not a list of str
+        self.extensions: list[str] = flat["extensions"]
+        self.member_start, self.member_ext = flat["member_start"], flat["member_ext"]
+        self.member_offset, self.member_size = flat["member_offset"], flat["member_size"]
+        labels = flat["labels"]
         self.labels = None if any(label is None for label in labels) else np.array(labels, dtype=np.int64)
         ends = self.member_offset + self.member_size
         starts = self.member_start[:-1]
@@ -179,17 +175,10 @@ class ShardSource(Sequence):
         raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_MEMBERS)})")
 
 
-def _join(base_url: str, url: str) -> str:
-    """A shard URL from the index: absolute as it is, else relative to the index's folder."""
-    if "://" in url or url.startswith("/"):
-        return url
-    return posixpath.join(base_url, url)
-
-
 def tar_shards(url: str, storage_options: dict | None = None, **options: Any) -> ShardSource:
     """The shard set whose index is ``url`` (an ``index.json``, or the folder or bucket prefix that
     holds one). ``options`` are ``ShardSource``'s: ``members``, ``shuffle_buffer``,
-    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
+    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``, ``allow_external_shards``."""
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
     fs, path = object_store.url_to_fs(index_url, storage_options)
     try:

@@ -21,6 +21,7 @@ from ..io import object_store
 from .shards import INDEX_FORMAT, INDEX_NAME, LABEL_MEMBER
 
 READ_BATCH = 64  # files fetched at once while writing
+MAX_LABEL_BYTES = 64  # a .cls member holds a class number: read no more of it
 
 
 def write_shards(
@@ -125,7 +126,9 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
     """Indexes existing WebDataset-style shards (``urls``): one streaming pass over each, reading
     only the small ``.cls`` members' contents. A member ``dir/key.ext`` belongs to sample
     ``dir/key`` (the part of the name before its first dot). Writes ``index.json`` to ``out``
-    (default: beside the first shard) and returns its URL."""
+    (default: beside the first shard) and returns its URL. Shards in ``out``'s folder (or below)
+    are recorded relative to it; others by their URL, which ``tar_shards`` reads only with
+    ``allow_external_shards=True``. A GNU sparse member (``tar --sparse``) is refused, unread."""
     out = out or posixpath.join(posixpath.dirname(urls[0]), INDEX_NAME)
     base = posixpath.dirname(out)
     shards = []
@@ -135,7 +138,8 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
             with fs.open(path, "rb") as file:
                 entry = _index_shard(file, url)
             entry["bytes"] = fs.size(path)
-            relative = posixpath.relpath(url, base) if posixpath.dirname(url) == base else url
+            inside = url.startswith(base.rstrip("/") + "/") and ".." not in url.split("/")
+            relative = posixpath.relpath(url, base) if inside else url
             shards.append({"url": relative, **entry})
         index = {"format": INDEX_FORMAT, "classes": list(classes), "shards": shards}
         out_fs, out_path = clients.for_url(out)
@@ -149,6 +153,9 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
     labels: list[int | None] = []
     with tarfile.open(fileobj=file, mode="r|") as tar:
         for member in tar:
+            if member.issparse():  # before isfile(): a sparse member is a file too
+                raise ValueError(f"{url}: member {_short(member.name)} is a GNU sparse file: what the tar holds "
+                                 "is not its content, so no byte range reads it; repack the shard without --sparse")
             if not member.isfile():
                 continue
             directory, base = posixpath.split(member.name)
@@ -168,9 +175,18 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
 
 
 def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, url: str) -> int:
+    """The class number a ``.cls`` member holds; read no further than ``MAX_LABEL_BYTES``."""
     extracted = tar.extractfile(member)
-    text = extracted.read().decode().strip() if extracted is not None else ""
+    data = extracted.read(MAX_LABEL_BYTES + 1) if extracted is not None else b""
     try:
-        return int(text)
+        if len(data) > MAX_LABEL_BYTES:
+            raise ValueError
+        return int(data.decode().strip())
     except ValueError:
-        raise ValueError(f"{url}: {member.name} holds {text!r}, not an integer class") from None
+        raise ValueError(f"{url}: {_short(member.name)} holds {_short(data)}, not an integer class") from None
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` cut to 80 characters: a shard may hold anything, a message must not."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -89,6 +89,7 @@ class LoaderStats:
         self.samples = 0
         self.consumer_wait_seconds = 0.0
         self.retries = 0
+        self.retry_wait_seconds = 0.0  # time reads waited between their tries (the retry budget spent)
         self.decoded_on_cpu = 0  # samples a batched GPU decoder sent to its CPU path
         self.failures: list[Failure] = []
         self._active_seconds = 0.0
@@ -129,9 +130,11 @@ class LoaderStats:
         if self.tracer is not None and name in TRACED_LEVELS:
             self.tracer.counter(name, value)
 
-    def add_retry(self) -> None:
+    def add_retry(self, wait: float = 0.0) -> None:
+        """Counts a retry that first waits ``wait`` seconds."""
         with self._lock:
             self.retries += 1
+            self.retry_wait_seconds += wait
 
     def add_decoded_on_cpu(self, count: int) -> None:
         with self._lock:
@@ -220,7 +223,8 @@ class LoaderStats:
                       for name, level in self.levels.items()}
             snapshot = StatsSnapshot(
                 **stages, **levels, gil_late_ms=self._gil.mean_late_ms(), batches=self.batches, samples=self.samples,
-                consumer_wait_seconds=self.consumer_wait_seconds, retries=self.retries, failures=len(self.failures),
+                consumer_wait_seconds=self.consumer_wait_seconds, retries=self.retries,
+                retry_wait_seconds=self.retry_wait_seconds, failures=len(self.failures),
                 active_seconds=active, cpu_seconds=cpu, other_processes_cpu_seconds=max(0.0, system_cpu - cpu),
                 cpu_cores=usable_cores(), decoded_on_cpu=self.decoded_on_cpu, **self.limits,
             )
@@ -252,7 +256,7 @@ class LoaderStats:
         lines.append(
             f"consumer: {s.batches} batches, {s.samples} samples in {active:.2f} s "
             f"({s.samples / active:.0f}/s), waited {100 * s.consumer_wait_seconds / active:.0f} % of the time; "
-            f"CPU {s.cpu_seconds / active:.2f} cores; retries {s.retries}, failures {s.failures}"
+            f"CPU {s.cpu_seconds / active:.2f} cores; retries {s.retries} ({s.retry_wait_seconds:.1f} s waiting), failures {s.failures}"
         )
         if s.decoded_on_cpu:
             lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")

@@ -70,6 +70,9 @@ class StatsSnapshot:
     """Time the user's loop waited for a batch."""
     retries: int
     """Reads retried after a transient failure."""
+    retry_wait_seconds: float
+    """Time those retries waited before trying again (backoff): how much of the retry budget
+    (``read_retry_seconds``) storage outages and throttling have cost."""
     failures: int
     """Samples that failed (read, decode or source), skipped or raised."""
     active_seconds: float
