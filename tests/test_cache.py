@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, tar_shards, write_shards
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, tar_shards, write_parquet, write_shards
 from asyncload.io.cache_files import shard_files
 from bench.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, setup_s3fs, make_bucket
@@ -285,3 +285,72 @@ def test_a_copy_used_while_storage_was_down_is_checked_again_when_it_answers(tmp
         assert asyncio.run(read(cache)) == first
     remote["down"] = False
     assert asyncio.run(read(cache)) == bytes(2048)
+
+
+def rot(path) -> None:
+    """Overwrites ``path`` with garbage of its size, keeping its times (bit rot: the once-per-process
+    checksum, keyed by the file's modification time, does not see it)."""
+    info = path.stat()
+    path.write_bytes(os.urandom(info.st_size))
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_copy_damaged_after_its_check_is_downloaded_again(shards, s3_options, tmp_path, processes):
+    """A copy checked at its first use and damaged afterwards failed all its samples for the rest
+    of the run; now their failed decodes send it back to storage, and each is decoded again."""
+    url, _, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    assert epoch(source, s3_options) == ALL  # downloads every copy
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes) as loader:
+        assert sorted(flat(delivered(loader))) == ALL  # checks every copy (its checksum), once per process
+        damaged = copies(tmp_path)[1]
+        good, checked = damaged.read_bytes(), damaged.stat().st_mtime_ns
+        rot(damaged)
+        assert sorted(flat(delivered(loader))) == ALL  # each once, none failed
+    assert damaged.read_bytes() == good and damaged.stat().st_mtime_ns != checked, "the copy was not downloaded again"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_parquet_copy_damaged_after_its_check_is_downloaded_again(s3_options, jpeg_folder, tmp_path, processes):
+    """As above, where the damage shows as a row group that does not parse (a whole read failed)."""
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+    url = write_parquet(image_folder(str(jpeg_folder)), f"s3://asyncload-test/cache-parquet/{processes}.parquet",
+                        rows_per_group=6, storage_options=s3_options)
+    source = parquet(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    assert epoch(source, s3_options) == ALL
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes) as loader:
+        assert sorted(flat(delivered(loader))) == ALL
+        (copy,) = [path for path in tmp_path.iterdir() if path.name.endswith(".parquet")]
+        good, checked = copy.read_bytes(), copy.stat().st_mtime_ns
+        rot(copy)
+        assert sorted(flat(delivered(loader))) == ALL
+    assert copy.read_bytes() == good and copy.stat().st_mtime_ns != checked, "the copy was not downloaded again"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_an_object_bad_in_storage_fails_its_samples_without_refetching(shards, s3_options, tmp_path, processes,
+                                                                        on_error):
+    """Garbage in the bucket: its copy holds its checksum, so its samples fail (or are skipped) as
+    they would without a cache, in each epoch; the copy is downloaded once, never again."""
+    url, fs, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    bad = source.urls[2]
+    fs.pipe_file(bad[len("s3://"):], os.urandom(int(source.shard_bytes[2])))
+    copy, downloads = shard_files(tmp_path, bad).shard, set()
+    with AsyncLoader(source, batch_size=8, decode=DECODE, storage_options=s3_options, processes=processes,
+                     on_error=on_error, max_failures=10) as loader:
+        for _ in range(2):
+            if on_error == "raise":
+                with pytest.raises(SampleError, match="failed at decode") as caught:
+                    list(loader)
+                assert caught.value.item.shard == bad
+            else:
+                samples = flat(delivered(loader))
+                assert len(samples) == len(ALL) - 5 and set(samples) < set(ALL)
+                failures = loader.stats.failures[-5:]
+                assert len({error.item.key for error in failures}) == 5 and {error.item.shard for error in failures} == {bad}
+            downloads.add((copy.stat().st_ino, copy.stat().st_mtime_ns))
+    assert len(downloads) == 1, "the copy of a bad object was downloaded again"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, index_shards, tar_shards, write_shards
-from asyncload.sources.shard_stream import plan_chunks
+from asyncload.sources.shard_plan import plan_chunks
 from asyncload.order.shard_order import ShardSampler, buffer_shuffle
 from asyncload.stats.verdict import diagnose
 from bench.s3server import LatencyProxy, storage_options

@@ -14,7 +14,11 @@ small for its users). The files, their names and what the cache may touch: ``cac
 A kept shard is served only while it is what the URL holds: it must have the index's size, the
 remote object's version (its ETag, else its modification time: ``version``, asked once per run
 and shard) recorded at download, and, read whole once per process, the checksum recorded at
-download (a copy damaged on disk is downloaded again).
+download (a copy damaged on disk is downloaded again). A copy damaged after that check (bit rot
+keeps the modification time) is found when a sample read from it fails to decode: ``damaged``
+reads it whole again, once per copy and run, and deletes it if its checksum no longer holds, so the
+sample is read again from a fresh download (``ShardStream.refetched``); a copy that holds (the
+object itself is bad) lets the failure stand.
 
 The epoch goes on whatever the cache's disk does. A shard is read straight from storage, for the
 rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from . import cache_files as files
+from .cache_evict import evict, owned_bytes
 from .reader import PERMANENT_ERRORS
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
@@ -73,6 +78,7 @@ class ShardCache:
         self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
+        self._rechecks: dict[files.CopyId, asyncio.Future] = {}  # copies whose samples failed: sound?
         self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
         self._over_size = False  # the last eviction had to keep shards in use past max_bytes
         self._offline_until = 0.0  # storage could not be asked: copies are used unasked till then
@@ -80,7 +86,7 @@ class ShardCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.max_bytes = max_bytes if max_bytes is not None else default_budget(self.directory)
-            files.evict(self.directory, self.max_bytes, set())  # a run that downloads nothing cleans up too
+            evict(self.directory, self.max_bytes, set())  # a run that downloads nothing cleans up too
         except OSError as error:
             self._warn("folder", f"cannot use {error}; shards are read from storage")
             self._usable = False
@@ -100,8 +106,13 @@ class ShardCache:
         return files.shard_files(self.directory, url).shard
 
     async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
+        return (await self.read_copy(url, start, end, size))[0]
+
+    async def read_copy(self, url: str, start: int, end: int, size: int) -> tuple[bytes, files.CopyId | None]:
+        """``read_range``'s bytes, and which copy they came from (None: from storage), for
+        ``damaged`` to tell whether a sample's failed decode may be the copy's fault."""
         if url in self._bypass or not self._usable:
-            return await self.download(url, start, end)
+            return await self.download(url, start, end), None
         path = self.path(url)
         self._in_use[path] += 1
         try:
@@ -120,7 +131,20 @@ class ShardCache:
                     await self._evict(0)
         # Bypassed, or evicted by others between download and read three times (the cache is
         # too small for the processes sharing it): serve the read from storage, never fail it.
-        return await self.download(url, start, end)
+        return await self.download(url, start, end), None
+
+    async def damaged(self, url: str, size: int, copy: files.CopyId) -> bool:
+        """Whether bytes that failed to decode (or parse), read from ``copy`` of ``url``, may
+        be read again from a sound copy: ``copy`` was replaced, or is damaged and so deleted
+        (``cache_files.recheck``). Checked once per copy and run, however many samples fail."""
+        check = self._rechecks.get(copy)
+        if check is None:
+            check = self._rechecks[copy] = asyncio.ensure_future(
+                self.run_blocking(files.recheck, files.shard_files(self.directory, url), size, copy))
+        if not await asyncio.shield(check):
+            return False
+        self._checked.pop(url, None)  # the next read looks at the copy again, and downloads it
+        return True
 
     async def ensure(self, url: str, size: int) -> bool:
         """True once a current copy of ``url`` (``size`` bytes) is kept, downloaded if no
@@ -237,7 +261,7 @@ class ShardCache:
     async def _evict(self, room: int) -> None:
         """Evicts until ``room`` more bytes fit ``max_bytes``."""
         try:
-            self._over_size = await self.run_blocking(files.evict, self.directory, self.max_bytes - room,
+            self._over_size = await self.run_blocking(evict, self.directory, self.max_bytes - room,
                                                       set(self._in_use))
         except OSError as error:
             self._warn("evict", f"cannot evict: {error}")
@@ -258,5 +282,5 @@ def default_budget(directory: Path) -> int:
     """``DEFAULT_CAP``, or less: ``FREE_FRACTION`` of what the disk has free plus what the cache
     keeps already (a shared node's disk is not the cache's alone)."""
     disk = os.statvfs(directory)
-    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + files.owned_bytes(directory))))
+    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + owned_bytes(directory))))
 

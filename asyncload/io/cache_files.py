@@ -16,7 +16,8 @@ deleted, and a name of ours that is not a regular file is never followed or read
 mode 0666 less the user's umask, so users who share a group-writable folder with umask 002 can
 replace each other's shards. Least recently used means the access time, which the cache sets
 itself at each use; the modification time stays the download's, so a copy rewritten in place is
-noticed by the once-per-process content check (``current``).
+noticed by the once-per-process content check (``current``). A copy damaged after that check is
+found when one of its samples fails to decode (``recheck``).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
-# (device, inode, modification time, size, crc32) of the copies this process has read whole and
-# found equal to their recorded checksum: checked once per process and copy, not per read.
-_checked_copies: set[tuple[int, int, int, int, int]] = set()
+CopyId = tuple[int, int, int]  # a kept copy's (device, inode, modification time): which file a read came from
+
+# The copies this process has read whole and found equal to their recorded checksum, with the
+# (size, crc32) they had: checked once per process and copy, not per read (``recheck`` forgets one).
+_checked_copies: dict[CopyId, tuple[int, int]] = {}
 
 
 @dataclass(frozen=True)
@@ -96,12 +99,17 @@ def open_copy(path: Path, size: int) -> int:
     return fd
 
 
-def read_copy_range(path: Path, start: int, end: int, size: int) -> bytes:
+def read_copy_range(path: Path, start: int, end: int, size: int) -> tuple[bytes, CopyId]:
+    """Bytes ``[start, end)`` of the copy at ``path``, and which copy they came from."""
     fd = open_copy(path, size)
     try:
-        return os.pread(fd, end - start, start)
+        return os.pread(fd, end - start, start), copy_id(os.fstat(fd))
     finally:
         os.close(fd)
+
+
+def copy_id(info: os.stat_result) -> CopyId:
+    return info.st_dev, info.st_ino, info.st_mtime_ns
 
 
 def touch(path: Path, size: int) -> bool:
@@ -150,19 +158,46 @@ def current(files: ShardFiles, url: str, size: int, version: str | None) -> bool
     except OSError:
         return False
     try:
-        info = os.fstat(fd)
-        key = (info.st_dev, info.st_ino, info.st_mtime_ns, size, meta["crc32"])
-        if key in _checked_copies:
+        key = copy_id(os.fstat(fd))
+        if _checked_copies.get(key) == (size, meta["crc32"]):
             return True
-        crc = 0
-        for start in range(0, size, CHECK_BLOCK):
-            crc = zlib.crc32(os.pread(fd, min(CHECK_BLOCK, size - start), start), crc)
-        if crc != meta["crc32"]:
+        if checksum(fd, size) != meta["crc32"]:
             return False
-        _checked_copies.add(key)
+        _checked_copies[key] = (size, meta["crc32"])
         return True
     finally:
         os.close(fd)
+
+
+def checksum(fd: int, size: int) -> int:
+    crc = 0
+    for start in range(0, size, CHECK_BLOCK):
+        crc = zlib.crc32(os.pread(fd, min(CHECK_BLOCK, size - start), start), crc)
+    return crc
+
+
+def recheck(files: ShardFiles, size: int, copy: CopyId) -> bool:
+    """Whether bytes read from ``copy`` may be read again better: True if the kept copy is no
+    longer that one (replaced or evicted, by this process or another), or if it no longer has its
+    recorded checksum (damaged after ``current`` checked it, or in a way that check could not
+    see, such as bit rot that keeps the modification time): then it is deleted and forgotten, so
+    the next read downloads it again. False: the copy is what was downloaded (the object is bad)."""
+    try:
+        fd = open_copy(files.shard, size)
+    except OSError:
+        return True
+    try:
+        if copy_id(os.fstat(fd)) != copy:
+            return True
+        meta = read_meta(files.meta)
+        if meta is not None and meta.get("size") == size and meta.get("crc32") == checksum(fd, size):
+            return False
+    finally:
+        os.close(fd)
+    _checked_copies.pop(copy, None)
+    unlink(files.shard)  # a peer's fresh copy renamed in meanwhile goes too: it is downloaded again
+    unlink(files.meta)
+    return True
 
 
 def try_lock(path: Path) -> int | None:
@@ -235,67 +270,3 @@ def unlink(path: Path) -> None:
         os.unlink(path)
     except OSError:  # gone, or another user's file in a sticky folder: it ages out by them
         pass
-
-
-def _unlink_if_free(names: ShardFiles, *paths: Path) -> bool:
-    """Deletes ``paths`` while holding the shard's lock, if no process holds it (no download of
-    that shard is under way); True if it did."""
-    try:
-        fd = try_lock(names.lock)
-    except OSError:
-        return False
-    if fd is None:
-        return False
-    for path in paths:
-        unlink(path)
-    os.close(fd)
-    return True
-
-
-def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
-    """Deletes the least recently used copies in ``directory`` but ``keep`` until the copies
-    and the downloads under way there fit ``max_bytes``, and the files of ours no process needs:
-    a killed process's ``.part`` files, meta and lock files of shards no longer kept. Returns
-    whether the folder still does not fit."""
-    copies, parts, others = [], [], set()
-    for entry in os.scandir(directory):
-        match = OURS.match(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
-            continue  # not ours: never counted, never deleted
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:  # another eviction (this process's or another's) took it
-            continue
-        names, kind, path = ShardFiles(directory, match.group(1), ""), match.group(2), Path(entry.path)
-        if kind.startswith("-"):
-            copies.append((info.st_atime_ns, info.st_size, path, names))
-        elif kind.endswith(".part"):
-            parts.append((info.st_size, path, names))
-        else:
-            others.add(names)
-    total = sum(size for size, path, names in parts if not _unlink_if_free(names, path))
-    total += sum(size for _, size, _, _ in copies)
-    kept = set()
-    for _, size, path, names in sorted(copies, key=lambda copy: copy[:2]):
-        if total > max_bytes and path not in keep:
-            unlink(path)
-            unlink(names.meta)
-            total -= size
-        else:
-            kept.add(names)
-    for names in others - kept:  # a shard no longer kept: its meta, then its lock
-        _unlink_if_free(names, names.meta, names.lock)
-    return total > max_bytes
-
-
-def owned_bytes(directory: Path) -> int:
-    """Bytes of the cache's files in ``directory``: its copies and the downloads under way."""
-    total = 0
-    for entry in os.scandir(directory):
-        match = OURS.match(entry.name)
-        if match is not None and entry.is_file(follow_symlinks=False):
-            try:
-                total += entry.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
-                pass
-    return total

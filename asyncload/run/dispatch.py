@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from ..sources.shard_stream import plan_reads
+from ..sources.shard_plan import plan_reads
 from ..sources.shards import ShardSource
 from .in_flight import Batch
 from .messages import Fill, Start

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..batch.layout import SampleLayout
 from ..errors import SampleError
-from ..sources.shard_stream import ChunkPlan
+from ..sources.shard_plan import ChunkPlan
 
 # ----- driver -> pipeline -----
 

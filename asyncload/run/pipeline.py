@@ -26,6 +26,7 @@ from ..sources.shard_stream import reader_shard_stream
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
+from .refetch import Refetch
 from .run_state import RunState
 from .settings import PipelineSettings, split
 from .slots import Watchdog
@@ -52,8 +53,7 @@ class Pipeline:
         self._lock = threading.Lock()  # row counts and run states, shared by the loop and decode threads
         self._closing = False  # close() has scheduled the loop's shutdown
         self.loop_thread = LoopThread()
-        self.loop = self.loop_thread.loop
-        self.thread = self.loop_thread.thread
+        self.loop, self.thread = self.loop_thread.loop, self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(settings.reader(self.loop, stats), self.loop).result()
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
@@ -107,8 +107,8 @@ class Pipeline:
             self.loop.create_task(self._stop(message.run))
 
     def _start(self, message: Start) -> None:
-        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done, self._row_failed,
-                           max_bytes=self.s.max_sample_bytes,
+        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done,
+                           Refetch(self).row_failed, max_bytes=self.s.max_sample_bytes,
                            poisoned=lambda work: self.send(Poisoned(work.run.run, work.buffer.number)))  # a stuck decode_into
         jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
         stream = None

@@ -3,15 +3,14 @@ into runs of neighbouring samples of a shard, each run one ranged read of up to 
 fetched from the event loop a few at once; what is read ahead of the consumer is bounded by the
 shuffle buffer.
 
-The driver plans a run's reads once (``plan_reads``); with ``processes=N`` each chunk is owned
-by one process (``ChunkPlan.owned``) and the driver sends every sample to its chunk's owner, so
-a run makes the same ranged reads whatever the number of processes.
+The driver plans a run's reads once (``shard_plan.plan_reads``); with ``processes=N`` each chunk
+is owned by one process (``ChunkPlan.owned``) and the driver sends every sample to its chunk's
+owner, so a run makes the same ranged reads whatever the number of processes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,90 +18,11 @@ import numpy as np
 from ..autotune import AsyncGate
 from ..io.cache import ShardCache
 from ..io.retries import RangeNotSatisfiable
+from .shard_plan import Chunk, ChunkPlan
 from .shards import ShardSample, ShardSource
 
 if TYPE_CHECKING:
     from ..io.reader import Reader
-
-
-@dataclass
-class Chunk:
-    """One ranged read: bytes ``[start, end)`` of shard ``url``, holding samples ``indices``."""
-
-    url: str
-    start: int
-    end: int
-    indices: list[int]
-    task: asyncio.Task | None = None
-
-
-def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> list[Chunk]:
-    """Ranged reads for the samples ``wanted`` (sample numbers in the order the epoch needs them):
-    shards in the order of their first need, and within a shard runs of neighbouring samples,
-    each read at most ``chunk_bytes`` long (a sample larger than that is read alone). A source
-    that is parsed a shard at a time (``read_whole``: Parquet row groups) reads each shard's
-    wanted samples in one read of the shard."""
-    unique = np.flatnonzero(np.bincount(wanted, minlength=len(source)))  # ascending: storage order, so by shard
-    shard_of = source.shard_of[unique]
-    groups = np.split(unique, np.flatnonzero(np.diff(shard_of)) + 1) if len(unique) else []
-    shards, first_need = np.unique(source.shard_of[wanted], return_index=True)
-    group_of = dict(zip(shards.tolist(), groups))
-    chunks: list[Chunk] = []
-    for shard in shards[np.argsort(first_need, kind="stable")].tolist():
-        indices = group_of[shard]
-        if getattr(source, "read_whole", False):
-            begin, end = source.sample_begin[indices[0]], source.sample_end[indices[0]]
-            chunks.append(Chunk(source.urls[shard], int(begin), int(end), indices.tolist()))
-            continue
-        breaks = np.flatnonzero(np.diff(indices) != 1) + 1
-        for run in np.split(indices, breaks):
-            chunks.extend(_split_run(source, shard, run, chunk_bytes))
-    return chunks
-
-
-@dataclass
-class ChunkPlan:
-    """The ranged reads of one epoch run, in the order it needs them, and the samples it wants
-    more than once (DDP's padding inside the order), with how often."""
-
-    chunks: list[Chunk]
-    repeats: dict[int, int]
-
-    def owned(self, owner: int, owners: int) -> "ChunkPlan":
-        """The chunks process ``owner`` of ``owners`` reads: every ``owners``-th, so each process
-        reads its part in the epoch's order and a batch's rows spread over the processes."""
-        if owners == 1:
-            return self
-        chunks = [Chunk(c.url, c.start, c.end, c.indices) for c in self.chunks[owner::owners]]
-        mine = {index for chunk in chunks for index in chunk.indices}
-        return ChunkPlan(chunks, {index: count for index, count in self.repeats.items() if index in mine})
-
-    def owner_of(self, samples: int, owners: int) -> np.ndarray:
-        """The process that reads each sample (``owners`` processes), -1 for a sample no chunk
-        holds (padding repeats it after its chunk was read: any process reads it alone)."""
-        owner = np.full(samples, -1, dtype=np.int16)
-        for number, chunk in enumerate(self.chunks):
-            owner[chunk.indices] = number % owners
-        return owner
-
-
-def plan_reads(source: ShardSource, wanted: np.ndarray) -> ChunkPlan:
-    """The chunk plan of a run that wants the samples ``wanted``, in that order."""
-    counts = np.bincount(wanted, minlength=len(source))
-    repeated = np.flatnonzero(counts > 1)
-    return ChunkPlan(plan_chunks(source, wanted, source.chunk_bytes), dict(zip(repeated.tolist(), counts[repeated].tolist())))
-
-
-def _split_run(source: ShardSource, shard: int, run: np.ndarray, chunk_bytes: int) -> list[Chunk]:
-    chunks = []
-    begin, end = source.sample_begin[run], source.sample_end[run]
-    start = 0
-    while start < len(run):
-        stop = int(np.searchsorted(end, begin[start] + chunk_bytes, side="right"))
-        stop = max(stop, start + 1)
-        chunks.append(Chunk(source.urls[shard], int(begin[start]), int(end[stop - 1]), run[start:stop].tolist()))
-        start = stop
-    return chunks
 
 
 class ShardTruncated(ValueError):
@@ -124,12 +44,17 @@ class ShardStream:
     bytes: padding (a DDP rank that skipped samples repeats its first ones to deliver as many
     batches as the other ranks) may ask for a sample whose bytes were dropped at their last
     planned use, or, after a resume, for one delivered before and so left out of the plan.
+
+    Bytes read from a cached copy that fail (a chunk that does not parse here, a sample that does
+    not decode: ``refetched``) may be the copy's fault, damaged on disk after the cache checked
+    it: the cache checks it again (``ShardCache.damaged``) and, if it was damaged, they are read
+    once more from a fresh download; else the failure stands. Only failures pay for this.
     """
 
     def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
                  cache: Any = None, run_blocking: Any = None) -> None:
         self.source = source
-        self.read_range = read_range  # async (url, start, end) -> bytes
+        self.read_range = read_range  # async (url, start, end) -> (bytes, cached copy they came from or None)
         # where a source that parses a whole shard (Parquet) does it: off the loop, which a
         # row group's parse (tens of ms) would otherwise stall; tar's cuts stay on the loop
         self.run_blocking = run_blocking if getattr(source, "read_whole", False) else None
@@ -144,6 +69,7 @@ class ShardStream:
         self.ready: dict[int, Any] = {}  # sample -> bytes (or members), read and not yet taken
         self.failed: dict[int, BaseException] = {}
         self.waiting: dict[int, asyncio.Future] = {}
+        self.refetched_samples: set[int] = set()  # decoded again once already: a failure now stands
 
     async def get(self, sample: ShardSample) -> Any:
         index = sample.index
@@ -173,7 +99,7 @@ class ShardStream:
         start, end = int(self.source.sample_begin[index]), int(self.source.sample_end[index])
         await self.slots.acquire()
         try:
-            data = await self.read_range(url, start, end)
+            data, _ = await self.read_range(url, start, end)
         finally:
             self.slots.release()
         if len(data) < end - start:
@@ -182,6 +108,23 @@ class ShardStream:
         if isinstance(sample, BaseException):
             raise sample
         return sample
+
+    async def refetched(self, index: int) -> Any:
+        """Sample ``index`` read again, once, after its decode failed, if the bytes came from a
+        cached copy that turned out damaged (see the class); None: the failure stands."""
+        number = int(self.chunk_of[index])
+        if self.cache is None or number < 0 or index in self.refetched_samples:
+            return None
+        self.refetched_samples.add(index)
+        if not await self._copy_damaged(self.chunks[number]):
+            return None
+        return await self._read_again(index)
+
+    async def _copy_damaged(self, chunk: Chunk) -> bool:
+        if chunk.copy is None or self.cache is None:
+            return False
+        size = int(self.source.shard_bytes[int(self.source.shard_of[chunk.indices[0]])])
+        return await self.cache.damaged(chunk.url, size, chunk.copy)
 
     def _take(self, index: int) -> Any:
         more = self.repeats.get(index, 1) - 1
@@ -199,17 +142,12 @@ class ShardStream:
 
     async def _fetch(self, chunk: Chunk) -> None:
         try:
-            await self.slots.acquire()
             try:
-                data = await self.read_range(chunk.url, chunk.start, chunk.end)
-            finally:
-                self.slots.release()
-            if len(data) < chunk.end - chunk.start:
-                raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
-            if self.run_blocking is not None:
-                samples = await self.run_blocking(self.source.split_chunk, memoryview(data), chunk.start, chunk.indices)
-            else:
-                samples = self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
+                samples = await self._read_chunk(chunk)
+            except Exception:
+                if not await self._copy_damaged(chunk):
+                    raise
+                samples = await self._read_chunk(chunk)  # from a fresh download, once
         except asyncio.CancelledError:
             raise
         except BaseException as error:
@@ -221,6 +159,18 @@ class ShardStream:
                 self._settle(index, error=sample)
             else:
                 self._settle(index, sample)
+
+    async def _read_chunk(self, chunk: Chunk) -> dict[int, Any]:
+        await self.slots.acquire()
+        try:
+            data, chunk.copy = await self.read_range(chunk.url, chunk.start, chunk.end)
+        finally:
+            self.slots.release()
+        if len(data) < chunk.end - chunk.start:
+            raise ShardTruncated(f"{chunk.url} ends at byte {chunk.start + len(data)}, its index has samples up to byte {chunk.end}")
+        if self.run_blocking is not None:
+            return await self.run_blocking(self.source.split_chunk, memoryview(data), chunk.start, chunk.indices)
+        return self.source.split_chunk(memoryview(data), chunk.start, chunk.indices)
 
     def _settle(self, index: int, sample: Any = None, error: BaseException | None = None) -> None:
         if error is not None:
@@ -270,16 +220,18 @@ def whole_or_failed(read_range: Any, sizes: dict[str, int]) -> Any:
 def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int) -> ShardStream:
     """A ``ShardStream`` of ``plan`` through ``reader``'s ranged reads, and through the disk
     cache for remote shards when the source has one."""
-    read_range = reader.read_range
+    async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
+        return await reader.read_range(url, start, end), None
+
     cache = None
     if source.cache_dir is not None:
         sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
         cache = ShardCache(source.cache_dir, source.cache_bytes, whole_or_failed(reader.read_range, sizes),
                            source.chunk_bytes, reader.run_blocking, version=reader.version, timeout=reader.timeout)
 
-        async def read_range(url: str, start: int, end: int) -> bytes:
+        async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
             if reader.is_local(url):
-                return await reader.read_range(url, start, end)
-            return await cache.read_range(url, start, end, sizes[url])
+                return await reader.read_range(url, start, end), None
+            return await cache.read_copy(url, start, end, sizes[url])
 
     return ShardStream(source, plan, read_range, concurrent_reads, cache=cache, run_blocking=reader.run_blocking)
