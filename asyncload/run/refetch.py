@@ -11,21 +11,33 @@ download, and the row is decoded again; else the failure stands. Only failures t
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any, Coroutine, Protocol
 
 from ..errors import SampleError
 from ..sources.shards import ShardSample
 from .jobs import Row, Work
-from .settings import split
+from .run_state import RunState
+from .settings import PipelineSettings, split
+from .threads import LoopThread
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+
+class Rows(Protocol):
+    """What a retry needs of the pipeline (``pipeline.py``, which imports this module)."""
+
+    s: PipelineSettings
+    loop_thread: LoopThread
+
+    def _row_failed(self, work: Work, row: int, error: SampleError) -> None: ...
+
+    def _rows_done(self, work: Work, count: int) -> None: ...
+
+    def _spawn(self, run: RunState, coroutine: Coroutine[Any, Any, None]) -> Any: ...
 
 
 class Refetch:
     """``row_failed`` for a pipeline's ``RowFiller``: the pipeline's own, after the retry above."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Rows) -> None:
         self.p = pipeline
 
     def row_failed(self, work: Work, row: int, error: SampleError) -> None:
