@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 
-from asyncload import AsyncLoader, StorageError, image_folder, list_files, manifest
+from asyncload import AsyncLoader, StorageError, image_folder, list_files, manifest, tar_shards
 from asyncload.io import object_store
 from asyncload.io.store_options import obstore_settings
 from bench.s3server import storage_options
@@ -161,3 +161,19 @@ def test_a_prefix_without_images_in_class_folders_is_a_value_error(s3_options, l
     assert raised(ValueError, image_folder, loose, storage_options=options).endswith(
         "found only 1 at its top level, in no class folder")
     assert list(list_files(loose, storage_options=options)) == [f"{loose}/0.jpg"]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_shard_index_on_a_silent_endpoint_fails_after_the_timeout_and_retries_given(silent_endpoint, client):
+    """tar_shards read its index with the client's own terms: still waiting after 75 s."""
+    options, accepted = silent_endpoint
+    error, seconds = storage_error(tar_shards, "s3://bucket/train", storage_options={**options, "client": client},
+                                   timeout=1, retries=1)
+    assert 2 <= seconds < 8
+    assert str(error).startswith("reading s3://bucket/train/index.json failed after 2 attempts: ")
+    assert len(accepted) == 2
+
+
+def test_a_missing_shard_index_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"shard index {tmp_path}/index.json not found"):
+        tar_shards(str(tmp_path))

@@ -28,8 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..io import object_store
-from . import shard_index
+from . import listing, shard_index
 from .items import Source, checked_index
 
 INDEX_NAME = "index.json"
@@ -175,14 +174,16 @@ class ShardSource(Sequence):
         raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_MEMBERS)})")
 
 
-def tar_shards(url: str, storage_options: dict | None = None, **options: Any) -> ShardSource:
+def tar_shards(url: str, storage_options: dict | None = None, *, timeout: float | None = None,
+               retries: int | None = None, **options: Any) -> ShardSource:
     """The shard set whose index is ``url`` (an ``index.json``, or the folder or bucket prefix that
-    holds one). ``options`` are ``ShardSource``'s: ``members``, ``shuffle_buffer``,
-    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``, ``allow_external_shards``."""
+    holds one). The index is read now, as ``image_folder`` lists: each request ends after
+    ``timeout`` seconds (default: the loader's ``read_timeout``), tried ``1 + retries`` times
+    (default 6 retries, or what ``storage_options`` name); then ``StorageError`` naming the URL
+    and the attempts, or ``FileNotFoundError`` where there is no index. ``options`` are
+    ``ShardSource``'s: ``members``, ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
+    ``cache_bytes``, ``allow_external_shards``."""
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
-    fs, path = object_store.url_to_fs(index_url, storage_options)
-    try:
-        index = json.loads(fs.cat_file(path))
-    finally:
-        object_store.release(fs)
+    data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")
+    index = json.loads(data)
     return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)
