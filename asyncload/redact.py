@@ -20,27 +20,33 @@ REDACTED_CHARS = 20_000  # text beyond this is cut before redacting: no regex ru
 
 # Names whose values are secrets: query parameters, options, ``name=value`` in a client's text.
 # Every repetition before the secret's name is bounded: a 20,000-character key costs linear time.
-# Matched inside a longer name too (X-Amz-Credential, sas_token, aws_secret_access_key).
-_SECRET_WORDS = r"credential|token|secret|passw|pwd|authorization|session|sas|private|api_?key|access_?key|account_?key"
+# Matched inside a longer name too (X-Amz-Credential, sas_token, aws_secret_access_key); the short
+# words that are also parts of other words only between '_', '-' or the name's ends (nasa_sas, not
+# Kansas), and "private" only as a private key's (a ``private: true`` setting is no secret).
+_SECRET_WORDS = (r"credential|token|secret|passw|pwd|authorization|(?<![a-z0-9])(?:session|sas)(?![a-z0-9])"
+                 r"|private[_\-]?key|api[_\-]?key|access[_\-]?key|account[_\-]?key")
 _SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS})|^(?:key|username)$")  # an option's (not skip_signature)
 
 # A query parameter, plain or percent-encoded (a client's text may quote the URL it built: %3F, %26, %3D).
 _QUERY = re.compile(rf"""(?i)((?:[?&;]|%3F|%26)[\w.\-]{{0,64}}?(?:{_SECRET_WORDS}|sig|key)[\w.\-]{{0,64}}?(?:=|%3D))
-                         (?:[^&#\s'"<>%]|%(?!26)[0-9a-f]{{2}})+""", re.X)
+                         (?:[^&#;\s'"<>%]|%(?!26)[0-9a-f]{{2}})+""", re.X)
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]{0,30}://)[^/@\s'\"<>]{1,256}@")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[\w.~+/\-]+=*")
 # 'name': 'value', "name": "value", name='value', name=value: a dict's repr, a client's config dump.
 _NAMED = re.compile(rf"""(?ix)
     (['"]?)\b([\w\-]{{0,40}}?(?:{_SECRET_WORDS}|signature)[\w\-]{{0,40}}|key)\1   # a secret's name
     (\s*[:=]\s*)                                                         # : or =
-    (?!(?:bearer|basic)\s)(Some\()?('[^']*'|"[^"]*"|[^\s,;&)}}\]'"]+)   # its value (a Bearer's is hidden)
+    (?!(?:bearer|basic)\s|\*\*\*)(Some\()?('[^']*'|"[^"]*"|[^\s,;&#)}}\]'"]+)   # its value (a Bearer's is hidden)
 """)
-_TOKENS = re.compile(r"\b(?:ya29\.[\w\-]+|(?:AKIA|ASIA)[0-9A-Z]{16}|eyJ[\w\-]+\.[\w\-]+\.[\w\-]+)")
+# Google OAuth, AWS access key ids, JWTs, GitHub's tokens.
+_TOKENS = re.compile(r"\b(?:ya29\.[\w\-]+|(?:AKIA|ASIA)[0-9A-Z]{16}|eyJ[\w\-]+\.[\w\-]+\.[\w\-]+"
+                     r"|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,})")
 # What any of them needs, lower case: most texts (a plain URL, a number) hold none, and a plain
 # substring test is cheap (0.6 us for a URL, where one case-blind regex costs 6 us and the five
 # above 14 us), so a trace of 100,000 keys writes about as fast as unredacted.
 _CLUES = ("?", "&", ";", "@", "%3f", "%26", "bearer", "basic", "ya29", "akia", "asia", "eyj", "credential", "token",
-          "secret", "passw", "pwd", "authorization", "session", "sas", "private", "key", "sig")
+          "secret", "passw", "pwd", "authorization", "session", "sas", "key", "sig", "ghp_", "gho_", "ghu_", "ghs_",
+          "ghr_", "github_pat_")
 
 
 def redact(text: str) -> str:
@@ -69,11 +75,17 @@ def _has_clue(lower: str) -> bool:
 
 def _hide_named(match: re.Match) -> str:
     quote, name, separator, some, value = match.groups()
-    # A bare ``key:`` is prose ("Configuration key: 'x'"); quoted, or ``key=``, it is an option.
-    if name.lower() == "key" and not quote and "=" not in separator:
+    before = match.string[match.start(2) - 1 : match.start(2)]
+    # A bare ``key:`` is prose ("Configuration key: 'x'"); quoted, ``key=``, or the end of a longer
+    # name (``X-Api-Key:``), it is an option.
+    if name.lower() == "key" and not quote and "=" not in separator and before != "-":
         return match.group(0)
+    rest = ""
+    if before == "/" and not quote:  # a path's segment (data/tokenizer=bpe/x.jpg): the path goes on
+        value, slash, rest = value.partition("/")
+        rest = slash + rest
     hidden = repr(HIDDEN) if value[0] in "'\"" else HIDDEN
-    return f"{quote}{name}{quote}{separator}{some or ''}{hidden}"
+    return f"{quote}{name}{quote}{separator}{some or ''}{hidden}{rest}"
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:

@@ -5,6 +5,7 @@ without a huge intermediate. Memory is measured in a child process under an addr
 
 import io
 import pickle
+import struct
 import threading
 
 import cv2
@@ -243,3 +244,46 @@ def test_without_skip_the_bomb_raises_a_sample_error_naming_it(tmp_path, process
         list(loader)
     assert caught.value.item == str(bomb) and caught.value.stage == "decode"
     assert "32768x32768 pixels" in str(caught.value) and "max_pixels=" in str(caught.value)
+
+
+def _with_box_before_codestream(data: bytes, kind: bytes, payload: bytes) -> bytes:
+    codestream = data.index(b"jp2c") - 4  # cv2's JP2: signature, ftyp, jp2h, jp2c, each with a 32-bit length
+    return data[:codestream] + struct.pack(">I4s", 8 + len(payload), kind) + payload + data[codestream:]
+
+
+def _siz(width: int, height: int) -> bytes:
+    return b"\xff\x4f\xff\x51" + struct.pack(">HHIIII", 41, 0, width, height, 0, 0)
+
+
+def test_a_jpeg2000_size_is_read_where_openjpeg_reads_it_not_from_a_fake_siz_before_it():
+    """A 10x10 SIZ in an 'xml ' box before the codestream was read as the size, while OpenJPEG
+    decodes the real one: the limit was bypassed (a 3000x3000 image under max_pixels=1M)."""
+    data = cv2.imencode(".jp2", IMAGE)[1].tobytes()
+    faked = _with_box_before_codestream(data, b"xml ", b"<x>" + _siz(10, 10) + b"</x>")
+    assert cv2.imdecode(np.frombuffer(faked, np.uint8), cv2.IMREAD_COLOR_RGB).shape[:2] == (64, 96)
+    assert header_size(faked)[:2] == (64, 96)
+    with pytest.raises(ImageTooLarge, match="96x64 pixels"):
+        ImageDecoder(16, max_pixels=1000)(faked)
+    # the header box's size counts too, the larger of the two
+    ihdr = data.index(b"ihdr") + 4
+    taller = data[:ihdr] + struct.pack(">II", 640, 96) + data[ihdr + 8 :]
+    assert header_size(taller)[:2] == (640, 96)
+    with pytest.raises(ValueError, match="jpeg2000 header without a readable size: no jp2c box"):
+        header_size(data[: data.index(b"jp2c") - 4])
+    with pytest.raises(ValueError, match="jp2c box not starting with a SIZ"):
+        header_size(data.replace(b"jp2c\xff\x4f", b"jp2c\x00\x4f"))
+
+
+def test_other_headers_take_their_sizes_only_where_the_format_puts_them():
+    # PAM: a WIDTH in a comment is no field; a repeated one is the larger (OpenCV keeps the last)
+    pam = b"P7\n# WIDTH 10 HEIGHT 10\nWIDTH 3\nHEIGHT 2\nWIDTH 3000\nDEPTH 1\nMAXVAL 255\nTUPLTYPE GRAYSCALE\nENDHDR\n"
+    assert header_size(pam + bytes(6000))[:2] == (2, 3000)
+    # Radiance: the resolution line right after the header, not one found further on
+    hdr = cv2.imencode(".hdr", IMAGE.astype(np.float32))[1].tobytes()
+    end = hdr.index(b"\n\n") + 2
+    with pytest.raises(ValueError, match="radiance header without a readable size"):
+        header_size(hdr[:end] + b"garbage\n\n-Y 1 +X 1\n" + hdr[end:])
+    # big-endian BigTIFF with LONG8 (type 16) sizes: the high half was read as the size, 0x0
+    entries = b"".join(struct.pack(">HHQQ", tag, 16, 1, 3000) for tag in (256, 257))
+    bigtiff = b"MM\0+" + struct.pack(">HHQQ", 8, 0, 16, 2) + entries + struct.pack(">Q", 0)
+    assert header_size(bigtiff)[:2] == (3000, 3000)

@@ -35,9 +35,10 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _torchvision_works(
 
 def test_split_sends_what_nvjpeg_cannot_decode_to_the_cpu():
     datas = [encoded(photo, variant) for photo, variant in MIXED] + [b"", b"\xff\xd8\xff junk"]
-    gpu_rows, cpu_rows = GpuImageDecoder.split(datas)
+    gpu_rows, cpu_rows, pixels = GpuImageDecoder.split_sized(datas, None)
     assert gpu_rows == [0, 1, 2, 3, 8]
     assert cpu_rows == [4, 5, 6, 7, 9, 10]
+    assert set(pixels) <= set(range(len(datas))) and set(gpu_rows) <= set(pixels)
 
 
 def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
@@ -46,7 +47,7 @@ def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
     whole = encoded("china", "jpeg_q90_420")
     truncated = whole[: len(whole) * 2 // 3]
     padded = whole + b"\0" * 8  # zeros after EOI, as some writers leave: still whole
-    gpu_rows, cpu_rows = GpuImageDecoder.split([whole, truncated, padded])
+    gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized([whole, truncated, padded], None)
     assert gpu_rows == [0, 2] and cpu_rows == [1]
     decoder = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
@@ -162,8 +163,8 @@ def test_a_jpeg_over_the_limit_goes_to_the_cpu_which_reduces_it_or_fails_it_alon
     bomb = jpeg_claiming(65500, 65500)  # progressive: refused at any scale
     large = _large_baseline_jpeg()  # 4 M pixels: over 1 M at full size, 250 k at 1/4
     datas = [good, bomb, large, good]
-    assert GpuImageDecoder.split(datas, max_pixels=1_000_000) == ([0, 3], [1, 2])
-    assert GpuImageDecoder.split(datas) == ([0, 1, 2, 3], [])  # no limit: a valid header goes to nvJPEG
+    assert GpuImageDecoder.split_sized(datas, max_pixels=1_000_000)[:2] == ([0, 3], [1, 2])
+    assert GpuImageDecoder.split_sized(datas, None)[:2] == ([0, 1, 2, 3], [])  # no limit: a valid header goes to nvJPEG
     out = torch.full((4, 64, 64, 3), 7, dtype=torch.uint8)
     decoder = GpuImageDecoder(64, device="cpu", decode_jpegs=jpeg_decode_on_cpu, max_pixels=1_000_000)
     result = decoder.decode_batch(datas, [None] * 4, out)

@@ -88,6 +88,38 @@ def test_permanent_errors_are_not_retried():
     assert store.calls[0] == 1 and loader.stats.retries == 0
 
 
+@pytest.mark.parametrize("error", [KeyError("missing"), AttributeError("no attribute 'x'"), IndexError("out of range"),
+                                   RuntimeError("a bug")], ids=lambda error: type(error).__name__)
+def test_a_programming_error_in_a_read_fails_at_once(error):
+    """Everything not known as transient was retried: a KeyError in a user's read for 60 s, 45
+    tries, reported as "storage failed for 60.0 s". Only the system's, the network's and the
+    storage clients' errors are retried."""
+    store = FlakyStore(failures=10, error=error)
+    with loader_for(store) as loader:  # the default budget: 60 s of retries
+        with pytest.raises(SampleError) as caught:
+            list(loader)
+    assert str(caught.value) == f"sample 0 failed at read: {type(error).__name__}: {error}"
+    assert store.calls[0] == 1 and loader.stats.retries == 0
+
+
+def test_the_storage_clients_transient_errors_are_retried():
+    import aiohttp
+    import obstore.exceptions
+
+    from asyncload.io.blocking import StuckCalls
+    from asyncload.io.retries import is_transient
+
+    for error in (obstore.exceptions.GenericError("connection refused"), aiohttp.ServerDisconnectedError(),
+                  StuckCalls("stuck"), TimeoutError("timed out"), ConnectionRefusedError()):
+        assert is_transient(error), error
+    for error in (obstore.exceptions.PermissionDeniedError("denied"), FileNotFoundError("gone"), KeyError("k")):
+        assert not is_transient(error), error
+    store = FlakyStore(failures=2, error=obstore.exceptions.GenericError("connection refused"))
+    with loader_for(store, read_retries=3) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+    assert loader.stats.retries == 12
+
+
 @pytest.mark.parametrize("processes", [0, 2])
 @pytest.mark.parametrize("read", [SleepsOn(4, 0.6), AsyncSleepsOn(4, 3600)], ids=["sync", "async"])
 def test_a_read_that_times_out_says_after_how_long_and_on_which_attempt(read, processes):

@@ -67,6 +67,26 @@ def test_redact_hides_the_values_and_keeps_the_rest(text, kept):
         assert part in redacted, redacted
 
 
+@pytest.mark.parametrize(
+    "text, redacted",
+    [
+        ("X-Api-Key: abcd1234", "X-Api-Key: ***"),  # "Key" alone was taken for the prose "key:"
+        ("token ghp_abcdefghijklmnopqrstuvwxyz0123456789 used", "token *** used"),
+        # what is not a secret stays whole
+        ("sample 'data/tokenizer=bpe/x.jpg' failed", "sample 'data/tokenizer=***/x.jpg' failed"),
+        ("AccountName=a;AccountKey=c2VjcmV0==;EndpointSuffix=core.windows.net",
+         "AccountName=a;AccountKey=***;EndpointSuffix=core.windows.net"),
+        ("https://cdn/x.jpg?token=abc#frag", "https://cdn/x.jpg?token=***#frag"),
+        ("Kansas=1 nasa_sas=3 sas=4", "Kansas=1 nasa_sas=*** sas=***"),
+        ("private: true, private_key: 'k', session: 5", "private: true, private_key: '***', session: ***"),
+        # a secret's value with '/' is hidden whole where it is no path's segment
+        ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCY", "AWS_SECRET_ACCESS_KEY=***"),
+    ],
+)
+def test_redact_hides_whole_secrets_and_nothing_else(text, redacted):
+    assert redact(text) == redacted
+
+
 def test_options_show_their_keys_not_their_secrets():
     options = {"endpoint_url": "http://s3", "key": "AKIDEXAMPLE", "secret": TOKEN, "anon": False,
                "client_kwargs": {"region_name": "eu"}, "config": {"aws_session_token": TOKEN}}

@@ -146,3 +146,9 @@ def test_a_bad_manifest_line_is_named_by_number_and_cut_short(tmp_path):
     (tmp_path / "bad.csv").write_text("x.jpg,1\n" + "y" * 500 + ".jpg,one\n")
     message = raised(ValueError, manifest, str(tmp_path / "bad.csv"))
     assert message.endswith("yyy... on line 2") and len(message) < 300
+
+
+def test_a_bad_manifest_line_shows_no_secret(tmp_path):
+    (tmp_path / "bad.csv").write_text("x.jpg,1\nhttps://h/y.jpg?X-Amz-Signature=5ecret0123,one\n")
+    message = raised(ValueError, manifest, str(tmp_path / "bad.csv"))
+    assert "5ecret0123" not in message and "y.jpg?X-Amz-Signature=***" in message, message

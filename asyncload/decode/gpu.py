@@ -145,17 +145,11 @@ class GpuImageDecoder:
         return BatchResult(failures, event, sorted(cpu_rows))
 
     @staticmethod
-    def split(datas: Sequence[bytes], max_pixels: int | None = None) -> tuple[list[int], list[int]]:
-        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs, within
-        ``max_pixels``) and the others. A JPEG that does not end with its EOI marker is truncated:
-        nvJPEG may decode what is there without a word, so it goes to the CPU path, whose strict
-        libjpeg raises the clear error."""
-        gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized(datas, max_pixels)
-        return gpu_rows, cpu_rows
-
-    @staticmethod
     def split_sized(datas: Sequence[bytes], max_pixels: int | None) -> tuple[list[int], list[int], dict[int, int]]:
-        """``split``, and the pixels of each nvJPEG row (from its header)."""
+        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs, within
+        ``max_pixels``), the others, and the pixels of each nvJPEG row (from its header). A JPEG
+        that does not end with its EOI marker is truncated: nvJPEG may decode what is there
+        without a word, so it goes to the CPU path, whose strict libjpeg raises the clear error."""
         gpu_rows, cpu_rows, pixels = [], [], {}
         for row, data in enumerate(datas):
             if bytes(data[:3]) != JPEG_MAGIC or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 
 def _png(data: bytes) -> tuple[int, int]:
@@ -46,6 +46,9 @@ def _webp(data: bytes) -> tuple[int, int]:
     raise ValueError(f"WebP without a VP8/VP8L/VP8X chunk ({chunk!r})")
 
 
+_TIFF_INTEGERS = {3: "H", 4: "I", 16: "Q"}  # another type for a size: a KeyError, no readable size
+
+
 def _tiff(data: bytes) -> tuple[int, int]:
     order = "<" if data[:2] == b"II" else ">"
     big = struct.unpack(order + "H", data[2:4])[0] == 43  # BigTIFF: 8-byte offsets and counts
@@ -56,18 +59,19 @@ def _tiff(data: bytes) -> tuple[int, int]:
     start = offset + struct.calcsize(order + count_format)
     for number in range(min(count, 4096)):  # the first page's directory: what OpenCV decodes
         tag, kind, _, value = struct.unpack_from(order + entry_format, data, start + number * entry_size)
-        if tag in (256, 257):  # ImageWidth, ImageLength: SHORT (3) or LONG (4)
-            fields[tag] = struct.unpack_from(order + ("H" if kind == 3 else "I"), value)[0]
+        if tag in (256, 257):  # ImageWidth, ImageLength: SHORT (3), LONG (4) or LONG8 (16, BigTIFF)
+            fields[tag] = struct.unpack_from(order + _TIFF_INTEGERS[kind], value)[0]
     return fields[257], fields[256]
 
 
 def _netpbm(data: bytes) -> tuple[int, int]:
-    head = data[:1024]
-    if head[:2] == b"P7":  # PAM: WIDTH and HEIGHT lines
-        width = int(re.search(rb"\bWIDTH\s+(\d+)", head).group(1))
-        height = int(re.search(rb"\bHEIGHT\s+(\d+)", head).group(1))
+    head = re.sub(rb"#[^\n]*", b" ", data[:1024])  # comments hold no fields
+    if head[:2] == b"P7":  # PAM: WIDTH and HEIGHT lines before ENDHDR (OpenCV keeps the last: the larger counts)
+        lines = [line.split() for line in head[: head.index(b"ENDHDR")].splitlines()]
+        width = max(int(line[1]) for line in lines if line[:1] == [b"WIDTH"])
+        height = max(int(line[1]) for line in lines if line[:1] == [b"HEIGHT"])
         return height, width
-    tokens = re.sub(rb"#[^\n]*", b" ", head[2:]).split()  # P1-P6 and PF/Pf: width height
+    tokens = head[2:].split()  # P1-P6 and PF/Pf: width height, the first tokens after the magic
     return int(tokens[1]), int(tokens[0])
 
 
@@ -77,18 +81,55 @@ def _sun_raster(data: bytes) -> tuple[int, int]:
 
 
 def _radiance(data: bytes) -> tuple[int, int]:
-    match = re.search(rb"\n\n([-+][YX]) (\d+) ([-+][YX]) (\d+)", data[:65536])
+    # the resolution line right after the header's end (its first empty line), as OpenCV reads it
+    end = data.find(b"\n\n", 0, 65536)
+    match = re.compile(rb"([-+][YX]) (\d+) ([-+][YX]) (\d+)").match(data, end + 2) if end >= 0 else None
     first, second = int(match.group(2)), int(match.group(4))
     return (first, second) if match.group(1)[1:] == b"Y" else (second, first)
 
 
 def _jpeg2000(data: bytes) -> tuple[int, int]:
-    # the codestream's SIZ segment (what OpenJPEG allocates from), raw or inside the jp2c box
-    siz = data.find(b"\xff\x4f\xff\x51")
-    if siz < 0:
-        raise ValueError("no SIZ segment")
-    width, height, left, top = struct.unpack(">IIII", data[siz + 8 : siz + 24])
+    # Sizes only where the format puts them, as OpenJPEG reads them: a raw codestream's SIZ at its
+    # start; in a JP2 file, the SIZ at the start of the first 'jp2c' box's payload and the 'ihdr'
+    # box in 'jp2h'. A SIZ searched for anywhere could be a fake one in an earlier box (an 'xml '
+    # box), read as 10x10 while the real codestream decodes at 3000x3000. The larger size counts.
+    if data[:4] == _SOC_SIZ:
+        return _siz(data, 0)
+    sizes = []
+    for kind, start, end in _boxes(data, 0, len(data)):
+        if kind == b"jp2h":
+            for inner, at, _ in _boxes(data, start, end):
+                if inner == b"ihdr":
+                    sizes.append(struct.unpack(">II", data[at : at + 8]))  # HEIGHT, WIDTH
+        elif kind == b"jp2c":
+            if data[start : start + 4] != _SOC_SIZ:
+                raise ValueError("jp2c box not starting with a SIZ segment")
+            sizes.append(_siz(data, start))
+            return max(height for height, _ in sizes), max(width for _, width in sizes)
+    raise ValueError("no jp2c box")  # OpenJPEG decodes the first codestream: none here
+
+
+_SOC_SIZ = b"\xff\x4f\xff\x51"  # start of codestream, then the image and tile size segment
+
+
+def _siz(data: bytes, at: int) -> tuple[int, int]:
+    width, height, left, top = struct.unpack(">IIII", data[at + 8 : at + 24])  # Xsiz Ysiz XOsiz YOsiz
     return height - top, width - left
+
+
+def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(type, payload start, payload end) of each ISO/JP2 box from ``start`` to ``end``."""
+    while start + 8 <= end:
+        length, kind = struct.unpack(">I4s", data[start : start + 8])
+        header = 8
+        if length == 1:  # a 64-bit length follows
+            length, header = struct.unpack(">Q", data[start + 8 : start + 16])[0], 16
+        elif length == 0:  # the box runs to the end
+            length = end - start
+        if length < header:
+            raise ValueError(f"box {kind!r} of {length} bytes")
+        yield kind, start + header, min(start + length, end)
+        start += length
 
 
 def _avif(data: bytes) -> tuple[int, int]:

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-# Errors that another try cannot fix. Anything else (timeouts, resets, throttling, 5xx) is retried.
+from .blocking import StuckCalls
+
+# Errors that another try cannot fix, though some are OSErrors. Checked first.
 PERMANENT_ERRORS = (
     FileNotFoundError,
     PermissionError,
@@ -37,6 +39,18 @@ OBSTORE_PERMANENT_ERRORS = {
     "UnknownConfigurationKeyError": ValueError,
     "NotSupportedError": NotImplementedError,
 }
+# Errors another try may fix: the system's and the network's (OSError holds ConnectionError and
+# TimeoutError, so resets, refusals and the read timeout), a pool whose calls are stuck on storage,
+# and the storage clients' own (obstore's GenericError, botocore's EndpointConnectionError, aiohttp's
+# ServerDisconnectedError: from a module of these packages). Anything else (a KeyError in a user's
+# ``read``) is a bug or bad input that fails at once: retried, it would fail for a minute, and be
+# reported as "storage failed for 60.0 s".
+TRANSIENT_ERRORS = (OSError, asyncio.TimeoutError, StuckCalls)
+CLIENT_PACKAGES = frozenset({"obstore", "botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http",
+                             "google", "azure", "fsspec", "s3fs", "gcsfs", "adlfs", "ocifs", "huggingface_hub"})
+# The clients' errors of configuration, which no try fixes.
+CLIENT_PERMANENT_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ParamValidationError",
+                                    "NoRegionError", "UnknownServiceError"})
 RANGE_PAST_END = re.compile(r"status code: 416|Range Not Satisfiable", re.IGNORECASE)
 MAX_STEP_S = 2.0  # the backoff's cap: a server back from a restart is seen within 2 s
 MIN_TIMED_RETRIES = 2  # retries a read gets under a time budget even once the budget is spent
@@ -91,6 +105,9 @@ async def retried(fetch: Callable[[], Awaitable[Any]], budget: RetryBudget, what
             permanent = as_builtin(error)
             if permanent is not None:
                 raise note_attempt(permanent, attempt, budget, what, transient=False) from error
+            if not is_transient(error):
+                note_attempt(error, attempt, budget, what, transient=False)
+                raise
             failing_for = time.monotonic() - started
             pause = budget.wait(attempt, failing_for)
             if pause is None:
@@ -121,6 +138,18 @@ def note_attempt(error: BaseException, attempt: int, budget: RetryBudget | int, 
     error.read_attempts = attempt  # type: ignore[attr-defined]
     error.read_failing_s = failing_for  # type: ignore[attr-defined]
     return error
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether another try may fix ``error`` (not one of ``PERMANENT_ERRORS``): one of
+    ``TRANSIENT_ERRORS``, or a storage client's own error other than one of configuration."""
+    if isinstance(error, PERMANENT_ERRORS):
+        return False
+    if isinstance(error, TRANSIENT_ERRORS):
+        return True
+    name = type(error).__name__
+    return name not in CLIENT_PERMANENT_NAMES and name not in OBSTORE_PERMANENT_ERRORS and any(
+        kind.__module__.partition(".")[0] in CLIENT_PACKAGES for kind in type(error).__mro__)
 
 
 class RangeNotSatisfiable(ValueError):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..redact import shown
 from . import listing
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -223,7 +224,7 @@ def manifest(url: str, storage_options: dict | None = None, *, timeout: float | 
     if bad:
         number, row = bad[0]
         raise ValueError(f"{url}: expected 'url<TAB>label' with an integer label on every line, "
-                         f"got {_short(row)} on line {number}")
+                         f"got {shown(row, 80)} on line {number}")
     return Source((parts[0] for parts in split), (int(parts[1]) for parts in split))
 
 
@@ -238,12 +239,6 @@ def _manifest_lines(data: bytes, url: str) -> list[tuple[int, str]]:
         number = next(n for n, line in enumerate(lines, 1) if "\0" in line)
         raise ValueError(f"manifest {url}: line {number} holds a NUL byte (a binary file, or not UTF-8 text?)")
     return [(number, line.strip(" \t\r")) for number, line in enumerate(lines, 1) if line.strip(" \t\r")]
-
-
-def _short(value: str) -> str:
-    """``repr(value)`` cut to 80 characters, for messages."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _find(url: str, storage_options: dict | None, extensions: Sequence[str], timeout: float | None,

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..redact import shown
+
 TAR_HEADER = 512  # every tar member's data follows a header of this size
 MAX_SHARD_BYTES = 1 << 40  # 1 TiB: no shard is larger; a larger "bytes" is a corrupt or hostile index
 
@@ -24,17 +26,17 @@ def shard_url(base_url: str, url: Any, number: int, allow_external: bool) -> str
     within it; another protocol, an absolute path or ``..`` out of the folder only with
     ``allow_external``."""
     if not isinstance(url, str) or not url:
-        raise _bad(base_url, number, None, "url", f"must be a non-empty string, got {_short(url)}")
+        raise _bad(base_url, number, None, "url", f"must be a non-empty string, got {shown(url, 80)}")
     if "://" in url or "::" in url or url.startswith("/"):
         if allow_external:
             return url
         why = "another location" if url.startswith("/") else "another protocol or store"
-        raise _bad(base_url, number, None, "url", f"{_short(url)} points to {why}, outside the index's folder; "
+        raise _bad(base_url, number, None, "url", f"{shown(url, 80)} points to {why}, outside the index's folder; "
                    "pass tar_shards(..., allow_external_shards=True) if you trust this index")
     relative = posixpath.normpath(url)
     if relative == ".." or relative.startswith("../"):
         if not allow_external:
-            raise _bad(base_url, number, None, "url", f"{_short(url)} climbs out of the index's folder; pass "
+            raise _bad(base_url, number, None, "url", f"{shown(url, 80)} climbs out of the index's folder; pass "
                        "tar_shards(..., allow_external_shards=True) if you trust this index")
     return posixpath.join(base_url, url)
 
@@ -45,17 +47,17 @@ def flatten(shards: Any, base_url: str, allow_external: bool) -> dict[str, Any]:
     for a sample without one), ``member_start``/``ext``/``offset``/``size`` and the extensions;
     checked as the module says."""
     if not isinstance(shards, list):
-        raise ValueError(f"{base_url}: index field 'shards' must be a list, got {_short(shards)}")
+        raise ValueError(f"{base_url}: index field 'shards' must be a list, got {shown(shards, 80)}")
     urls, shard_bytes, counts, keys, labels = [], [], [], [], []
     ext_ids: dict[str, int] = {}
     member_start, member_ext, member_offset, member_size = [0], [], [], []
     for number, shard in enumerate(shards):
         if not isinstance(shard, dict):
-            raise _bad(base_url, number, None, "shard", f"must be an object, got {_short(shard)}")
+            raise _bad(base_url, number, None, "shard", f"must be an object, got {shown(shard, 80)}")
         urls.append(shard_url(base_url, shard.get("url"), number, allow_external))
         size = shard.get("bytes")
         if not _is_int(size) or not 0 <= size <= MAX_SHARD_BYTES:
-            raise _bad(base_url, number, None, "bytes", f"must be an integer in [0, 2**40], got {_short(size)}")
+            raise _bad(base_url, number, None, "bytes", f"must be an integer in [0, 2**40], got {shown(size, 80)}")
         shard_bytes.append(size)
         shard_keys, members, shard_labels = shard.get("keys"), shard.get("members"), shard.get("labels")
         if not isinstance(shard_keys, list) or not all(isinstance(key, str) for key in shard_keys):
@@ -70,14 +72,14 @@ def flatten(shards: Any, base_url: str, allow_external: bool) -> dict[str, Any]:
         labels.extend(shard_labels or [None] * len(shard_keys))
         for sample, entry in enumerate(members):
             if not isinstance(entry, list) or not entry:
-                raise _bad(base_url, number, sample, "members", f"must be a non-empty list, got {_short(entry)}")
+                raise _bad(base_url, number, sample, "members", f"must be a non-empty list, got {shown(entry, 80)}")
             for member in entry:
                 if not (isinstance(member, list) and len(member) == 3 and isinstance(member[0], str)):
-                    raise _bad(base_url, number, sample, "members", f"each must be [extension, offset, size], got {_short(member)}")
+                    raise _bad(base_url, number, sample, "members", f"each must be [extension, offset, size], got {shown(member, 80)}")
                 ext, offset, size = member
                 if not _is_int(offset) or not _is_int(size):
                     raise _bad(base_url, number, sample, "offset" if not _is_int(offset) else "size",
-                               f"must be an integer, got {_short(offset if not _is_int(offset) else size)}")
+                               f"must be an integer, got {shown(offset if not _is_int(offset) else size, 80)}")
                 member_ext.append(ext_ids.setdefault(ext, len(ext_ids)))
                 member_offset.append(offset)
                 member_size.append(size)
@@ -126,17 +128,11 @@ def _int64(values: list[int]) -> np.ndarray:
     try:
         return np.array(values, dtype=np.int64)
     except OverflowError:
-        raise ValueError(f"an index offset or size does not fit 64 bits: {_short(max(values, key=abs))}") from None
+        raise ValueError(f"an index offset or size does not fit 64 bits: {shown(max(values, key=abs), 80)}") from None
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _short(value: Any) -> str:
-    """``repr(value)``, cut to 80 characters: an index may hold anything, a message must not."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bad(base_url: str, shard: int, sample: int | None, field: str, what: str) -> ValueError:

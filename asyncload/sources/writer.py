@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 from fsspec.core import split_protocol
 
 from ..io import object_store
+from ..redact import shown
 from .shards import INDEX_FORMAT, INDEX_NAME, LABEL_MEMBER
 
 READ_BATCH = 64  # files fetched at once while writing
@@ -154,7 +155,7 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
     with tarfile.open(fileobj=file, mode="r|") as tar:
         for member in tar:
             if member.issparse():  # before isfile(): a sparse member is a file too
-                raise ValueError(f"{url}: member {_short(member.name)} is a GNU sparse file: what the tar holds "
+                raise ValueError(f"{url}: member {shown(member.name, 80)} is a GNU sparse file: what the tar holds "
                                  "is not its content, so no byte range reads it; repack the shard without --sparse")
             if not member.isfile():
                 continue
@@ -183,10 +184,4 @@ def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, url: str) -> int:
             raise ValueError
         return int(data.decode().strip())
     except ValueError:
-        raise ValueError(f"{url}: {_short(member.name)} holds {_short(data)}, not an integer class") from None
-
-
-def _short(value: object) -> str:
-    """``repr(value)`` cut to 80 characters: a shard may hold anything, a message must not."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+        raise ValueError(f"{url}: {shown(member.name, 80)} holds {shown(data, 80)}, not an integer class") from None
