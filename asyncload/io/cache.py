@@ -23,8 +23,13 @@ object itself is bad) lets the failure stand.
 The epoch goes on whatever the cache's disk does. A shard is read straight from storage, for the
 rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
 the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
-default's rule, below, on the disk as it is now); the folder not writable; or a peer holding its
-lock that shows no progress for ``timeout`` (the read timeout): no wait is longer. When storage
+default's rule, below, on the disk as it is now); or the folder not writable. A peer holding its
+lock whose heartbeat stood still for ``timeout`` (the read timeout: no wait is longer) sends only
+that read to storage, and the next ones while that peer still holds it unmoved; then the cache
+is used again. A downloader beats from a timer while it holds the lock, not after each chunk, so
+only a stalled peer stops beating (a chunk whose GET is retried takes longer than ``timeout``).
+Disk work on a pool thread is let finish when its download is cancelled: the descriptors it
+writes to are closed, and the lock released, only after it. When storage
 cannot be asked (the version check fails after its retries with a transient error), a kept copy
 whose checksum holds is used unasked for ``OFFLINE_S``, then asked about again; a permanent error
 (the object is gone) fails.
@@ -77,6 +82,7 @@ class ShardCache:
         self.timeout = timeout  # the longest wait on a peer's lock without progress (read_timeout)
         self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
+        self._stalled: dict[str, int | None] = {}  # url -> the heartbeat of the peer a read gave up on
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
         self._rechecks: dict[files.CopyId, asyncio.Future] = {}  # copies whose samples failed: sound?
         self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
@@ -152,7 +158,7 @@ class ShardCache:
         shard = files.shard_files(self.directory, url)
         if self._checked.get(url, 0.0) > time.monotonic() and files.touch(shard.shard, size):
             return True  # recently used: evicted last
-        if url in self._bypass:
+        if url in self._bypass or self._still_stalled(url, shard):
             return False
         if size > self.max_bytes:
             return self._skip(url, "large", f"{url} ({size} bytes) is larger than cache_bytes ({self.max_bytes})")
@@ -171,6 +177,22 @@ class ShardCache:
             return False
         self._checked[url] = math.inf
         return True
+
+    def _still_stalled(self, url: str, shard: files.ShardFiles) -> bool:
+        """Whether the peer whose lock an earlier read of ``url`` gave up on still holds it with
+        the heartbeat it had then: this read goes to storage without waiting ``timeout`` again."""
+        if url not in self._stalled:
+            return False
+        if files.last_beat(shard.lock) == self._stalled[url]:
+            try:
+                lock = files.try_lock(shard.lock)
+            except OSError:
+                lock = None
+            if lock is None:
+                return True
+            os.close(lock)
+        del self._stalled[url]  # it moved, or let go: wait on it, or download, as for any shard
+        return False
 
     async def _remote_version(self, url: str) -> str | None:
         """The remote object's version, or None while storage cannot be asked (see the module)."""
@@ -192,19 +214,21 @@ class ShardCache:
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
         try:
-            lock = await self._lock(shard)
+            lock = await self._lock(url, shard)
         except OSError as error:
             return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
         if lock is None:
-            return self._skip(url, "lock", f"another process holds {shard.lock} and showed no progress for "
-                                           f"read_timeout ({self.timeout} s)")
+            self._warn("lock", f"another process holds {shard.lock} and showed no progress for read_timeout "
+                               f"({self.timeout} s): reads of it go to storage while it stays so")
+            return False
+        beating = asyncio.ensure_future(self._beat(lock))
         try:
-            if await self.run_blocking(files.current, shard, url, size, version):
+            if await self._finish(files.current, shard, url, size, version):
                 return True  # another process has just downloaded this version
             await self._evict(size)
             partial = shard.new_part()
             try:
-                crc = await self._fetch_to(url, size, partial, lock)
+                crc = await self._fetch_to(url, size, partial)
                 meta = {"url": url, "size": size, "version": version, "crc32": crc}
                 await self._on_disk(files.install, shard, partial, meta)
             except CacheWriteError as error:
@@ -220,11 +244,19 @@ class ShardCache:
             await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
             return True
         finally:
-            os.close(lock)  # also releases the flock
+            beating.cancel()
+            os.close(lock)  # also releases the flock; no disk work of ours is running (``_finish``)
 
-    async def _lock(self, shard: files.ShardFiles) -> int | None:
+    async def _beat(self, lock: int) -> None:
+        """Touches the held lock's heartbeat every third of ``timeout``, whatever one chunk's GET
+        takes (retried, it takes longer than ``timeout``): peers give up only on a stalled holder."""
+        while True:
+            await asyncio.sleep(self.timeout / 3)
+            files.heartbeat(lock)
+
+    async def _lock(self, url: str, shard: files.ShardFiles) -> int | None:
         """Takes the shard's lock; None if a peer holds it and its heartbeat (the lock file's
-        modification time, touched after each chunk it writes) stood still for ``timeout``."""
+        modification time: ``_beat``) stood still for ``timeout`` (remembered: ``_still_stalled``)."""
         beat, deadline = None, time.monotonic() + self.timeout
         while True:
             lock = files.try_lock(shard.lock)  # a non-blocking flock: on the loop, never lost to a cancel
@@ -235,28 +267,46 @@ class ShardCache:
             if seen != beat:
                 beat, deadline = seen, now + self.timeout
             elif now > deadline:
+                self._stalled[url] = seen
                 return None
             await asyncio.sleep(LOCK_POLL_S)
 
-    async def _fetch_to(self, url: str, size: int, partial: Path, lock: int) -> int:
+    async def _fetch_to(self, url: str, size: int, partial: Path) -> int:
         """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
         disk's are ``CacheWriteError``."""
-        fd = await self._on_disk(files.new_file, partial)
+        fd = await self._on_disk(files.new_file, partial, undo=os.close)
         try:
             crc = 0
             for start in range(0, size, self.chunk_bytes):
                 data = await self.download(url, start, min(size, start + self.chunk_bytes))
                 crc = await self._on_disk(files.write_all, fd, data, crc)
-                files.heartbeat(lock)
             return crc
         finally:
             os.close(fd)
 
-    async def _on_disk(self, function: Callable[..., Any], *args: Any) -> Any:
+    async def _on_disk(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
         try:
-            return await self.run_blocking(function, *args)
+            return await self._finish(function, *args, undo=undo)
         except OSError as error:
             raise CacheWriteError(str(error)) from error
+
+    async def _finish(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
+        """``run_blocking(function, *args)``, let finish when the caller is cancelled (a pool
+        thread cannot be stopped: closing the descriptor it writes, or releasing the lock, under
+        it would write to whatever file reuses that number); then ``undo`` is given its result
+        (a descriptor opened for nothing is closed) and the cancel goes on."""
+        work = asyncio.ensure_future(self.run_blocking(function, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            while not work.done():
+                try:
+                    await asyncio.wait([work])
+                except asyncio.CancelledError:
+                    pass  # cancelled again: still wait for the thread
+            if undo is not None and not work.cancelled() and work.exception() is None:
+                undo(work.result())
+            raise
 
     async def _evict(self, room: int) -> None:
         """Evicts until ``room`` more bytes fit ``max_bytes``."""
