@@ -24,11 +24,8 @@ The epoch goes on whatever the cache's disk does. A shard is read straight from 
 rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
 the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
 default's rule, below, on the disk as it is now); or the folder not writable. A peer holding its
-lock whose heartbeat stood still for ``timeout`` (the read timeout: no wait is longer) sends only
-that read to storage, and the next ones while that peer still holds it unmoved; then the cache
-is used again. A downloader beats from a timer while it holds the lock, not after each chunk, so
-only a stalled peer stops beating (a chunk whose GET is retried takes longer than ``timeout``).
-Disk work on a pool thread is let finish when its download is cancelled: the descriptors it
+lock that shows no progress for ``timeout`` (the read timeout: no wait is longer) sends only the
+reads while it stays so to storage (``cache_lock``). Disk work on a pool thread is let finish when its download is cancelled: the descriptors it
 writes to are closed, and the lock released, only after it. When storage
 cannot be asked (the version check fails after its retries with a transient error), a kept copy
 whose checksum holds is used unasked for ``OFFLINE_S``, then asked about again; a permanent error
@@ -51,12 +48,12 @@ from typing import Any, Awaitable, Callable
 
 from . import cache_files as files
 from .cache_evict import evict, owned_bytes
+from .cache_lock import PeerLocks
 from .reader import PERMANENT_ERRORS
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
 
-LOCK_POLL_S = 0.05
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 DEFAULT_CAP = 64 << 30
 FREE_FRACTION = 0.5
@@ -79,10 +76,9 @@ class ShardCache:
         self.chunk_bytes = chunk_bytes
         self.run_blocking = run_blocking  # runs file work off the event loop
         self.version = version  # async url -> the remote object's version (ETag or mtime), if known
-        self.timeout = timeout  # the longest wait on a peer's lock without progress (read_timeout)
+        self.locks = PeerLocks(timeout)
         self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
-        self._stalled: dict[str, int | None] = {}  # url -> the heartbeat of the peer a read gave up on
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
         self._rechecks: dict[files.CopyId, asyncio.Future] = {}  # copies whose samples failed: sound?
         self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
@@ -158,7 +154,7 @@ class ShardCache:
         shard = files.shard_files(self.directory, url)
         if self._checked.get(url, 0.0) > time.monotonic() and files.touch(shard.shard, size):
             return True  # recently used: evicted last
-        if url in self._bypass or self._still_stalled(url, shard):
+        if url in self._bypass or self.locks.still_stalled(url, shard):
             return False
         if size > self.max_bytes:
             return self._skip(url, "large", f"{url} ({size} bytes) is larger than cache_bytes ({self.max_bytes})")
@@ -177,22 +173,6 @@ class ShardCache:
             return False
         self._checked[url] = math.inf
         return True
-
-    def _still_stalled(self, url: str, shard: files.ShardFiles) -> bool:
-        """Whether the peer whose lock an earlier read of ``url`` gave up on still holds it with
-        the heartbeat it had then: this read goes to storage without waiting ``timeout`` again."""
-        if url not in self._stalled:
-            return False
-        if files.last_beat(shard.lock) == self._stalled[url]:
-            try:
-                lock = files.try_lock(shard.lock)
-            except OSError:
-                lock = None
-            if lock is None:
-                return True
-            os.close(lock)
-        del self._stalled[url]  # it moved, or let go: wait on it, or download, as for any shard
-        return False
 
     async def _remote_version(self, url: str) -> str | None:
         """The remote object's version, or None while storage cannot be asked (see the module)."""
@@ -214,14 +194,14 @@ class ShardCache:
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
         try:
-            lock = await self._lock(url, shard)
+            lock = await self.locks.take(url, shard)
         except OSError as error:
             return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
         if lock is None:
             self._warn("lock", f"another process holds {shard.lock} and showed no progress for read_timeout "
-                               f"({self.timeout} s): reads of it go to storage while it stays so")
+                               f"({self.locks.timeout} s): reads of it go to storage while it stays so")
             return False
-        beating = asyncio.ensure_future(self._beat(lock))
+        beating = asyncio.ensure_future(self.locks.beat(lock))
         try:
             if await self._finish(files.current, shard, url, size, version):
                 return True  # another process has just downloaded this version
@@ -246,30 +226,6 @@ class ShardCache:
         finally:
             beating.cancel()
             os.close(lock)  # also releases the flock; no disk work of ours is running (``_finish``)
-
-    async def _beat(self, lock: int) -> None:
-        """Touches the held lock's heartbeat every third of ``timeout``, whatever one chunk's GET
-        takes (retried, it takes longer than ``timeout``): peers give up only on a stalled holder."""
-        while True:
-            await asyncio.sleep(self.timeout / 3)
-            files.heartbeat(lock)
-
-    async def _lock(self, url: str, shard: files.ShardFiles) -> int | None:
-        """Takes the shard's lock; None if a peer holds it and its heartbeat (the lock file's
-        modification time: ``_beat``) stood still for ``timeout`` (remembered: ``_still_stalled``)."""
-        beat, deadline = None, time.monotonic() + self.timeout
-        while True:
-            lock = files.try_lock(shard.lock)  # a non-blocking flock: on the loop, never lost to a cancel
-            if lock is not None:
-                files.heartbeat(lock)
-                return lock
-            now, seen = time.monotonic(), files.last_beat(shard.lock)
-            if seen != beat:
-                beat, deadline = seen, now + self.timeout
-            elif now > deadline:
-                self._stalled[url] = seen
-                return None
-            await asyncio.sleep(LOCK_POLL_S)
 
     async def _fetch_to(self, url: str, size: int, partial: Path) -> int:
         """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
