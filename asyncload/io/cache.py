@@ -25,11 +25,11 @@ rest of the run and with one warning, where the cache cannot serve it: larger th
 the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
 default's rule, below, on the disk as it is now); or the folder not writable. A peer holding its
 lock that shows no progress for ``timeout`` (the read timeout: no wait is longer) sends only the
-reads while it stays so to storage (``cache_lock``). Disk work on a pool thread is let finish when its download is cancelled: the descriptors it
-writes to are closed, and the lock released, only after it. When storage
-cannot be asked (the version check fails after its retries with a transient error), a kept copy
-whose checksum holds is used unasked for ``OFFLINE_S``, then asked about again; a permanent error
-(the object is gone) fails.
+reads while it stays so to storage (``cache_lock``). A cancelled download lets its disk work on a
+pool thread finish: the descriptor it writes is closed, and the lock released, only after it.
+When storage cannot be asked (the version check fails after its retries with a transient
+error), a kept copy whose checksum holds is used unasked for ``OFFLINE_S``, then asked about
+again; a permanent error (the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
 at the start of the run plus what the cache already keeps.
