@@ -180,3 +180,24 @@ def test_an_eviction_keeps_what_a_peer_installs_meanwhile(tmp_path, monkeypatch)
         assert names.shard.read_bytes() == b"new" * 100, f"{url}: the peer's fresh copy was deleted"
         assert cache_files.read_meta(names.meta)["crc32"] == zlib.crc32(b"new" * 100), f"{url}: its meta was deleted"
     assert shard_files(tmp_path, busy).shard.exists(), "a copy was deleted while a peer held its lock"
+
+
+def test_concurrent_downloads_keep_every_copys_meta(tmp_path):
+    """One download's eviction deleted, as "no longer kept", the meta of a shard whose download
+    ended between its scan and its unlink: the copy stayed without it, and the next run with
+    storage down failed that shard's samples (test_cache's storage-down test, 1 run in 6)."""
+    urls = [f"s3://b/shard-{number:03d}.tar" for number in range(40)]
+
+    async def download(url, start, end):
+        await asyncio.sleep(0.001 * (hash((url, start)) % 5))
+        return bytes(end - start)
+
+    async def main(folder):
+        cache = ShardCache(folder, 1 << 30, download, 4096, in_thread, version, timeout=5)
+        await asyncio.gather(*(cache.read_range(url, 0, 10, 20480) for url in urls))
+
+    for run in range(3):
+        folder = tmp_path / str(run)
+        asyncio.run(main(folder))
+        lost = [url for url in urls if cache_files.read_meta(shard_files(folder, url).meta) is None]
+        assert not lost, f"copies left without their meta: {lost}"
