@@ -7,6 +7,7 @@ processes do (a ``flock`` belongs to its open file, not to the process)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import threading
 import warnings
@@ -51,24 +52,52 @@ def new_cache(folder, storage: Storage, timeout: float, run_blocking=in_thread) 
     return ShardCache(folder, 1 << 20, storage.download, CHUNK, run_blocking, version, timeout=timeout)
 
 
-def test_a_retried_chunk_does_not_send_waiting_peers_to_storage(tmp_path):
-    """The heartbeat moved only after each chunk: a chunk retried past the read timeout made the
-    waiting peers give up, and read that shard from storage for the rest of the run."""
-    slow, waiting = Storage(slow_chunk_s=1.5), Storage()
+def slow_downloader(folder, started, done) -> None:
+    """A peer process whose download of ``URL`` has one chunk retried past the read timeout."""
+    slow = Storage(slow_chunk_s=1.5)
 
     async def main():
-        downloader, waiter = new_cache(tmp_path, slow, 0.5), new_cache(tmp_path, waiting, 0.5)
-        first = asyncio.create_task(downloader.read_range(URL, 0, 10, len(BLOB)))
+        first = asyncio.create_task(new_cache(folder, slow, 0.5).read_range(URL, 0, 10, len(BLOB)))
         while slow.reads == 0:
             await asyncio.sleep(0.01)
-        assert await waiter.read_range(URL, 0, 10, len(BLOB)) == BLOB[:10]
+        started.set()
         await first
+
+    asyncio.run(main())
+    done.set()
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_retried_chunk_does_not_send_waiting_peers_to_storage(tmp_path, processes):
+    """The heartbeat moved only after each chunk: a chunk retried past the read timeout made the
+    waiting peers give up, and read that shard from storage for the rest of the run. The peer
+    downloads in this process (0) or in a child (2: two processes of a node)."""
+    waiting = Storage()
+    context = multiprocessing.get_context("fork") if processes else None
+    started, done = (context.Event(), context.Event()) if context else (threading.Event(), threading.Event())
+
+    async def main():
+        waiter = new_cache(tmp_path, waiting, 0.5)
+        if context:
+            peer = context.Process(target=slow_downloader, args=(tmp_path, started, done))
+            peer.start()
+        else:
+            peer = asyncio.create_task(asyncio.to_thread(slow_downloader, tmp_path, started, done))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        assert await waiter.read_range(URL, 0, 10, len(BLOB)) == BLOB[:10]
+        if context:
+            await asyncio.to_thread(peer.join, 30)
+            assert peer.exitcode == 0
+        else:
+            await peer
         for _ in range(3):
             assert await waiter.read_range(URL, 10, 20, len(BLOB)) == BLOB[10:20]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         asyncio.run(main())
+    assert done.is_set()
     assert waiting.reads == 0, "the waiter read storage while its peer was downloading, or after"
     assert not [w for w in caught if "no progress" in str(w.message)]
 
