@@ -223,7 +223,7 @@ def test_a_full_disk_sends_reads_to_storage(shards, s3_options, small_disk, proc
 
 def test_a_peer_that_shows_progress_is_waited_for(shards, s3_options, tmp_path):
     """The read timeout bounds a wait without progress, not a download: a peer whose heartbeat
-    (its lock file's modification time, touched per chunk written) moves is waited for."""
+    (its lock file's modification time, touched from a timer while it holds it) moves is waited for."""
     url, _, _ = shards
     source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
     lock = os.open(shard_files(tmp_path, source.urls[0]).lock, os.O_CREAT | os.O_RDWR)

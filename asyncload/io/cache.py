@@ -23,11 +23,13 @@ object itself is bad) lets the failure stand.
 The epoch goes on whatever the cache's disk does. A shard is read straight from storage, for the
 rest of the run and with one warning, where the cache cannot serve it: larger than ``max_bytes``;
 the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
-default's rule, below, on the disk as it is now); the folder not writable; or a peer holding its
-lock that shows no progress for ``timeout`` (the read timeout): no wait is longer. When storage
-cannot be asked (the version check fails after its retries with a transient error), a kept copy
-whose checksum holds is used unasked for ``OFFLINE_S``, then asked about again; a permanent error
-(the object is gone) fails.
+default's rule, below, on the disk as it is now); or the folder not writable. A peer holding its
+lock that shows no progress for ``timeout`` (the read timeout: no wait is longer) sends only the
+reads while it stays so to storage (``cache_lock``). A cancelled download lets its disk work on a
+pool thread finish: the descriptor it writes is closed, and the lock released, only after it.
+When storage cannot be asked (the version check fails after its retries with a transient
+error), a kept copy whose checksum holds is used unasked for ``OFFLINE_S``, then asked about
+again; a permanent error (the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
 at the start of the run plus what the cache already keeps.
@@ -46,12 +48,12 @@ from typing import Any, Awaitable, Callable
 
 from . import cache_files as files
 from .cache_evict import evict, owned_bytes
+from .cache_lock import PeerLocks
 from .reader import PERMANENT_ERRORS
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
 
-LOCK_POLL_S = 0.05
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 DEFAULT_CAP = 64 << 30
 FREE_FRACTION = 0.5
@@ -74,7 +76,7 @@ class ShardCache:
         self.chunk_bytes = chunk_bytes
         self.run_blocking = run_blocking  # runs file work off the event loop
         self.version = version  # async url -> the remote object's version (ETag or mtime), if known
-        self.timeout = timeout  # the longest wait on a peer's lock without progress (read_timeout)
+        self.locks = PeerLocks(timeout)
         self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
@@ -152,7 +154,7 @@ class ShardCache:
         shard = files.shard_files(self.directory, url)
         if self._checked.get(url, 0.0) > time.monotonic() and files.touch(shard.shard, size):
             return True  # recently used: evicted last
-        if url in self._bypass:
+        if url in self._bypass or self.locks.still_stalled(url, shard):
             return False
         if size > self.max_bytes:
             return self._skip(url, "large", f"{url} ({size} bytes) is larger than cache_bytes ({self.max_bytes})")
@@ -192,19 +194,21 @@ class ShardCache:
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
         try:
-            lock = await self._lock(shard)
+            lock = await self.locks.take(url, shard)
         except OSError as error:
             return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
         if lock is None:
-            return self._skip(url, "lock", f"another process holds {shard.lock} and showed no progress for "
-                                           f"read_timeout ({self.timeout} s)")
+            self._warn("lock", f"another process holds {shard.lock} and showed no progress for read_timeout "
+                               f"({self.locks.timeout} s): reads of it go to storage while it stays so")
+            return False
+        beating = asyncio.ensure_future(self.locks.beat(lock))
         try:
-            if await self.run_blocking(files.current, shard, url, size, version):
+            if await self._finish(files.current, shard, url, size, version):
                 return True  # another process has just downloaded this version
             await self._evict(size)
             partial = shard.new_part()
             try:
-                crc = await self._fetch_to(url, size, partial, lock)
+                crc = await self._fetch_to(url, size, partial)
                 meta = {"url": url, "size": size, "version": version, "crc32": crc}
                 await self._on_disk(files.install, shard, partial, meta)
             except CacheWriteError as error:
@@ -220,43 +224,45 @@ class ShardCache:
             await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
             return True
         finally:
-            os.close(lock)  # also releases the flock
+            beating.cancel()
+            os.close(lock)  # also releases the flock; no disk work of ours is running (``_finish``)
 
-    async def _lock(self, shard: files.ShardFiles) -> int | None:
-        """Takes the shard's lock; None if a peer holds it and its heartbeat (the lock file's
-        modification time, touched after each chunk it writes) stood still for ``timeout``."""
-        beat, deadline = None, time.monotonic() + self.timeout
-        while True:
-            lock = files.try_lock(shard.lock)  # a non-blocking flock: on the loop, never lost to a cancel
-            if lock is not None:
-                files.heartbeat(lock)
-                return lock
-            now, seen = time.monotonic(), files.last_beat(shard.lock)
-            if seen != beat:
-                beat, deadline = seen, now + self.timeout
-            elif now > deadline:
-                return None
-            await asyncio.sleep(LOCK_POLL_S)
-
-    async def _fetch_to(self, url: str, size: int, partial: Path, lock: int) -> int:
+    async def _fetch_to(self, url: str, size: int, partial: Path) -> int:
         """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
         disk's are ``CacheWriteError``."""
-        fd = await self._on_disk(files.new_file, partial)
+        fd = await self._on_disk(files.new_file, partial, undo=os.close)
         try:
             crc = 0
             for start in range(0, size, self.chunk_bytes):
                 data = await self.download(url, start, min(size, start + self.chunk_bytes))
                 crc = await self._on_disk(files.write_all, fd, data, crc)
-                files.heartbeat(lock)
             return crc
         finally:
             os.close(fd)
 
-    async def _on_disk(self, function: Callable[..., Any], *args: Any) -> Any:
+    async def _on_disk(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
         try:
-            return await self.run_blocking(function, *args)
+            return await self._finish(function, *args, undo=undo)
         except OSError as error:
             raise CacheWriteError(str(error)) from error
+
+    async def _finish(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
+        """``run_blocking(function, *args)``, let finish when the caller is cancelled (a pool
+        thread cannot be stopped: closing the descriptor it writes, or releasing the lock, under
+        it would write to whatever file reuses that number); then ``undo`` is given its result
+        (a descriptor opened for nothing is closed) and the cancel goes on."""
+        work = asyncio.ensure_future(self.run_blocking(function, *args))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            while not work.done():
+                try:
+                    await asyncio.wait([work])
+                except asyncio.CancelledError:
+                    pass  # cancelled again: still wait for the thread
+            if undo is not None and not work.cancelled() and work.exception() is None:
+                undo(work.result())
+            raise
 
     async def _evict(self, room: int) -> None:
         """Evicts until ``room`` more bytes fit ``max_bytes``."""

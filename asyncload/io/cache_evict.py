@@ -1,28 +1,51 @@
 """Eviction from the shard cache's folder: the least recently used copies (by the access time the
 cache sets at each use) and the files of ours no process needs any more, never a file that is not
-the cache's (the names and rules: ``cache_files``)."""
+the cache's (the names and rules: ``cache_files``). A file is deleted only while this process holds
+its shard's lock, taken without waiting (a shard a peer is downloading is left alone), and only if
+it is still what the scan saw: a peer that installs a copy between the scan and the deletion
+keeps its fresh copy and meta (they were downloaded again)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from .cache_files import OURS, ShardFiles, try_lock, unlink
 
 
-def _unlink_if_free(names: ShardFiles, *paths: Path) -> bool:
+def _unlink_if_free(names: ShardFiles, *paths: Path, still: Callable[[], bool] = lambda: True) -> bool:
     """Deletes ``paths`` while holding the shard's lock, if no process holds it (no download of
-    that shard is under way); True if it did."""
+    that shard is under way) and ``still()`` holds under the lock (what the scan saw is what is
+    there: a peer did not install a copy since); True if it did."""
     try:
         fd = try_lock(names.lock)
     except OSError:
         return False
     if fd is None:
         return False
-    for path in paths:
-        unlink(path)
-    os.close(fd)
-    return True
+    try:
+        if not still():
+            return False
+        for path in paths:
+            unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
+
+
+def _copy_of(names: ShardFiles) -> bool:
+    """Whether a copy of ``names``' shard is in the folder now (its readable name is unknown
+    here: any ``asyncload-<hash>-...``)."""
+    start = f"asyncload-{names.digest}-"
+    return any(entry.name.startswith(start) for entry in os.scandir(names.directory))
 
 
 def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
@@ -41,23 +64,22 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
             continue
         names, kind, path = ShardFiles(directory, match.group(1), ""), match.group(2), Path(entry.path)
         if kind.startswith("-"):
-            copies.append((info.st_atime_ns, info.st_size, path, names))
+            copies.append((info.st_atime_ns, info.st_size, path, names, info.st_ino))
         elif kind.endswith(".part"):
             parts.append((info.st_size, path, names))
         else:
             others.add(names)
     total = sum(size for size, path, names in parts if not _unlink_if_free(names, path))
-    total += sum(size for _, size, _, _ in copies)
+    total += sum(copy[1] for copy in copies)
     kept = set()
-    for _, size, path, names in sorted(copies, key=lambda copy: copy[:2]):
-        if total > max_bytes and path not in keep:
-            unlink(path)
-            unlink(names.meta)
+    for _, size, path, names, inode in sorted(copies, key=lambda copy: copy[:2]):
+        if total > max_bytes and path not in keep and _unlink_if_free(
+                names, path, names.meta, still=lambda: _inode(path) == inode):
             total -= size
         else:
             kept.add(names)
     for names in others - kept:  # a shard no longer kept: its meta, then its lock
-        _unlink_if_free(names, names.meta, names.lock)
+        _unlink_if_free(names, names.meta, names.lock, still=lambda: not _copy_of(names))
     return total > max_bytes
 
 

@@ -1,0 +1,66 @@
+"""Waiting on a peer's download of a shard (the processes of a node share the cache): which
+peer is alive, and for how long a read waits. The downloader holds the shard's ``flock`` and
+beats (touches the lock file's modification time) from a timer every third of ``timeout`` while
+it holds it, not after each chunk: a chunk whose GET is retried takes longer than ``timeout``,
+and only a stalled peer (stopped, a hung disk) stops beating; a dead one lets go of its flock. A
+wait on a peer whose heartbeat stood still for ``timeout`` ends (that read goes to storage), and
+so do the next reads of that shard at once while that peer still holds it unmoved; once it moves
+or lets go, the shard is waited for, or downloaded, again (never given up for the run)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from . import cache_files as files
+
+LOCK_POLL_S = 0.05
+
+
+class PeerLocks:
+    """Takes shards' locks for one process's cache, remembering the peers it gave up on."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout  # the longest wait on a peer's lock without progress (read_timeout)
+        self._stalled: dict[str, int | None] = {}  # url -> the heartbeat of the peer a read gave up on
+
+    def still_stalled(self, url: str, shard: files.ShardFiles) -> bool:
+        """Whether the peer whose lock an earlier read of ``url`` gave up on still holds it with
+        the heartbeat it had then: this read goes to storage without waiting ``timeout`` again."""
+        if url not in self._stalled:
+            return False
+        if files.last_beat(shard.lock) == self._stalled[url]:
+            try:
+                lock = files.try_lock(shard.lock)
+            except OSError:
+                lock = None
+            if lock is None:
+                return True
+            os.close(lock)
+        del self._stalled[url]  # it moved, or let go: wait on it, or download, as for any shard
+        return False
+
+    async def take(self, url: str, shard: files.ShardFiles) -> int | None:
+        """Takes the shard's lock (a descriptor); None if a peer holds it and its heartbeat
+        stood still for ``timeout`` (remembered: ``still_stalled``)."""
+        beat, deadline = None, time.monotonic() + self.timeout
+        while True:
+            lock = files.try_lock(shard.lock)  # a non-blocking flock: on the loop, never lost to a cancel
+            if lock is not None:
+                self._stalled.pop(url, None)
+                files.heartbeat(lock)
+                return lock
+            now, seen = time.monotonic(), files.last_beat(shard.lock)
+            if seen != beat:
+                beat, deadline = seen, now + self.timeout
+            elif now > deadline:
+                self._stalled[url] = seen
+                return None
+            await asyncio.sleep(LOCK_POLL_S)
+
+    async def beat(self, lock: int) -> None:
+        """Touches the held ``lock``'s heartbeat every third of ``timeout`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.timeout / 3)
+            files.heartbeat(lock)
