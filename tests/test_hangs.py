@@ -10,6 +10,7 @@ What the children run is defined at module level: spawn finds it by name.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import threading
@@ -190,6 +191,26 @@ def test_a_call_queued_behind_stuck_threads_times_out(gate):
     assert isinstance(c, TimeoutError) and "for a thread free to start it" in str(c)
     assert isinstance(d, StuckCalls) and "2 calls are stuck past read_timeout" in str(d)
     calls.shutdown(0)
+
+
+def test_a_timeout_the_called_function_raises_itself_is_its_own_error_at_once():
+    """An ``ETIMEDOUT`` from a soft network mount is a TimeoutError too: it used to be taken for
+    the wait running out, retried in a busy loop for the whole timeout, then reported as ours."""
+    calls = BlockingCalls(1, "asyncload-test", "read_timeout")
+
+    def nfs_read():
+        raise OSError(errno.ETIMEDOUT, "Connection timed out (NFS)")
+
+    async def awaited():
+        return await calls.call_async(nfs_read, timeout=30)
+
+    for attempt in (lambda: calls.call(nfs_read, timeout=30), lambda: asyncio.run(awaited())):
+        started = time.monotonic()
+        error = run_bounded(attempt)
+        assert isinstance(error, OSError) and error.errno == errno.ETIMEDOUT, error
+        assert time.monotonic() - started < 10  # not the 30 s timeout
+    assert not calls._lost
+    calls.shutdown(5)
 
 
 # ----- decodes -----
