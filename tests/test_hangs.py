@@ -101,7 +101,7 @@ class CrashingDecode:
         if index == self.fatal:
             os.kill(os.getpid(), self.signum)
             time.sleep(10)
-        return np.full(2, index, np.int64)
+        return np.full(2, index if isinstance(index, int) else 0, np.int64)
 
 
 @pytest.fixture
@@ -354,6 +354,15 @@ def test_a_child_that_dies_names_the_samples_it_held(signum):
         error = run_bounded(lambda: samples(loader))
     assert isinstance(error, RuntimeError) and f"was killed by {signal.Signals(signum).name}" in str(error), error
     assert "while it held these samples: " in str(error) and " 9" in str(error).split("held these samples:")[1]
+
+
+def test_a_dead_childs_error_shows_the_items_it_held_redacted_and_short():
+    items = [f"https://user:hunter2@host/{i}.jpg?{'x' * 5000}" for i in range(16)]
+    with AsyncLoader(items, batch_size=4, shuffle=False, read=False, decode=CrashingDecode(items[9], signal.SIGKILL),
+                     num_threads=2, processes=2) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, RuntimeError) and "https://***@host/9.jpg" in str(error), error
+    assert "hunter2" not in str(error) and len(str(error)) < 2000
 
 
 def test_decode_timeout_must_be_positive_or_none():
