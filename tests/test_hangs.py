@@ -23,6 +23,9 @@ import pytest
 from asyncload import AsyncLoader, SampleError, TooManyFailures
 from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
+from asyncload.run.slots import Watchdog
+from asyncload.run.threads import LoopThread, wait_ended
+from asyncload.run.workers import DecodeWorkers, current_slot
 from tests.conftest import asyncload_threads, wait_until
 
 MODES = [0, 2]
@@ -296,6 +299,37 @@ def test_close_from_another_thread_during_a_hung_in_place_decode_returns_at_once
     consumer.join(timeout=10)
     assert not consumer.is_alive() and len(outcome) == 1 and "ended" in str(outcome[0]), outcome
     assert first < 5.0, first  # it took 20 s (a bound kept loose for a busy box)
+
+
+def test_the_watchdog_goes_on_after_a_report_of_a_stuck_decode_raises():
+    """A report that raises (an answer sent on a broken pipe) used to end the watchdog: every
+    later stuck decode then hung for ever, unseen."""
+    workers, loop = DecodeWorkers(1, None), LoopThread()
+    let_go, reported = threading.Event(), []
+
+    def report(slot, cause, submit):
+        reported.append(cause)
+        raise BrokenPipeError("the parent is gone")
+
+    def stuck_job():
+        slot = current_slot()
+        slot.on_timeout, slot.writes = report, None
+        slot.started = time.perf_counter()
+        let_go.wait()
+        slot.claim()
+
+    Watchdog(loop.loop, workers, 0.2, lambda message: None).start()
+    try:
+        with pytest.warns(RuntimeWarning, match="the decode watchdog failed to report a stuck decode: BrokenPipe"):
+            workers.submit(stuck_job)
+            workers.submit(stuck_job)  # on the thread that replaced the first
+            assert wait_until(lambda: len(reported) == 2, timeout=10), reported
+    finally:
+        let_go.set()
+        workers.stop()
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
+        assert not wait_ended([loop.thread, *workers.all_threads()], time.monotonic() + 10)
+    assert wait_until(lambda: not asyncload_threads(), timeout=10)
 
 
 def test_stuck_decodes_give_their_place_in_the_tuners_gate_back(gate, monkeypatch):

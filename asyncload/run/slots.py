@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any, Callable
+
+from ..redact import bounded
 
 WATCH_S = 0.25  # how often the watchdog looks at the slots (a timeout is noticed that much late at most)
 
@@ -83,22 +86,37 @@ class Watchdog:
         self.timeout = timeout
         self.on_stuck = on_stuck
         self.period = WATCH_S if timeout is None else min(WATCH_S, timeout / 4)
+        self.failed = False  # a look raised (warned once)
 
     def start(self) -> None:
         if self.timeout is not None:
             self.loop.call_soon_threadsafe(self._watch)
 
     def _watch(self) -> None:
+        """One look at the slots; the next is scheduled whatever this one raised (an answer sent
+        on a broken pipe): a watchdog that ended would leave every later stuck decode hanging."""
+        try:
+            self._look()
+        except Exception as error:
+            if not self.failed:  # once: the same cause would repeat at every look
+                self.failed = True
+                warnings.warn(f"asyncload: the decode watchdog failed to report a stuck decode: "
+                              f"{type(error).__name__}: {bounded(str(error))}", RuntimeWarning)
+        finally:
+            self.loop.call_later(self.period, self._watch)
+
+    def _look(self) -> None:
         timeout, now = self.timeout, time.perf_counter()
         assert timeout is not None
         for slot in list(self.workers.slots):
             started = slot.started
             if started is None or now - started < timeout or not slot.abandon(started):
                 continue
-            if not self.workers.replace():
-                self.on_stuck(f"{len(self.workers.lost())} decodes are stuck past decode_timeout={timeout:g} s and "
-                              f"still running, more than this loader replaces threads for "
-                              f"({self.workers.max_lost}): the decode hangs")
-            if slot.on_timeout is not None:
-                slot.on_timeout(slot, timed_out_error(timeout), self.workers.submit)
-        self.loop.call_later(self.period, self._watch)
+            try:
+                if not self.workers.replace():
+                    self.on_stuck(f"{len(self.workers.lost())} decodes are stuck past decode_timeout={timeout:g} s "
+                                  f"and still running, more than this loader replaces threads for "
+                                  f"({self.workers.max_lost}): the decode hangs")
+            finally:  # the sample fails whatever on_stuck raised
+                if slot.on_timeout is not None:
+                    slot.on_timeout(slot, timed_out_error(timeout), self.workers.submit)
