@@ -353,6 +353,20 @@ def test_more_stuck_decodes_than_threads_can_be_replaced_for_is_a_clear_error(pr
 
 
 @pytest.mark.parametrize("processes", MODES)
+def test_after_too_many_stuck_decodes_the_next_epoch_runs_once_they_return(processes, gate):
+    """A child's pipeline lives for all epochs: its lost threads, past the most it replaces,
+    used to end without a replacement, so the next epoch waited for ever on no thread."""
+    with AsyncLoader(list(range(48)), batch_size=4, shuffle=False, read=False, decode=HangingDecode(range(1, 24), gate),
+                     num_threads=max(1, processes), decode_timeout=0.3, on_error="skip", max_failures=40,
+                     processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+        assert isinstance(error, RuntimeError) and "decodes are stuck past decode_timeout" in str(error), error
+        Path(gate.path).touch()  # the stuck decodes return now
+        got = run_bounded(lambda: samples(loader))
+    assert sorted(got) == [-1] * 23 + [0, *range(24, 48)], got
+
+
+@pytest.mark.parametrize("processes", MODES)
 def test_close_from_another_thread_during_a_hung_decode_returns_at_once(processes, gate):
     loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({5}, gate),
                          num_threads=2, decode_timeout=None, processes=processes)

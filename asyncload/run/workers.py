@@ -68,10 +68,27 @@ class DecodeWorkers:
 
     def _start_one(self) -> None:
         with self._lock:
-            thread = threading.Thread(target=self._work, name=f"{self._name}-{self._numbers}", daemon=True)
-            self._numbers += 1
-            self.slots.append(Slot(thread))
+            thread = self._new_thread()
         thread.start()
+
+    def _new_thread(self) -> threading.Thread:
+        """A thread and its slot, not started yet (under ``_lock``)."""
+        thread = threading.Thread(target=self._work, name=f"{self._name}-{self._numbers}", daemon=True)
+        self._numbers += 1
+        self.slots.append(Slot(thread))
+        return thread
+
+    def _end_lost(self, slot: Slot) -> None:
+        """On a lost thread whose decode returned at last: it ends, and if fewer than ``count``
+        threads serve the queue (``replace`` started none past ``max_lost``), one takes its place
+        now. A child's pipeline lives for all epochs: without this its pool would shrink to no
+        thread, and the next epoch wait for ever."""
+        with self._lock:
+            self.slots.remove(slot)
+            serving = sum(not other.abandoned for other in self.slots)
+            thread = self._new_thread() if not self._stopping and serving < self._count else None
+        if thread is not None:
+            thread.start()
 
     def lost(self) -> list[Slot]:
         """The slots of threads whose decode was abandoned and is still running (those that
@@ -152,7 +169,8 @@ class DecodeWorkers:
                 finally:
                     if not slot.abandoned:  # else its place went back when it was abandoned
                         self._gate.__exit__()
-            if slot.abandoned:  # another thread has taken its place
+            if slot.abandoned:  # another thread has taken its place (or none could: see _end_lost)
+                self._end_lost(slot)
                 return
 
     def all_threads(self) -> list[threading.Thread]:
@@ -164,8 +182,9 @@ class DecodeWorkers:
     def stop(self) -> None:
         """Lets no queued job start; each thread ends after the job it runs. Does not wait: the
         caller waits on ``all_threads()`` within its own bound. Safe to call again."""
-        if not self._stopping:
-            self._stopping = True
+        with self._lock:  # _end_lost starts no thread once this is set: each running one gets a None
+            stopping, self._stopping = self._stopping, True
+        if not stopping:
             native_threads.release()
             for _ in range(self._count):  # one for each thread, started or about to be
                 self._jobs.put(None)
