@@ -23,6 +23,7 @@ import pytest
 from asyncload import AsyncLoader, SampleError, TooManyFailures
 from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
+from asyncload.run import jobs
 from asyncload.run.slots import Watchdog
 from asyncload.run.threads import LoopThread, wait_ended
 from asyncload.run.workers import DecodeWorkers, current_slot
@@ -226,6 +227,31 @@ def test_a_decode_that_hangs_fails_its_sample(processes, gate):
         error = run_bounded(lambda: samples(loader))
     assert isinstance(error, SampleError) and error.item == 6 and error.stage == "decode"
     assert "did not return within decode_timeout=1 s" in str(error)
+
+
+def test_a_local_file_whose_read_hangs_fails_its_sample_at_stage_read(gate, tmp_path, monkeypatch):
+    """A plain local file is read on the decode thread, with no read thread and so no read
+    timeout: on a hard network mount that hangs, it used to hold its row for ever, unseen by the
+    watchdog. The read is timed as the decode is now. (This process only: what hangs is the
+    file system's read, replaced here, which a child would not see; a child runs the same code.)"""
+    paths = []
+    for i in range(16):
+        path = tmp_path / f"{i}.bin"
+        path.write_bytes(np.full(2, i, np.int64).tobytes())
+        paths.append(str(path))
+    real_read = jobs.read_file
+
+    def hung_mount(path, *args):
+        if path == paths[6]:
+            gate.wait()
+        return real_read(path, *args)
+
+    monkeypatch.setattr(jobs, "read_file", hung_mount)
+    with AsyncLoader(paths, batch_size=4, shuffle=False, decode=lambda data: np.frombuffer(data, np.int64).copy(),
+                     num_threads=2, decode_timeout=0.3, processes=0) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, SampleError) and error.item == paths[6] and error.stage == "read", error
+    assert "did not return within decode_timeout=0.3 s" in str(error)
 
 
 @pytest.mark.parametrize("processes", MODES)

@@ -131,8 +131,9 @@ class RowFiller:
     def fill(self, batch: Work, rows: Sequence[Row]) -> None:
         """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
         ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread. Each
-        decode's start goes in the thread's slot (``slots.py``), so the watchdog can abandon one
-        that never returns; then this job ends at once and writes nothing more (a ``decode_into``
+        read's and decode's start goes in the thread's slot (``slots.py``), so the watchdog can
+        abandon one that never returns (a local file on a hung mount: that row fails at stage
+        ``read``, after ``decode_timeout``: a plain file is read here, with no read thread); then this job ends at once and writes nothing more (a ``decode_into``
         running may still write its row: the buffer is poisoned, see ``slots.py``)."""
         if batch.cancelled:
             self.rows_done(batch, len(rows))
@@ -147,10 +148,13 @@ class RowFiller:
         now = time.perf_counter()
         for index, row in enumerate(rows):
             data = row.data
-            if data is None:
+            if data is None:  # timed as the decode is: a hard network mount may never answer
+                slot.index, slot.done, slot.reading, slot.started = index, done, True, now
                 try:
                     data = read_local(row.key, self.read_other, self.max_bytes)
                 except Exception as error:
+                    if not slot.claim():
+                        return  # abandoned while it read: the watchdog reported this job's rows
                     self.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue
                 finally:
@@ -160,7 +164,7 @@ class RowFiller:
                         trace.span("read", started, now, row.key)
                 reads += 1
                 nbytes += len(data)
-            slot.index, slot.done, slot.started = index, done, now  # started last: the watchdog reads it first
+            slot.index, slot.done, slot.reading, slot.started = index, done, False, now  # started last: read first
             cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
             try:
                 if not self._decode_row(buffer, row, data, slot):
@@ -191,7 +195,8 @@ class RowFiller:
             self.poisoned(batch)
         if slot.done:
             self.rows_done(batch, slot.done)
-        self.row_failed(batch, rows[index].row, SampleError(rows[index].key, "decode", cause))
+        stage = "read" if slot.reading else "decode"
+        self.row_failed(batch, rows[index].row, SampleError(rows[index].key, stage, cause))
         rest = rows[index + 1:]
         if rest:
             submit(lambda: self.fill(batch, rest))

@@ -15,7 +15,9 @@ write when it returns, whatever the watchdog decided: its job names the buffer i
 and abandoning it *poisons* that buffer (``BatchBuffer.poisoned``), which is then never handed
 out nor recycled. The driver moves the batch to a fresh buffer (``in_flight.py``), so the
 stuck thread only ever writes memory nobody reads. A whole batch's decode (``decode_batch``)
-is not timed: its rows are written by the call, for the whole batch at once.
+is not timed: its rows are written by the call, for the whole batch at once. The read of a plain
+local file a decode job does itself is timed the same way (a hard network mount may never
+answer; no read thread times it): past ``decode_timeout`` its row fails at stage ``read``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class Slot:
     """One decode thread's current decode: ``started`` (``time.perf_counter()``, None when none
     runs), what to do if it times out (``on_timeout(slot, cause, submit)``) and the job's place."""
 
-    __slots__ = ("lock", "started", "abandoned", "thread", "on_timeout", "work", "rows", "index", "done", "writes")
+    __slots__ = ("lock", "started", "abandoned", "thread", "on_timeout", "work", "rows", "index", "done", "writes",
+                 "reading")
 
     def __init__(self, thread: threading.Thread) -> None:
         self.lock = threading.Lock()
@@ -47,6 +50,7 @@ class Slot:
         self.index = 0
         self.done = 0
         self.writes: Any = None  # the BatchBuffer a decode_into job writes in itself (None: one that returns)
+        self.reading = False  # the row's local file is being read (a timeout fails it at stage "read")
 
     def claim(self) -> bool:
         """On the decode thread, once the decode returned: True if its result may be written;
