@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError, TooManyFailures
+from asyncload.batch.buffers import BatchBuffer
 from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
 from asyncload.run import jobs
@@ -302,6 +303,69 @@ def test_an_in_place_decode_that_hangs_is_skipped_and_its_late_write_never_shows
         else:
             assert wait_until(lambda: not asyncload_threads(), timeout=5)
         assert [v for batch in held for v in batch.reshape(-1).tolist()] == delivered
+
+
+class SlowInPlace:
+    """A decoder that writes its row itself, a few milliseconds a sample (as ``ImageDecoder``)."""
+
+    field = Field((2,), np.dtype(np.int64))
+
+    def __call__(self, index):
+        return np.full(2, index, np.int64)
+
+    def decode_into(self, index, out, key=None) -> None:
+        time.sleep(0.003)
+        out[...] = index
+
+
+def buffers_made(monkeypatch) -> list:
+    """Every batch buffer made in this process from now on (a child's are mapped here too)."""
+    made = []
+    real_init = BatchBuffer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(BatchBuffer, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_epochs_left_early_poison_no_buffer(processes, monkeypatch):
+    """A stop used to abandon the in-place decodes in flight at once, each poisoning its buffer
+    for good: every early ``break`` cost a buffer. They get a short grace now."""
+    made = buffers_made(monkeypatch)
+    with AsyncLoader(list(range(512)), batch_size=16, shuffle=False, read=False, decode=SlowInPlace(), num_threads=2,
+                     processes=processes) as loader:
+        counts = []
+        for _ in range(5):
+            for number, batch in enumerate(loader):
+                if number == 2:
+                    break
+            del batch
+            counts.append(len(made))
+            assert not [buffer for buffer in made if buffer.poisoned]
+    if not processes:  # a child's stop is confirmed later: the parent's next epoch may map a new segment meanwhile
+        assert counts[-1] == counts[0], counts
+
+
+def test_a_buffer_poisoned_at_a_stop_is_used_again_once_its_decode_returns(gate, monkeypatch):
+    """A decode that outlasts the stop's grace is abandoned, its buffer poisoned; once it
+    returns, it writes no more: the buffer is safe again (this process's buffers: a child's
+    stop does not abandon decodes)."""
+    made = buffers_made(monkeypatch)
+    with AsyncLoader(list(range(32)), batch_size=4, shuffle=False, read=False, decode=HangingInPlace({5}, gate),
+                     num_threads=2, decode_timeout=0.3, processes=0) as loader:
+
+        def first_batch():
+            for batch in loader:
+                return batch[:, 0].tolist()
+
+        assert run_bounded(first_batch) == [0, 1, 2, 3]
+        assert [buffer for buffer in made if buffer.poisoned]  # the stop abandoned the decode of 5
+        Path(gate.path).touch()
+        assert wait_until(lambda: not [buffer for buffer in made if buffer.poisoned], timeout=10)
 
 
 @pytest.mark.parametrize("processes", MODES)

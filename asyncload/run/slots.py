@@ -7,14 +7,17 @@ the pipeline's event loop looks at the slots a few times a second (``overdue``) 
 ``abandon``s a decode past ``decode_timeout``, under the same lock: exactly one side wins. If
 the watchdog wins, its ``on_timeout`` fails the sample and hands the rest of the job to another
 thread, and the stuck thread, when its decode ever returns, drops the result and ends: it never
-writes into a buffer that may have been handed out or reused since. ``close`` abandons every
-decode in flight the same way, so a stop never waits for one.
+writes into a buffer that may have been handed out or reused since. ``close`` gives the decodes
+in flight a short grace (``DecodeWorkers.wind_down``), then abandons the rest the same way, so a
+stop never waits for one long.
 
 A decoder that writes its row itself (``decode_into``: the library's image decoders) may still
 write when it returns, whatever the watchdog decided: its job names the buffer in ``writes``,
 and abandoning it *poisons* that buffer (``BatchBuffer.poisoned``), which is then never handed
 out nor recycled. The driver moves the batch to a fresh buffer (``in_flight.py``), so the
-stuck thread only ever writes memory nobody reads. A whole batch's decode (``decode_batch``)
+stuck thread only ever writes memory nobody reads. When the abandoned call returns at last, it
+writes no more: the poison is lifted (once no other abandoned call writes there) and the ring may
+reuse the buffer. A whole batch's decode (``decode_batch``)
 is not timed: its rows are written by the call, for the whole batch at once. The read of a plain
 local file a decode job does itself is timed the same way (a hard network mount may never
 answer; no read thread times it): past ``decode_timeout`` its row fails at stage ``read``.
@@ -54,9 +57,13 @@ class Slot:
 
     def claim(self) -> bool:
         """On the decode thread, once the decode returned: True if its result may be written;
-        False if it was abandoned (the thread then writes nothing and ends)."""
+        False if it was abandoned (the thread then writes nothing and ends; the buffer its
+        ``decode_into`` wrote is not poisoned by it any more: it has returned)."""
         with self.lock:
             if self.abandoned:
+                if self.writes is not None:
+                    _unpoison(self.writes)
+                    self.writes = None
                 return False
             self.started = None
             return True
@@ -70,8 +77,30 @@ class Slot:
                 return False
             self.abandoned = True
             if self.writes is not None:  # it may write there whenever it returns: never hand it out
-                self.writes.poisoned = True
+                _poison(self.writes)
             return True
+
+
+_poison_lock = threading.Lock()  # the count of stuck writers of each poisoned buffer (slots of several threads)
+_stuck_writers: dict[int, int] = {}  # id(buffer): abandoned decode_into calls still running (each slot holds it)
+
+
+def _poison(buffer: Any) -> None:
+    with _poison_lock:
+        _stuck_writers[id(buffer)] = _stuck_writers.get(id(buffer), 0) + 1
+        buffer.poisoned = True
+
+
+def _unpoison(buffer: Any) -> None:
+    """An abandoned ``decode_into`` returned: once none still runs, the buffer is safe again,
+    and the ring may hand it out as any other (in this process; a parent keeps its own
+    ``Poisoned`` mark of a child's buffer: a child abandons at a stuck decode only)."""
+    with _poison_lock:
+        left = _stuck_writers.pop(id(buffer)) - 1
+        if left:
+            _stuck_writers[id(buffer)] = left
+        else:
+            buffer.poisoned = False
 
 
 def timed_out_error(timeout: float) -> TimeoutError:

@@ -27,8 +27,10 @@ import torch
 from ..autotune import Gate
 from ..io.blocking import MAX_LOST_FACTOR  # as for reads: stuck threads replaced, at most this many per thread
 from .slots import Slot
+from .threads import wait_ended
 
 Job = Callable[[], None]
+STOP_GRACE_S = 1.0  # wind_down: how long a stop lets the decodes in flight finish before abandoning them
 _current = threading.local()  # .slot: the decode thread's own Slot
 
 
@@ -107,6 +109,17 @@ class DecodeWorkers:
             return False
         self._start_one()
         return True
+
+    def wind_down(self, deadline: float | None, decode_timeout: float | None) -> None:
+        """``stop``, then a short grace for the decodes in flight (an early ``break`` stops
+        mid-batch): abandoning one would poison its buffer until it returns; past the grace
+        (``STOP_GRACE_S`` or ``decode_timeout`` if shorter, within ``deadline``) the rest are
+        abandoned: a decode that never returns must not hold the stop."""
+        self.stop()
+        grace = STOP_GRACE_S if decode_timeout is None else min(STOP_GRACE_S, decode_timeout)
+        until = time.monotonic() + grace
+        wait_ended(self.all_threads(), until if deadline is None else min(deadline, until))
+        self.abandon_all()
 
     def abandon_all(self) -> None:
         """Abandons every decode in flight (``Slot.abandon``): closing never waits for one."""
