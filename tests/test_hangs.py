@@ -242,10 +242,10 @@ def test_a_local_file_whose_read_hangs_fails_its_sample_at_stage_read(gate, tmp_
         paths.append(str(path))
     real_read = jobs.read_file
 
-    def hung_mount(path, *args):
+    def hung_mount(path, *args, **kwargs):
         if path == paths[6]:
             gate.wait()
-        return real_read(path, *args)
+        return real_read(path, *args, **kwargs)
 
     monkeypatch.setattr(jobs, "read_file", hung_mount)
     with AsyncLoader(paths, batch_size=4, shuffle=False, decode=lambda data: np.frombuffer(data, np.int64).copy(),

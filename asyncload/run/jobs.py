@@ -9,8 +9,6 @@ loop, one by one (they may take a replacement from the epoch's cursor, which the
 
 from __future__ import annotations
 
-import os
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,13 +18,10 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
-from ..io.limits import SampleTooLarge, read_bounded
+from ..io.limits import read_file
 from ..stats.figures import LoaderStats
 from .slots import Slot
 from .workers import current_slot
-
-O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
 
 @dataclass
 class Work:
@@ -71,12 +66,13 @@ def read_plain_file(key: Any, limit: int | None = None) -> bytes | None:
     """The bytes of a plain path or ``file://`` URL naming a regular file; None for anything else
     (another protocol, a FIFO): the caller reads those through the reader, with its timeout."""
     path = local_path(key)
-    return read_file(path, limit) if path is not None else None
+    return read_file(path, limit, regular_only=True) if path is not None else None
 
 
-def read_local(key: Any, read_other: Callable[[str], bytes], limit: int | None = None) -> bytes:
-    """A local row's bytes: a plain regular file read here (``read_plain_file``, at most ``limit``
-    bytes), any other local URL through ``read_other`` (the reader, with its timeout and limit)."""
+def read_on_decode_thread(key: Any, read_other: Callable[[str], bytes], limit: int | None = None) -> bytes:
+    """A local row's bytes, for a decode thread: a plain regular file read here (``read_plain_file``,
+    at most ``limit`` bytes), any other local URL through ``read_other`` (the reader's
+    ``read_local``: on a read thread, with its timeout and limit)."""
     data = read_plain_file(key, limit)
     return read_other(key) if data is None else data
 
@@ -84,24 +80,6 @@ def read_local(key: Any, read_other: Callable[[str], bytes], limit: int | None =
 def decodes_in_place(decode: Any) -> bool:
     """Whether ``decode`` declares its output (``field``) and writes it into a row itself."""
     return isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
-
-
-def read_file(path: str, limit: int | None = None) -> bytes | None:
-    """The whole regular file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A
-    Python file object or a read of unknown size costs several times more GIL time than these
-    calls. A file over ``limit`` bytes raises ``SampleTooLarge`` unread (see ``io/limits.py``).
-    None for anything but a regular file (a FIFO, a device): those may never answer, so
-    they take the reader's path, which has a timeout (opening without blocking lets us tell)."""
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None
-        if limit is not None and info.st_size > limit:
-            raise SampleTooLarge(path, info.st_size, limit)
-        return read_bounded(fd, info.st_size, limit, path)
-    finally:
-        os.close(fd)
 
 
 class RowFiller:
@@ -151,7 +129,7 @@ class RowFiller:
             if data is None:  # timed as the decode is: a hard network mount may never answer
                 slot.index, slot.done, slot.reading, slot.started = index, done, True, now
                 try:
-                    data = read_local(row.key, self.read_other, self.max_bytes)
+                    data = read_on_decode_thread(row.key, self.read_other, self.max_bytes)
                 except Exception as error:
                     if not slot.claim():
                         return  # abandoned while it read: the watchdog reported this job's rows
