@@ -96,7 +96,7 @@ def _unpoison(buffer: Any) -> None:
     and the ring may hand it out as any other (in this process; a parent keeps its own
     ``Poisoned`` mark of a child's buffer: a child abandons at a stuck decode only)."""
     with _poison_lock:
-        left = _stuck_writers.pop(id(buffer)) - 1
+        left = _stuck_writers.pop(id(buffer), 1) - 1
         if left:
             _stuck_writers[id(buffer)] = left
         else:
