@@ -457,6 +457,17 @@ def test_after_too_many_stuck_decodes_the_next_epoch_runs_once_they_return(proce
 
 
 @pytest.mark.parametrize("processes", MODES)
+def test_while_too_many_decodes_are_still_stuck_the_next_epoch_fails_too(processes, gate):
+    """A child's threads all stuck and none replaced: its next epoch used to wait for ever."""
+    with AsyncLoader(list(range(48)), batch_size=4, shuffle=False, read=False, decode=HangingDecode(range(1, 24), gate),
+                     num_threads=max(1, processes), decode_timeout=0.3, on_error="skip", max_failures=40,
+                     processes=processes) as loader:
+        for _ in range(2):
+            error = run_bounded(lambda: samples(loader))
+            assert isinstance(error, RuntimeError) and "stuck past decode_timeout=0.3 s" in str(error), error
+
+
+@pytest.mark.parametrize("processes", MODES)
 def test_close_from_another_thread_during_a_hung_decode_returns_at_once(processes, gate):
     loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({5}, gate),
                          num_threads=2, decode_timeout=None, processes=processes)

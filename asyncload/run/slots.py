@@ -153,3 +153,6 @@ class Watchdog:
             finally:  # the sample fails whatever on_stuck raised
                 if slot.on_timeout is not None:
                     slot.on_timeout(slot, timed_out_error(timeout), self.workers.submit)
+        if not self.workers.serving():  # every thread stuck, none replaced: a run started since waits for ever
+            self.on_stuck(f"every decode thread is stuck past decode_timeout={timeout:g} s and still running "
+                          f"({len(self.workers.lost())} of them): the decode hangs")

@@ -99,6 +99,11 @@ class DecodeWorkers:
             self.slots = [slot for slot in self.slots if not slot.abandoned or slot.thread.is_alive()]
             return [slot for slot in self.slots if slot.abandoned]
 
+    def serving(self) -> int:
+        """How many threads take jobs (not lost; those about to be started included)."""
+        with self._lock:
+            return len(self.slots) - sum(slot.abandoned for slot in self.slots) if self.slots else self._count
+
     def replace(self) -> bool:
         """A thread's decode was abandoned: start another in its place. False when ``max_lost``
         threads are stuck already (none is started: the pipeline cannot go on)."""
