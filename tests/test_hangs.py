@@ -10,6 +10,7 @@ What the children run is defined at module level: spawn finds it by name.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import threading
@@ -20,8 +21,13 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError, TooManyFailures
+from asyncload.batch.buffers import BatchBuffer
 from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
+from asyncload.run import jobs
+from asyncload.run.slots import Watchdog
+from asyncload.run.threads import LoopThread, wait_ended
+from asyncload.run.workers import DecodeWorkers, current_slot
 from tests.conftest import asyncload_threads, wait_until
 
 MODES = [0, 2]
@@ -100,7 +106,7 @@ class CrashingDecode:
         if index == self.fatal:
             os.kill(os.getpid(), self.signum)
             time.sleep(10)
-        return np.full(2, index, np.int64)
+        return np.full(2, index if isinstance(index, int) else 0, np.int64)
 
 
 @pytest.fixture
@@ -192,6 +198,26 @@ def test_a_call_queued_behind_stuck_threads_times_out(gate):
     calls.shutdown(0)
 
 
+def test_a_timeout_the_called_function_raises_itself_is_its_own_error_at_once():
+    """An ``ETIMEDOUT`` from a soft network mount is a TimeoutError too: it used to be taken for
+    the wait running out, retried in a busy loop for the whole timeout, then reported as ours."""
+    calls = BlockingCalls(1, "asyncload-test", "read_timeout")
+
+    def nfs_read():
+        raise OSError(errno.ETIMEDOUT, "Connection timed out (NFS)")
+
+    async def awaited():
+        return await calls.call_async(nfs_read, timeout=30)
+
+    for attempt in (lambda: calls.call(nfs_read, timeout=30), lambda: asyncio.run(awaited())):
+        started = time.monotonic()
+        error = run_bounded(attempt)
+        assert isinstance(error, OSError) and error.errno == errno.ETIMEDOUT, error
+        assert time.monotonic() - started < 10  # not the 30 s timeout
+    assert not calls._lost
+    calls.shutdown(5)
+
+
 # ----- decodes -----
 
 
@@ -202,6 +228,31 @@ def test_a_decode_that_hangs_fails_its_sample(processes, gate):
         error = run_bounded(lambda: samples(loader))
     assert isinstance(error, SampleError) and error.item == 6 and error.stage == "decode"
     assert "did not return within decode_timeout=1 s" in str(error)
+
+
+def test_a_local_file_whose_read_hangs_fails_its_sample_at_stage_read(gate, tmp_path, monkeypatch):
+    """A plain local file is read on the decode thread, with no read thread and so no read
+    timeout: on a hard network mount that hangs, it used to hold its row for ever, unseen by the
+    watchdog. The read is timed as the decode is now. (This process only: what hangs is the
+    file system's read, replaced here, which a child would not see; a child runs the same code.)"""
+    paths = []
+    for i in range(16):
+        path = tmp_path / f"{i}.bin"
+        path.write_bytes(np.full(2, i, np.int64).tobytes())
+        paths.append(str(path))
+    real_read = jobs.read_file
+
+    def hung_mount(path, *args, **kwargs):
+        if path == paths[6]:
+            gate.wait()
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "read_file", hung_mount)
+    with AsyncLoader(paths, batch_size=4, shuffle=False, decode=lambda data: np.frombuffer(data, np.int64).copy(),
+                     num_threads=2, decode_timeout=0.3, processes=0) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, SampleError) and error.item == paths[6] and error.stage == "read", error
+    assert "did not return within decode_timeout=0.3 s" in str(error)
 
 
 @pytest.mark.parametrize("processes", MODES)
@@ -254,6 +305,69 @@ def test_an_in_place_decode_that_hangs_is_skipped_and_its_late_write_never_shows
         assert [v for batch in held for v in batch.reshape(-1).tolist()] == delivered
 
 
+class SlowInPlace:
+    """A decoder that writes its row itself, a few milliseconds a sample (as ``ImageDecoder``)."""
+
+    field = Field((2,), np.dtype(np.int64))
+
+    def __call__(self, index):
+        return np.full(2, index, np.int64)
+
+    def decode_into(self, index, out, key=None) -> None:
+        time.sleep(0.003)
+        out[...] = index
+
+
+def buffers_made(monkeypatch) -> list:
+    """Every batch buffer made in this process from now on (a child's are mapped here too)."""
+    made = []
+    real_init = BatchBuffer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(BatchBuffer, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_epochs_left_early_poison_no_buffer(processes, monkeypatch):
+    """A stop used to abandon the in-place decodes in flight at once, each poisoning its buffer
+    for good: every early ``break`` cost a buffer. They get a short grace now."""
+    made = buffers_made(monkeypatch)
+    with AsyncLoader(list(range(512)), batch_size=16, shuffle=False, read=False, decode=SlowInPlace(), num_threads=2,
+                     processes=processes) as loader:
+        counts = []
+        for _ in range(5):
+            for number, batch in enumerate(loader):
+                if number == 2:
+                    break
+            del batch
+            counts.append(len(made))
+            assert not [buffer for buffer in made if buffer.poisoned]
+    if not processes:  # a child's stop is confirmed later: the parent's next epoch may map a new segment meanwhile
+        assert counts[-1] == counts[0], counts
+
+
+def test_a_buffer_poisoned_at_a_stop_is_used_again_once_its_decode_returns(gate, monkeypatch):
+    """A decode that outlasts the stop's grace is abandoned, its buffer poisoned; once it
+    returns, it writes no more: the buffer is safe again (this process's buffers: a child's
+    stop does not abandon decodes)."""
+    made = buffers_made(monkeypatch)
+    with AsyncLoader(list(range(32)), batch_size=4, shuffle=False, read=False, decode=HangingInPlace({5}, gate),
+                     num_threads=2, decode_timeout=0.3, processes=0) as loader:
+
+        def first_batch():
+            for batch in loader:
+                return batch[:, 0].tolist()
+
+        assert run_bounded(first_batch) == [0, 1, 2, 3]
+        assert [buffer for buffer in made if buffer.poisoned]  # the stop abandoned the decode of 5
+        Path(gate.path).touch()
+        assert wait_until(lambda: not [buffer for buffer in made if buffer.poisoned], timeout=10)
+
+
 @pytest.mark.parametrize("processes", MODES)
 def test_close_from_another_thread_during_a_hung_in_place_decode_returns_at_once(processes, gate):
     loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=False, decode=HangingInPlace({5}, gate),
@@ -277,6 +391,37 @@ def test_close_from_another_thread_during_a_hung_in_place_decode_returns_at_once
     assert first < 5.0, first  # it took 20 s (a bound kept loose for a busy box)
 
 
+def test_the_watchdog_goes_on_after_a_report_of_a_stuck_decode_raises():
+    """A report that raises (an answer sent on a broken pipe) used to end the watchdog: every
+    later stuck decode then hung for ever, unseen."""
+    workers, loop = DecodeWorkers(1, None), LoopThread()
+    let_go, reported = threading.Event(), []
+
+    def report(slot, cause, submit):
+        reported.append(cause)
+        raise BrokenPipeError("the parent is gone")
+
+    def stuck_job():
+        slot = current_slot()
+        slot.on_timeout, slot.writes = report, None
+        slot.started = time.perf_counter()
+        let_go.wait()
+        slot.claim()
+
+    Watchdog(loop.loop, workers, 0.2, lambda message: None).start()
+    try:
+        with pytest.warns(RuntimeWarning, match="the decode watchdog failed to report a stuck decode: BrokenPipe"):
+            workers.submit(stuck_job)
+            workers.submit(stuck_job)  # on the thread that replaced the first
+            assert wait_until(lambda: len(reported) == 2, timeout=10), reported
+    finally:
+        let_go.set()
+        workers.stop()
+        loop.loop.call_soon_threadsafe(loop.loop.stop)
+        assert not wait_ended([loop.thread, *workers.all_threads()], time.monotonic() + 10)
+    assert wait_until(lambda: not asyncload_threads(), timeout=10)
+
+
 def test_stuck_decodes_give_their_place_in_the_tuners_gate_back(gate, monkeypatch):
     """num_threads="auto": a gate lets ``threads`` of the started threads work. Stuck decodes
     used to keep their places in it, so their replacements waited at the gate for ever."""
@@ -295,6 +440,31 @@ def test_more_stuck_decodes_than_threads_can_be_replaced_for_is_a_clear_error(pr
                      processes=processes) as loader:
         error = run_bounded(lambda: samples(loader))
     assert isinstance(error, RuntimeError) and "decodes are stuck past decode_timeout=0.3 s" in str(error), error
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_after_too_many_stuck_decodes_the_next_epoch_runs_once_they_return(processes, gate):
+    """A child's pipeline lives for all epochs: its lost threads, past the most it replaces,
+    used to end without a replacement, so the next epoch waited for ever on no thread."""
+    with AsyncLoader(list(range(48)), batch_size=4, shuffle=False, read=False, decode=HangingDecode(range(1, 24), gate),
+                     num_threads=max(1, processes), decode_timeout=0.3, on_error="skip", max_failures=40,
+                     processes=processes) as loader:
+        error = run_bounded(lambda: samples(loader))
+        assert isinstance(error, RuntimeError) and "decodes are stuck past decode_timeout" in str(error), error
+        Path(gate.path).touch()  # the stuck decodes return now
+        got = run_bounded(lambda: samples(loader))
+    assert sorted(got) == [-1] * 23 + [0, *range(24, 48)], got
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_while_too_many_decodes_are_still_stuck_the_next_epoch_fails_too(processes, gate):
+    """A child's threads all stuck and none replaced: its next epoch used to wait for ever."""
+    with AsyncLoader(list(range(48)), batch_size=4, shuffle=False, read=False, decode=HangingDecode(range(1, 24), gate),
+                     num_threads=max(1, processes), decode_timeout=0.3, on_error="skip", max_failures=40,
+                     processes=processes) as loader:
+        for _ in range(2):
+            error = run_bounded(lambda: samples(loader))
+            assert isinstance(error, RuntimeError) and "stuck past decode_timeout=0.3 s" in str(error), error
 
 
 @pytest.mark.parametrize("processes", MODES)
@@ -333,6 +503,15 @@ def test_a_child_that_dies_names_the_samples_it_held(signum):
         error = run_bounded(lambda: samples(loader))
     assert isinstance(error, RuntimeError) and f"was killed by {signal.Signals(signum).name}" in str(error), error
     assert "while it held these samples: " in str(error) and " 9" in str(error).split("held these samples:")[1]
+
+
+def test_a_dead_childs_error_shows_the_items_it_held_redacted_and_short():
+    items = [f"https://user:hunter2@host/{i}.jpg?{'x' * 5000}" for i in range(16)]
+    with AsyncLoader(items, batch_size=4, shuffle=False, read=False, decode=CrashingDecode(items[9], signal.SIGKILL),
+                     num_threads=2, processes=2) as loader:
+        error = run_bounded(lambda: samples(loader))
+    assert isinstance(error, RuntimeError) and "https://***@host/9.jpg" in str(error), error
+    assert "hunter2" not in str(error) and len(str(error)) < 2000
 
 
 def test_decode_timeout_must_be_positive_or_none():

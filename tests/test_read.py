@@ -401,3 +401,20 @@ def test_a_local_file_of_exactly_max_sample_bytes_is_read(tmp_path):
     with AsyncLoader([str(path), f"file://{path}"], batch_size=2, shuffle=False, decode=lambda data: np.int64(len(data)),
                      max_sample_bytes=4096) as loader:
         assert [b.tolist() for b in loader] == [[4096, 4096]]
+
+
+def test_one_size_limited_local_read_serves_the_decode_threads_and_the_reader(tmp_path):
+    """``io/limits.read_file``: the reader's read threads read anything (bounded); a decode
+    thread (``regular_only``) reads regular files only, and never blocks on a FIFO."""
+    from asyncload.io.limits import SampleTooLarge, read_file
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert read_file(str(fifo), 10, regular_only=True) is None  # no writer: it must not wait for one
+    path = tmp_path / "eleven"
+    path.write_bytes(b"x" * 11)
+    assert read_file(str(path), 11) == read_file(str(path), 11, regular_only=True) == b"x" * 11
+    with pytest.raises(SampleTooLarge):
+        read_file(str(path), 10, regular_only=True)
+    with pytest.raises(SampleTooLarge):
+        read_file("/dev/zero", 100)  # endless: refused past the limit

@@ -118,13 +118,17 @@ class BlockingCalls:
         """``function(*args)`` on a pool thread, for a thread that may block (a decode thread):
         raises ``TimeoutError`` once the call has run ``timeout`` seconds, or has waited
         ``QUEUED_LIMIT`` of them for a thread. One wait on the future in the usual case; the
-        start time is looked at only when that wait times out."""
+        start time is looked at only when that wait times out. A ``TimeoutError`` the function
+        raises itself (``ETIMEDOUT`` from a soft network mount) is its own error, not the wait's:
+        it propagates as it is, at once (the future is done then)."""
         call = self.submit(function, *args)
         queued = time.monotonic()
         while True:
             try:  # in slices: a shutdown must not leave the caller waiting out a whole timeout
                 return call.future.result(min(timeout, SLICE_S))
             except TimeoutError:
+                if call.future.done():  # the function's own error (or a result just in): as it is
+                    return call.future.result()
                 if self._closed:
                     call.future.cancel()
                     raise RuntimeError("these blocking calls are shut down") from None
@@ -151,6 +155,8 @@ class BlockingCalls:
             if not queued_too_long:
                 return await asyncio.wait_for(asyncio.shield(result), timeout)
         except asyncio.TimeoutError:
+            if call.future.done():  # the function's own TimeoutError (or a result just in): as it is
+                return call.future.result()
             self._timed_out(call)
             raise timeout_error(self.timeout_name, timeout) from None
         except asyncio.CancelledError:

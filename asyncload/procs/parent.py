@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..redact import shown
 from ..run.settings import share, split
 from . import shm
 from .child import child_main
@@ -255,7 +256,7 @@ class ProcessPool:
         items = []
         for i in indices[:HELD_SHOWN]:
             try:
-                items.append(repr(split(self._source, self._labelled, i)[0]))
+                items.append(shown(split(self._source, self._labelled, i)[0]))
             except Exception:
                 items.append(f"source[{i}]")
         more = f" and {len(indices) - HELD_SHOWN} more" if len(indices) > HELD_SHOWN else ""

@@ -25,7 +25,7 @@ import torch
 from ..batch.buffers import OnDevice
 from ..batch.layout import Field
 from ..errors import SampleError
-from .jobs import Row, RowFiller, Work, read_local, write_label
+from .jobs import Row, RowFiller, Work, read_on_decode_thread, write_label
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
 
@@ -125,7 +125,7 @@ class BatchJobs:
             if data is None:
                 started = time.perf_counter()
                 try:
-                    data = read_local(row.key, self.filler.read_other, self.filler.max_bytes)
+                    data = read_on_decode_thread(row.key, self.filler.read_other, self.filler.max_bytes)
                 except Exception as error:
                     self.filler.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue

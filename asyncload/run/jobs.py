@@ -9,8 +9,6 @@ loop, one by one (they may take a replacement from the epoch's cursor, which the
 
 from __future__ import annotations
 
-import os
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -20,13 +18,10 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
-from ..io.limits import SampleTooLarge, read_bounded
+from ..io.limits import read_file
 from ..stats.figures import LoaderStats
 from .slots import Slot
 from .workers import current_slot
-
-O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
 
 @dataclass
 class Work:
@@ -71,12 +66,13 @@ def read_plain_file(key: Any, limit: int | None = None) -> bytes | None:
     """The bytes of a plain path or ``file://`` URL naming a regular file; None for anything else
     (another protocol, a FIFO): the caller reads those through the reader, with its timeout."""
     path = local_path(key)
-    return read_file(path, limit) if path is not None else None
+    return read_file(path, limit, regular_only=True) if path is not None else None
 
 
-def read_local(key: Any, read_other: Callable[[str], bytes], limit: int | None = None) -> bytes:
-    """A local row's bytes: a plain regular file read here (``read_plain_file``, at most ``limit``
-    bytes), any other local URL through ``read_other`` (the reader, with its timeout and limit)."""
+def read_on_decode_thread(key: Any, read_other: Callable[[str], bytes], limit: int | None = None) -> bytes:
+    """A local row's bytes, for a decode thread: a plain regular file read here (``read_plain_file``,
+    at most ``limit`` bytes), any other local URL through ``read_other`` (the reader's
+    ``read_local``: on a read thread, with its timeout and limit)."""
     data = read_plain_file(key, limit)
     return read_other(key) if data is None else data
 
@@ -84,24 +80,6 @@ def read_local(key: Any, read_other: Callable[[str], bytes], limit: int | None =
 def decodes_in_place(decode: Any) -> bool:
     """Whether ``decode`` declares its output (``field``) and writes it into a row itself."""
     return isinstance(getattr(decode, "field", None), Field) and hasattr(decode, "decode_into")
-
-
-def read_file(path: str, limit: int | None = None) -> bytes | None:
-    """The whole regular file at ``path``: open, ``fstat`` for the size, one ``pread``, close. A
-    Python file object or a read of unknown size costs several times more GIL time than these
-    calls. A file over ``limit`` bytes raises ``SampleTooLarge`` unread (see ``io/limits.py``).
-    None for anything but a regular file (a FIFO, a device): those may never answer, so
-    they take the reader's path, which has a timeout (opening without blocking lets us tell)."""
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None
-        if limit is not None and info.st_size > limit:
-            raise SampleTooLarge(path, info.st_size, limit)
-        return read_bounded(fd, info.st_size, limit, path)
-    finally:
-        os.close(fd)
 
 
 class RowFiller:
@@ -131,8 +109,9 @@ class RowFiller:
     def fill(self, batch: Work, rows: Sequence[Row]) -> None:
         """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
         ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread. Each
-        decode's start goes in the thread's slot (``slots.py``), so the watchdog can abandon one
-        that never returns; then this job ends at once and writes nothing more (a ``decode_into``
+        read's and decode's start goes in the thread's slot (``slots.py``), so the watchdog can
+        abandon one that never returns (a local file on a hung mount: that row fails at stage
+        ``read``, after ``decode_timeout``: a plain file is read here, with no read thread); then this job ends at once and writes nothing more (a ``decode_into``
         running may still write its row: the buffer is poisoned, see ``slots.py``)."""
         if batch.cancelled:
             self.rows_done(batch, len(rows))
@@ -147,10 +126,13 @@ class RowFiller:
         now = time.perf_counter()
         for index, row in enumerate(rows):
             data = row.data
-            if data is None:
+            if data is None:  # timed as the decode is: a hard network mount may never answer
+                slot.index, slot.done, slot.reading, slot.started = index, done, True, now
                 try:
-                    data = read_local(row.key, self.read_other, self.max_bytes)
+                    data = read_on_decode_thread(row.key, self.read_other, self.max_bytes)
                 except Exception as error:
+                    if not slot.claim():
+                        return  # abandoned while it read: the watchdog reported this job's rows
                     self.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue
                 finally:
@@ -160,7 +142,7 @@ class RowFiller:
                         trace.span("read", started, now, row.key)
                 reads += 1
                 nbytes += len(data)
-            slot.index, slot.done, slot.started = index, done, now  # started last: the watchdog reads it first
+            slot.index, slot.done, slot.reading, slot.started = index, done, False, now  # started last: read first
             cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
             try:
                 if not self._decode_row(buffer, row, data, slot):
@@ -191,7 +173,8 @@ class RowFiller:
             self.poisoned(batch)
         if slot.done:
             self.rows_done(batch, slot.done)
-        self.row_failed(batch, rows[index].row, SampleError(rows[index].key, "decode", cause))
+        stage = "read" if slot.reading else "decode"
+        self.row_failed(batch, rows[index].row, SampleError(rows[index].key, stage, cause))
         rest = rows[index + 1:]
         if rest:
             submit(lambda: self.fill(batch, rest))

@@ -81,9 +81,8 @@ class Pipeline:
             first, self._closing = not self._closing, True
         if first:  # a second close (another thread) only waits: its shutdown would never run
             self.loop_thread.submit(self._shut())
-        self.workers.abandon_all()  # a decode that never returns must not hold the stop
+        self.workers.wind_down(deadline, self.s.decode_timeout)  # no job starts; those running end or are abandoned
         wait_ended([self.thread], deadline)
-        self.workers.stop()  # no queued job starts; the threads end after the one they run
         wait_ended(self.workers.all_threads()[:1], deadline)  # the starter: then the list is whole
         return wait_ended([self.thread, *self.workers.all_threads()], deadline)
 

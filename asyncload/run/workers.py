@@ -27,8 +27,10 @@ import torch
 from ..autotune import Gate
 from ..io.blocking import MAX_LOST_FACTOR  # as for reads: stuck threads replaced, at most this many per thread
 from .slots import Slot
+from .threads import wait_ended
 
 Job = Callable[[], None]
+STOP_GRACE_S = 1.0  # wind_down: how long a stop lets the decodes in flight finish before abandoning them
 _current = threading.local()  # .slot: the decode thread's own Slot
 
 
@@ -68,10 +70,27 @@ class DecodeWorkers:
 
     def _start_one(self) -> None:
         with self._lock:
-            thread = threading.Thread(target=self._work, name=f"{self._name}-{self._numbers}", daemon=True)
-            self._numbers += 1
-            self.slots.append(Slot(thread))
+            thread = self._new_thread()
         thread.start()
+
+    def _new_thread(self) -> threading.Thread:
+        """A thread and its slot, not started yet (under ``_lock``)."""
+        thread = threading.Thread(target=self._work, name=f"{self._name}-{self._numbers}", daemon=True)
+        self._numbers += 1
+        self.slots.append(Slot(thread))
+        return thread
+
+    def _end_lost(self, slot: Slot) -> None:
+        """On a lost thread whose decode returned at last: it ends, and if fewer than ``count``
+        threads serve the queue (``replace`` started none past ``max_lost``), one takes its place
+        now. A child's pipeline lives for all epochs: without this its pool would shrink to no
+        thread, and the next epoch wait for ever."""
+        with self._lock:
+            self.slots.remove(slot)
+            serving = sum(not other.abandoned for other in self.slots)
+            thread = self._new_thread() if not self._stopping and serving < self._count else None
+        if thread is not None:
+            thread.start()
 
     def lost(self) -> list[Slot]:
         """The slots of threads whose decode was abandoned and is still running (those that
@@ -79,6 +98,11 @@ class DecodeWorkers:
         with self._lock:
             self.slots = [slot for slot in self.slots if not slot.abandoned or slot.thread.is_alive()]
             return [slot for slot in self.slots if slot.abandoned]
+
+    def serving(self) -> int:
+        """How many threads take jobs (not lost; those about to be started included)."""
+        with self._lock:
+            return len(self.slots) - sum(slot.abandoned for slot in self.slots) if self.slots else self._count
 
     def replace(self) -> bool:
         """A thread's decode was abandoned: start another in its place. False when ``max_lost``
@@ -90,6 +114,17 @@ class DecodeWorkers:
             return False
         self._start_one()
         return True
+
+    def wind_down(self, deadline: float | None, decode_timeout: float | None) -> None:
+        """``stop``, then a short grace for the decodes in flight (an early ``break`` stops
+        mid-batch): abandoning one would poison its buffer until it returns; past the grace
+        (``STOP_GRACE_S`` or ``decode_timeout`` if shorter, within ``deadline``) the rest are
+        abandoned: a decode that never returns must not hold the stop."""
+        self.stop()
+        grace = STOP_GRACE_S if decode_timeout is None else min(STOP_GRACE_S, decode_timeout)
+        until = time.monotonic() + grace
+        wait_ended(self.all_threads(), until if deadline is None else min(deadline, until))
+        self.abandon_all()
 
     def abandon_all(self) -> None:
         """Abandons every decode in flight (``Slot.abandon``): closing never waits for one."""
@@ -152,7 +187,8 @@ class DecodeWorkers:
                 finally:
                     if not slot.abandoned:  # else its place went back when it was abandoned
                         self._gate.__exit__()
-            if slot.abandoned:  # another thread has taken its place
+            if slot.abandoned:  # another thread has taken its place (or none could: see _end_lost)
+                self._end_lost(slot)
                 return
 
     def all_threads(self) -> list[threading.Thread]:
@@ -164,8 +200,9 @@ class DecodeWorkers:
     def stop(self) -> None:
         """Lets no queued job start; each thread ends after the job it runs. Does not wait: the
         caller waits on ``all_threads()`` within its own bound. Safe to call again."""
-        if not self._stopping:
-            self._stopping = True
+        with self._lock:  # _end_lost starts no thread once this is set: each running one gets a None
+            stopping, self._stopping = self._stopping, True
+        if not stopping:
             native_threads.release()
             for _ in range(self._count):  # one for each thread, started or about to be
                 self._jobs.put(None)
