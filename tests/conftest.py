@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import simplejpeg
 
-from asyncload import AsyncLoader, ImageDecoder
+from asyncload import AsyncLoader, ImageDecoder, image_folder, write_shards
 from bench.s3server import S3_ENV, MotoServer, SeaweedFS, storage_options
 
 CLASSES = ("cat", "dog", "fox")
@@ -68,6 +68,15 @@ def jpeg_folder(tmp_path_factory) -> Path:
         for index in range(PER_CLASS):
             (root / name / f"{index}.jpg").write_bytes(make_jpeg(image_colour(label, index)))
     return root
+
+
+@pytest.fixture(scope="session")
+def shard_dir(jpeg_folder, tmp_path_factory) -> Path:
+    """The 24 test JPEGs as 5 tar shards of up to 5 samples (20 KiB each), with their index;
+    read only (tests that damage a shard copy it first)."""
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(image_folder(str(jpeg_folder)), str(out), samples_per_shard=5)
+    return out
 
 
 def identify(image: np.ndarray) -> tuple[int, int]:

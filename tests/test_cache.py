@@ -16,21 +16,13 @@ import warnings
 
 import pytest
 
-from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, tar_shards, write_parquet, write_shards
+from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, tar_shards, write_parquet
 from asyncload.io.cache_files import shard_files
 from bench.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, setup_s3fs, make_bucket
 
 ALL = sorted((label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS))
 DECODE = ImageDecoder(32)
-
-
-@pytest.fixture(scope="module")
-def shard_dir(jpeg_folder, tmp_path_factory):
-    """The 24 test JPEGs as 5 shards of up to 5 samples (20 KiB each), with their index."""
-    out = tmp_path_factory.mktemp("cache-shards")
-    write_shards(image_folder(str(jpeg_folder)), str(out), samples_per_shard=5)
-    return out
 
 
 @pytest.fixture()

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from asyncload import AsyncLoader, ImageDecoder, image_folder, tar_shards, write_shards
+from asyncload import AsyncLoader, ImageDecoder, tar_shards
 from tests.conftest import CLASSES, PER_CLASS, identify
 from tests.decoders import FailsOn, as_array
 
@@ -119,14 +119,6 @@ def test_one_rank_resumes_on_four_without_a_skipped_sample(processes):
         assert [first, *[ints(batch) for batch in loader]] == new[2]
         assert [ints(b) for b in loader] == fresh_epoch(n, 2, 4, 1, decode=FailsOn({bad}), on_error="skip",
                                                         max_failures=3)
-
-
-@pytest.fixture(scope="module")
-def shard_dir(jpeg_folder, tmp_path_factory):
-    """The 24 test JPEGs as 5 shards of up to 5 samples."""
-    out = tmp_path_factory.mktemp("elastic-shards")
-    write_shards(image_folder(str(jpeg_folder)), str(out), samples_per_shard=5)
-    return out
 
 
 def images(batch):

@@ -25,14 +25,6 @@ DECODE = ImageDecoder(32)
 
 
 @pytest.fixture(scope="session")
-def shard_dir(jpeg_folder, tmp_path_factory):
-    """The 24 test JPEGs as 5 shards of up to 5 samples, with their index."""
-    out = tmp_path_factory.mktemp("shards")
-    write_shards(image_folder(str(jpeg_folder)), str(out), samples_per_shard=5)
-    return out
-
-
-@pytest.fixture(scope="session")
 def s3_shards(s3_options, shard_dir) -> str:
     """The shard set uploaded to ``s3://asyncload-test/shards``."""
     with setup_s3fs(s3_options) as fs:
