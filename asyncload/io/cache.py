@@ -46,10 +46,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from ..errors import describe
+from ..redact import shown
 from . import cache_files as files
 from .cache_evict import evict, owned_bytes
 from .cache_lock import PeerLocks
-from .reader import PERMANENT_ERRORS
+from .retries import is_transient
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
@@ -180,12 +182,11 @@ class ShardCache:
             return None
         try:
             return await self._ask_version(url)
-        except PERMANENT_ERRORS:
-            raise
         except Exception as error:
+            if not is_transient(error):  # gone, denied, or a bug: not storage that cannot be asked
+                raise
             self._offline_until = time.monotonic() + OFFLINE_S
-            cause = str(error).splitlines()[0][:200] if str(error) else ""  # obstore's run to dozens of lines
-            self._warn("offline", f"storage could not be asked about {url} ({type(error).__name__}: {cause}); kept "
+            self._warn("offline", f"storage could not be asked about {shown(url)} ({describe(error)}); kept "
                                   f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
             return None
 
