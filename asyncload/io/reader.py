@@ -19,7 +19,7 @@ from fsspec.core import split_protocol
 from ..stats.figures import LoaderStats
 from . import bucket_region, limits, object_store
 from .blocking import BlockingCalls, timeout_error
-from .retries import PERMANENT_ERRORS, RetryBudget, note_attempt, retried
+from .retries import RetryBudget, is_transient, note_attempt, retried
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
 TIMEOUT_NAME = "read_timeout"  # the user's name for ``Reader.timeout``, in the message of a read that timed out
@@ -114,7 +114,7 @@ class Reader:
             else:
                 data = self._blocking.call(limits.read_file, path, self.max_bytes, timeout=self.timeout)
         except Exception as error:
-            note_attempt(error, 1, 1, None, transient=not isinstance(error, PERMANENT_ERRORS))
+            note_attempt(error, 1, 1, None, transient=is_transient(error))
             raise
         finally:
             self.stats.level("reads_in_flight", -1)

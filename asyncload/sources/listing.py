@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import StorageError
 from ..io import object_store
-from ..io.retries import OBSTORE_PERMANENT_ERRORS, PERMANENT_ERRORS, backoff
+from ..io.retries import backoff, is_transient
 from ..io.store_options import named_retries
 
 T = TypeVar("T")
@@ -84,7 +84,7 @@ def _retried(url: str, action: str, retries: int, missing: str, request: Callabl
         except Exception as error:
             if _is_missing(error):
                 raise FileNotFoundError(missing) from error
-            if _is_permanent(error) or attempt == retries:
+            if not is_transient(error) or attempt == retries:
                 raise StorageError(url, action, attempt + 1, error) from error
         time.sleep(backoff(attempt))
     raise AssertionError("unreachable")
@@ -97,8 +97,3 @@ def _is_missing(error: Exception) -> bool:
     return isinstance(error, FileNotFoundError) or (module == "obstore.exceptions" and (
         name == "NotFoundError" or "NoSuchBucket" in str(error)))
 
-
-def _is_permanent(error: Exception) -> bool:
-    kind = type(error)
-    return isinstance(error, PERMANENT_ERRORS) or (
-        kind.__module__ == "obstore.exceptions" and kind.__name__ in OBSTORE_PERMANENT_ERRORS)
