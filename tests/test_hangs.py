@@ -40,9 +40,16 @@ class Gate:
     def __init__(self, path: Path) -> None:
         self.path = str(path)
 
-    def wait(self) -> None:
+    def wait(self, index=None) -> None:
+        """Blocks until the gate opens; first marks that ``index`` is waiting (see ``waiting``)."""
+        if index is not None:
+            Path(f"{self.path}.waiting-{index}").touch()
         while not os.path.exists(self.path):
             time.sleep(0.02)
+
+    def waiting(self, index) -> bool:
+        """Whether a call for ``index`` has reached the gate (in any process)."""
+        return os.path.exists(f"{self.path}.waiting-{index}")
 
 
 class HangingRead:
@@ -89,7 +96,7 @@ class HangingInPlace:
 
     def decode_into(self, index, out, key=None) -> None:
         if index in self.stuck:
-            self.gate.wait()
+            self.gate.wait(index)
             out[...] = -1
             return
         out[...] = index
@@ -360,6 +367,8 @@ def test_a_buffer_poisoned_at_a_stop_is_used_again_once_its_decode_returns(gate,
 
         def first_batch():
             for batch in loader:
+                # stop only once the decode of 5 has started (else the stop cancels it unstarted)
+                assert wait_until(lambda: gate.waiting(5), timeout=10)
                 return batch[:, 0].tolist()
 
         assert run_bounded(first_batch) == [0, 1, 2, 3]
