@@ -22,12 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.contenders import CONTENDERS
-from bench.dataset import ImageSetSpec, ensure_image_set
-from bench.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
-from bench.report import mark_best, markdown, write_all, write_partial
-from bench.runner import execute
-from bench.workloads import S3_NOTE, Workload, image_set, s3_image_set, workloads
+from bench.harness.contenders import CONTENDERS
+from bench.harness.dataset import ImageSetSpec, ensure_image_set
+from bench.harness.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
+from bench.harness.report import mark_best, markdown, write_all, write_partial
+from bench.harness.runner import execute
+from bench.harness.workloads import S3_NOTE, Workload, image_set, s3_image_set, workloads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,7 +62,7 @@ def check_device(device: str) -> None:
 def select_workloads(args: argparse.Namespace) -> list[Workload]:
     chosen = workloads(args.quick)
     if args.device == "cuda":
-        from bench.train import train_workload
+        from bench.harness.train import train_workload
 
         chosen.append(train_workload(args.quick))
     if args.workloads:
@@ -74,7 +74,7 @@ def calibrated(workload: Workload) -> Workload:
     """A Python step's loop count, measured here once, so every contender runs the same work."""
     if workload.step_kind != "python":
         return workload
-    from bench.steps import calibrate
+    from bench.harness.steps import calibrate
 
     return dataclasses.replace(workload, python_loops=calibrate(workload.step_s))
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from asyncload import AsyncLoader
 from asyncload.batch.layout import Field
-from bench.machine import machine_info
+from bench.harness.machine import machine_info
 
 SLEEP_S = 0.002
 FILE_BYTES = 2048

@@ -188,9 +188,9 @@ class ListOnlyDataset:
 
 def build_case(case: str, spec: dict, mark: Callable[[str], Any]):
     """The loader of a case: an object with set_epoch(e), __iter__ and close()."""
-    from bench.contenders import CONTENDERS, RunData
-    from bench.dataset import list_image_folder
-    from bench.workloads import workloads
+    from bench.harness.contenders import CONTENDERS, RunData
+    from bench.harness.dataset import list_image_folder
+    from bench.harness.workloads import workloads
 
     workload = next(w for w in workloads(quick=False) if w.name == "imagenet-local")
     root = Path(spec["root"])
@@ -210,13 +210,13 @@ def build_case(case: str, spec: dict, mark: Callable[[str], Any]):
         return AsyncLoader(listed, batch_size=spec["batch"], shuffle=True, seed=0, read=False,
                            decode=label_sample), len(listed)
     if case == "listonly-dataloader":
-        from bench.contenders.dataloader import _Loader
+        from bench.harness.contenders.dataloader import _Loader
 
         return _Loader(ListOnlyDataset(listed), spec["batch"], num_workers=2, prefetch_factor=2,
                        persistent_workers=True), len(listed)
     if case == "biglist-asyncload":
         from asyncload import AsyncLoader
-        from bench import tasks
+        from bench.harness import tasks
 
         view = EpochView(listed, spec["epoch_samples"])
         loader = AsyncLoader(view, batch_size=spec["batch"], shuffle=True, seed=0, decode=tasks.image_decoder())
@@ -250,7 +250,7 @@ class BigListDataLoader:
     def __init__(self, items: list, count: int, batch: int) -> None:
         from torch.utils.data import DataLoader
 
-        from bench.contenders.dataloader import ImageDataset  # torch: imported only for this case
+        from bench.harness.contenders.dataloader import ImageDataset  # torch: imported only for this case
 
         self.sampler = _SubsetSampler(len(items), count)
         self.loader = DataLoader(ImageDataset(items, None), batch_size=batch, sampler=self.sampler,
@@ -263,7 +263,7 @@ class BigListDataLoader:
         return iter(self.loader)
 
     def close(self) -> None:
-        from bench.contenders.dataloader import shut_down_workers
+        from bench.harness.contenders.dataloader import shut_down_workers
 
         shut_down_workers(self.loader)
 
@@ -272,7 +272,7 @@ def run_epochs(loader, epochs: int, sampler: MemorySampler, say: Callable[[str],
                label: str = "") -> list[dict]:
     """`epochs` passes (epoch 1 first, cold), each end marked on the sampler; returns per epoch
     its samples, wall time and rate."""
-    from bench.contenders import batch_size_of
+    from bench.harness.contenders import batch_size_of
 
     out = []
     for epoch in range(1, epochs + 1):
@@ -441,16 +441,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot is not None:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
-    from bench.machine import machine_info, machine_slug, versions
+    from bench.harness.machine import machine_info, machine_slug, versions
 
     if args.root is None:
-        from bench.dataset import ensure_image_set
-        from bench.workloads import image_set
+        from bench.harness.dataset import ensure_image_set
+        from bench.harness.workloads import image_set
 
         args.root = ensure_image_set(image_set(quick=False))
     machine = machine_info()
     now = dt.datetime.now(dt.timezone.utc)
-    from bench.dataset import list_image_folder
+    from bench.harness.dataset import list_image_folder
 
     results = {"created": now.isoformat(timespec="seconds"), "machine": machine, "versions": versions(),
                "command": "python -m bench.memory " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -17,9 +17,9 @@ import time
 
 from asyncload import AsyncLoader, Source, image_folder, mix
 from asyncload.run.settings import split
-from bench import tasks
-from bench.dataset import ensure_image_set
-from bench.workloads import image_set
+from bench.harness import tasks
+from bench.harness.dataset import ensure_image_set
+from bench.harness.workloads import image_set
 
 
 def halves(source: Source) -> dict[str, Source]:

@@ -16,10 +16,10 @@ import json
 import statistics
 
 from bench.__main__ import image_sets
-from bench.contenders import CONTENDERS
-from bench.dataset import ensure_image_set
-from bench.runner import execute
-from bench.workloads import workloads
+from bench.harness.contenders import CONTENDERS
+from bench.harness.dataset import ensure_image_set
+from bench.harness.runner import execute
+from bench.harness.workloads import workloads
 
 AUTO = {"tag": "auto", "num_threads": "auto", "io_concurrency": "auto"}
 

@@ -2,13 +2,13 @@
 
     python -m bench.parquet_vs_shards [--quick] [--epochs 4] [--group 256] [--s3]
 
-Both sets are written from the ImageNet-like JPEG folder (``bench/dataset.py``): tar shards of
+Both sets are written from the ImageNet-like JPEG folder (``bench/harness/dataset.py``): tar shards of
 ``--group`` samples (``write_shards``) and one Parquet file of ``--group``-row row groups
 (``write_parquet``), so a shard and a row group hold the same images and each is one ranged
 read. Each format gets a warm-up epoch, then the measured epochs alternate (tar, Parquet, tar,
 ...), so a drift of the machine's load touches both alike; the median epoch of each is printed,
 with parquet/tar (the target: at least 0.9). ``--s3`` repeats it with both sets in SeaweedFS
-(``bench/s3server.py``), a real S3 server on the same cores, read through the loader's client.
+(``tests/support/s3server.py``), a real S3 server on the same cores, read through the loader's client.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, parquet, tar_shards, write_parquet, write_shards
-from bench.dataset import ensure_image_set
-from bench.machine import cpu_model
-from bench.s3server import S3_ENV, SeaweedFS, storage_options
-from bench.workloads import image_set
+from bench.harness.dataset import ensure_image_set
+from bench.harness.machine import cpu_model
+from bench.harness.workloads import image_set
+from tests.support.s3server import S3_ENV, SeaweedFS, storage_options
 
 
 def epoch_rate(source: Any, batch_size: int, epoch: int, options: dict | None) -> float:

@@ -3,7 +3,7 @@ fast OpenCV path, and how far each is from torchvision on real photos in every e
 
     python -m bench.pixels [--images 64] [--rounds 7] [--device cuda]
 
-Timing: the benchmark's images (bench/dataset.py: 500x375, quality 90, ~100 KB) encoded in memory,
+Timing: the benchmark's images (bench/harness/dataset.py: 500x375, quality 90, ~100 KB) encoded in memory,
 decoded on one thread by each path in turn, image after image (the paths alternate, so a noisy
 neighbour slows both alike), with OpenCV and torch at one thread each, as in the loader's decode
 threads. The cost is counted in process CPU time per image: with every core decoding, throughput
@@ -25,8 +25,8 @@ import numpy as np
 import simplejpeg
 
 from asyncload.decode.image import ImageDecoder
-from bench.dataset import synth_image
-from bench.machine import cpu_model
+from bench.harness.dataset import synth_image
+from bench.harness.machine import cpu_model
 
 PATHS = {"fast (cv2, antialias=False)": {"antialias": False}, "default (antialiased)": {}}
 

@@ -2,7 +2,7 @@
 
     python -m bench.priority [--rounds 3]
 
-Times a 25 ms pure-Python step (``bench.steps``) alone, then next to another process that
+Times a 25 ms pure-Python step (``bench.harness.steps``) alone, then next to another process that
 decodes JPEGs on 1 or 2 threads (libjpeg-turbo, as the loader's decode threads do) at
 niceness 0, 10 and 19, in rounds so that the machine's drift shows as spread. A separate
 process takes the GIL out of the step's way, not the CPU: at equal priority two decode threads
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from bench.steps import calibrate, time_alone
+from bench.harness.steps import calibrate, time_alone
 
 DECODER = r"""
 import os, sys, threading

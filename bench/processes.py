@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 
 from asyncload import AsyncLoader
-from bench.machine import cpu_model, cpu_ticks, steal_share
+from bench.harness.machine import cpu_model, cpu_ticks, steal_share
 
 SIDE = 64  # each sample: a 64x64x3 uint8 "image" and its index
 

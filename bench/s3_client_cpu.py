@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from bench.s3server import SeaweedFS, storage_options
+from tests.support.s3server import SeaweedFS, storage_options
 
 SIZE = 100_000
 BUCKET = "client-cpu"

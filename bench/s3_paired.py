@@ -18,10 +18,10 @@ import statistics
 from pathlib import Path
 
 from bench.__main__ import image_sets
-from bench.contenders import CONTENDERS
-from bench.dataset import ensure_image_set
-from bench.runner import execute
-from bench.workloads import workloads
+from bench.harness.contenders import CONTENDERS
+from bench.harness.dataset import ensure_image_set
+from bench.harness.runner import execute
+from bench.harness.workloads import workloads
 
 ROWS = [  # (workload, contender, config)
     ("imagenet-local", "asyncload", {"tag": "default"}),

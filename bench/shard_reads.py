@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncload import AsyncLoader, tar_shards, write_shards
-from bench.machine import cpu_model
+from bench.harness.machine import cpu_model
 
 MEMBER_BYTES = 1024
 

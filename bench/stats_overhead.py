@@ -18,9 +18,9 @@ import time
 
 from asyncload import AsyncLoader
 from asyncload.stats.figures import LoaderStats
-from bench import tasks
-from bench.dataset import ensure_image_set
-from bench.workloads import image_set
+from bench.harness import tasks
+from bench.harness.dataset import ensure_image_set
+from bench.harness.workloads import image_set
 
 
 class CountingStats(LoaderStats):

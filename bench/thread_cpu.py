@@ -29,11 +29,11 @@ from typing import Any
 
 import psutil
 
-from bench.dataset import DATA_ROOT, ensure_image_set
-from bench.s3data import upload
-from bench.s3server import S3_ENV, SeaweedFS, storage_options
-from bench.tasks import image_decoder
-from bench.workloads import S3_BUCKET, image_set
+from bench.harness.dataset import DATA_ROOT, ensure_image_set
+from bench.harness.s3data import upload
+from bench.harness.tasks import image_decoder
+from bench.harness.workloads import S3_BUCKET, image_set
+from tests.support.s3server import S3_ENV, SeaweedFS, storage_options
 
 EPOCHS = 3
 POLL_S = 0.02

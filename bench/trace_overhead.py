@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncload import AsyncLoader, image_folder
-from bench import tasks
-from bench.dataset import ensure_image_set
+from bench.harness import tasks
+from bench.harness.dataset import ensure_image_set
 from bench.gil_ceiling import SleepDecoder, make_files
-from bench.machine import cpu_model
-from bench.workloads import image_set
+from bench.harness.machine import cpu_model
+from bench.harness.workloads import image_set
 
 
 def epoch(loader: AsyncLoader) -> float:

@@ -16,7 +16,7 @@ import pytest
 import simplejpeg
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, write_shards
-from bench.s3server import S3_ENV, MotoServer, SeaweedFS, storage_options
+from tests.support.s3server import S3_ENV, MotoServer, SeaweedFS, storage_options
 
 CLASSES = ("cat", "dog", "fox")
 PER_CLASS = 8

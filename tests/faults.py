@@ -15,7 +15,7 @@ import struct
 import threading
 from typing import Callable
 
-from bench.s3server import free_port, pump
+from tests.support.s3server import free_port, pump
 
 PASS, RESET, STALL = "pass", "reset", "stall"
 SLOW_DOWN = (503, "SlowDown", "Please reduce your request rate.")

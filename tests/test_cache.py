@@ -18,7 +18,7 @@ import pytest
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, tar_shards, write_parquet
 from asyncload.io.cache_files import shard_files
-from bench.s3server import storage_options
+from tests.support.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, setup_s3fs, make_bucket
 
 ALL = sorted((label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS))

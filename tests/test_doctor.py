@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncload import image_folder, write_shards
-from bench.s3server import free_port
+from tests.support.s3server import free_port
 from tests.conftest import CLASSES, PER_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 from asyncload import AsyncLoader, StorageError, image_folder, list_files, manifest, tar_shards
 from asyncload.io import object_store
 from asyncload.io.store_options import obstore_settings
-from bench.s3server import storage_options
+from tests.support.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, setup_s3fs
 from tests.test_sources import EXTENSIONS, raised
 from tests.faults import PASS, SLOW_DOWN, STALL, FaultProxy

@@ -17,7 +17,7 @@ from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
 from asyncload.io import object_store
 from asyncload.io.reader import Reader
 from asyncload.stats.figures import LoaderStats
-from bench.s3server import obstore_options, storage_options
+from tests.support.s3server import obstore_options, storage_options
 from tests.conftest import CLASSES, PER_CLASS, epoch, identify, setup_s3fs, wait_until
 from tests.faults import SLOW_DOWN, STALL, FaultProxy, first_tries
 
@@ -298,7 +298,7 @@ def test_a_missing_key_is_one_line_naming_the_url_and_the_cause(s3_jpeg_bucket, 
 def test_a_closed_port_is_one_line_naming_the_url_the_cause_and_the_attempts(s3_options):
     """At a port nobody listens on, the reason ("Connection refused") is at the end of the dump,
     ~37 lines below the first."""
-    from bench.s3server import free_port
+    from tests.support.s3server import free_port
 
     url = "s3://asyncload-test/jpegs/cat/0.jpg"
     error = read_failure(url, {**s3_options, "endpoint_url": f"http://127.0.0.1:{free_port()}"}, read_retries=1)

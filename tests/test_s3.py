@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
-from bench.s3server import LatencyProxy, storage_options
+from tests.support.s3server import LatencyProxy, storage_options
 from tests.conftest import epoch
 
 

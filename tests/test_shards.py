@@ -17,7 +17,7 @@ from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, inde
 from asyncload.sources.shard_plan import plan_chunks
 from asyncload.order.shard_order import ShardSampler, buffer_shuffle
 from asyncload.stats.verdict import diagnose
-from bench.s3server import LatencyProxy, storage_options
+from tests.support.s3server import LatencyProxy, storage_options
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, make_bucket, setup_s3fs
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}

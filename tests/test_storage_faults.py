@@ -9,7 +9,7 @@ import time
 import pytest
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
-from bench.s3server import storage_options
+from tests.support.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, identify
 from tests.faults import INTERNAL, RESET, SLOW_DOWN, STALL, FaultProxy, first_tries
 
@@ -140,7 +140,7 @@ def restartable(jpeg_folder, tmp_path_factory):
     """A SeaweedFS of this module's own (the session's is not restarted under other tests),
     holding the JPEG folder as objects and as tar shards of 4 samples."""
     from asyncload import write_shards
-    from bench.s3server import SeaweedFS
+    from tests.support.s3server import SeaweedFS
     from tests.conftest import upload_jpegs
 
     server = SeaweedFS()
@@ -225,7 +225,7 @@ def test_a_storage_restart_mid_epoch_loses_and_repeats_nothing(restartable, tmp_
 def test_storage_down_past_the_retry_budget_fails_once_naming_the_url_the_outage_and_the_attempts(processes):
     """Nothing listens on the port (a server that stays down). A small budget set here: one
     clear error within the budget and a little, not a minute."""
-    from bench.s3server import free_port
+    from tests.support.s3server import free_port
 
     options = storage_options(f"http://127.0.0.1:{free_port()}")
     url = "s3://asyncload-test/jpegs/cat/0.jpg"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import tasks
-from bench.contenders.base import Contender, RunData, cores
-from bench.workloads import Workload
+from bench.harness import tasks
+from bench.harness.contenders.base import Contender, RunData, cores
+from bench.harness.workloads import Workload
 
 
 class AsyncLoadContender(Contender):

@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
-DATA_ROOT = Path(__file__).resolve().parent / "data"
+DATA_ROOT = Path(__file__).resolve().parent.parent / "data"
 GENERATOR_VERSION = 1
 HEIGHT, WIDTH = 375, 500
 

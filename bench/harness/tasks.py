@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.workloads import LARGE_IO_S, LARGE_SHAPE
+from bench.harness.workloads import LARGE_IO_S, LARGE_SHAPE
 
 # s3fs sends a HEAD before each GET unless told the object is read in one request; every contender
 # gets the same courtesy (asyncload's own reader does this too).
@@ -27,7 +27,7 @@ _fs_lock = threading.Lock()
 def s3_options(endpoint_url: str, pool: int = 10) -> dict:
     """s3fs options for the local server; `pool` HTTP connections, which threaded readers need
     raised from botocore's 10 so that connections do not cap their concurrency."""
-    from bench.s3server import storage_options
+    from tests.support.s3server import storage_options
 
     return {**storage_options(endpoint_url), "config_kwargs": {"max_pool_connections": pool}}
 

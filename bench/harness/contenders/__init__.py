@@ -7,11 +7,11 @@ and the report lists that reason instead of the row.
 
 from __future__ import annotations
 
-from bench.contenders.base import Contender, RunData, batch_size_of
-from bench.contenders.asyncload_ import AsyncLoadContender
-from bench.contenders.dataloader import DataLoaderContender
-from bench.contenders.spdl_ import SPDLContender
-from bench.contenders.torchdata_ import TorchDataContender
+from bench.harness.contenders.base import Contender, RunData, batch_size_of
+from bench.harness.contenders.asyncload_ import AsyncLoadContender
+from bench.harness.contenders.dataloader import DataLoaderContender
+from bench.harness.contenders.spdl_ import SPDLContender
+from bench.harness.contenders.torchdata_ import TorchDataContender
 
 CONTENDERS: dict[str, Contender] = {
     c.name: c

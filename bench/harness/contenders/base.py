@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from bench.workloads import Workload
+from bench.harness.workloads import Workload
 
 
 @dataclass

@@ -7,7 +7,7 @@ keeps connections alive and serves thousands of GETs/s, as a cloud bucket does; 
 hundred and closes every connection, which hides what a client costs, so it stays only where a
 test injects faults through a proxy that handles one request per connection.
 
-    python -m bench.s3server proxy --listen-port 9001 --target-port 9000 --latency 0.02 0.05
+    python tests/support/s3server.py proxy --listen-port 9001 --target-port 9000 --latency 0.02 0.05
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ class LatencyProxy(_ChildServer):
 
     def _command(self) -> list[str]:
         low, high = self.latency
-        return [sys.executable, "-m", "bench.s3server", "proxy", "--listen-port", str(self.port),
+        return [sys.executable, __file__, "proxy", "--listen-port", str(self.port),
                 "--target-port", str(self.target_port), "--latency", str(low), str(high)]
 
 

@@ -1,4 +1,4 @@
-"""One measured run, in its own process: `python -m bench.worker < spec.json`.
+"""One measured run, in its own process: `python -m bench.harness.worker < spec.json`.
 
 A fresh process per (workload, contender, config) keeps one contender's memory, threads, worker
 processes and imports out of the next one's figures, and a contender that crashes takes only its
@@ -17,11 +17,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.contenders import CONTENDERS, RunData, batch_size_of
-from bench.dataset import DATA_ROOT, list_image_folder
-from bench.metrics import EpochStats, TreeSampler, summarise, timed_epoch
-from bench.s3server import S3_ENV
-from bench.workloads import S3_BUCKET, Workload
+from bench.harness.contenders import CONTENDERS, RunData, batch_size_of
+from bench.harness.dataset import DATA_ROOT, list_image_folder
+from bench.harness.metrics import EpochStats, TreeSampler, summarise, timed_epoch
+from bench.harness.workloads import S3_BUCKET, Workload
+from tests.support.s3server import S3_ENV
 
 
 def run_data(spec: dict, workload: Workload) -> RunData:
@@ -47,11 +47,11 @@ def make_consumer(workload: Workload, device: str) -> Callable[[Any], int]:
     releases the GIL as a GPU step does, or pure-Python work, which holds it), or a real GPU
     step for the `train` workload."""
     if workload.name == "train":
-        from bench.train import gpu_consumer
+        from bench.harness.train import gpu_consumer
 
         return gpu_consumer(workload)
     if workload.step_kind == "python":
-        from bench.steps import python_step
+        from bench.harness.steps import python_step
 
         loops = workload.python_loops
 
@@ -98,7 +98,7 @@ def measure(spec: dict, say: Callable[[str], None] = lambda line: None) -> dict:
     consume = make_consumer(workload, data.device)
     alone = None
     if workload.step_kind == "python":  # the step's own time, before the loader runs
-        from bench.steps import time_alone
+        from bench.harness.steps import time_alone
 
         alone = time_alone(workload.python_loops)
     sampler = TreeSampler()
@@ -116,7 +116,7 @@ def measure(spec: dict, say: Callable[[str], None] = lambda line: None) -> dict:
             epochs.append(timed_epoch(loader, number, consume))
             say(epoch_line(label, f"epoch {number}", epochs[-1]))
         if alone is not None:  # and again with the loader idle: the machine's drift evens out
-            from bench.steps import time_alone
+            from bench.harness.steps import time_alone
 
             alone = (alone + time_alone(workload.python_loops)) / 2
         for number, epoch in enumerate([warmup, *epochs]):

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from bench import tasks
-from bench.contenders.base import Contender, RunData, cores
-from bench.workloads import Workload
+from bench.harness import tasks
+from bench.harness.contenders.base import Contender, RunData, cores
+from bench.harness.workloads import Workload
 
 
 class _Loader:

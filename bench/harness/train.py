@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bench.workloads import Workload, image_set
+from bench.harness.workloads import Workload, image_set
 
 
 def train_workload(quick: bool) -> Workload:

@@ -1,4 +1,4 @@
-"""Runs a bench plan: each (workload, contender, configuration) in a fresh `python -m bench.worker`
+"""Runs a bench plan: each (workload, contender, configuration) in a fresh `python -m bench.harness.worker`
 process, one after the other, with the S3 servers up when the plan reads from S3.
 
 Progress is printed as lines, flushed as they happen, so that a run whose output goes to a file or
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
-from bench.s3data import s3_servers
-from bench.workloads import S3_BUCKET, Workload
+from bench.harness.s3data import s3_servers
+from bench.harness.workloads import S3_BUCKET, Workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _server_cpu(pids: list[int]) -> float:
@@ -48,7 +48,7 @@ def run_name(run: dict) -> str:
 
 def run_one(run: dict, workload: Workload, storage: dict, device: str, timeout: float,
             server_pids: list[int]) -> dict:
-    """One fresh `python -m bench.worker` process; its own session, so a hung run and its workers
+    """One fresh `python -m bench.harness.worker` process; its own session, so a hung run and its workers
     can be killed together (also when this process is interrupted: a worker must not outlive
     the bench). It inherits stdout, where it prints its per-epoch lines."""
     with tempfile.TemporaryDirectory(prefix="asyncload-bench-") as tmp:
@@ -59,7 +59,7 @@ def run_one(run: dict, workload: Workload, storage: dict, device: str, timeout: 
         cpu0 = _server_cpu(server_pids)
         started = time.perf_counter()
         sys.stdout.flush()  # our lines before the worker's, which go straight to the same file
-        proc = subprocess.Popen([sys.executable, "-m", "bench.worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "bench.harness.worker"], stdin=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT)
         try:
             _, stderr = proc.communicate(json.dumps(spec), timeout=timeout)

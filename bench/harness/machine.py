@@ -73,7 +73,7 @@ def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -
 def decode_rate(paths: list[Path], threads: int) -> float:
     """Images/s that ``threads`` threads decode and transform (the bench's per-sample code) from
     the page cache: this machine's speed at the run's time, to read every absolute figure by."""
-    from bench.tasks import image_decoder
+    from bench.harness.tasks import image_decoder
 
     decoder = image_decoder()
     blobs = [path.read_bytes() for path in paths]

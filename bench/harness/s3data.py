@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from bench.dataset import DATA_ROOT, list_image_folder
-from bench.s3server import S3_ENV, LatencyProxy, SeaweedFS
-from bench.tasks import s3_options
-from bench.workloads import S3_BUCKET, S3_LATENCY
+from bench.harness.dataset import DATA_ROOT, list_image_folder
+from bench.harness.tasks import s3_options
+from bench.harness.workloads import S3_BUCKET, S3_LATENCY
+from tests.support.s3server import S3_ENV, LatencyProxy, SeaweedFS
 
 # Threaded readers must not be capped by botocore's 10 pooled connections (asyncload raises its
 # own pool to io_concurrency; DataLoader workers read one object at a time each).

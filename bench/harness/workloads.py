@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from bench.dataset import ImageSetSpec
+from bench.harness.dataset import ImageSetSpec
 
 S3_BUCKET = "asyncload-bench"
 S3_LATENCY = (0.02, 0.05)
