@@ -1,0 +1,260 @@
+"""Datasets in other loaders' formats, read as their writers left them: MosaicML Streaming's MDS
+shards (``mds``), litdata's ``optimize()`` chunks (``litdata``) and WebDataset tars without an
+index (``tar_shards`` of a brace pattern). The fixtures under ``tests/fixtures/formats/`` were
+written by the real writers (``tests/fixtures/make_formats.py``); sample i is a JPEG of grey
+level ``level(i)`` with label i, caption "sample i" and ``arange(i % 5 + 1)``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncload import AsyncLoader, ImageDecoder, Members, StorageError, litdata, mds, mix, parquet, tar_shards
+from asyncload.decode.members import decode_member
+from asyncload.sources import shard_learn, writer
+from tests.conftest import setup_s3fs, make_bucket
+from tests.fixtures.make_formats import SAMPLES, level
+from tests.test_listing import silent_endpoint, storage_error  # noqa: F401 (a fixture)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "formats"
+PATTERN = "{000000..000002}.tar"
+SMALL = ImageDecoder(16)
+
+
+def source_of(kind: str, root: str | Path, tmp_path: Path, **options):
+    """The fixture of ``kind`` at ``root`` (a folder or bucket prefix) as an asyncload source."""
+    if kind == "wds":
+        options.setdefault("members", "all")
+        return tar_shards(f"{root}/{PATTERN}", index_dir=str(tmp_path / "indexes"), **options)
+    return {"mds": mds, "litdata": litdata}[kind](str(root), **options)
+
+
+def decode_of(kind: str) -> Members:
+    """(image, label) for MDS and litdata; the image alone for tars (their .cls labels are known
+    up front, so the loader adds them)."""
+    return Members("jpg", image=SMALL) if kind == "wds" else Members("image", "label", image=SMALL)
+
+
+def samples(loader) -> list[tuple[int, int]]:
+    """(label, grey level of the image) of every sample delivered, in order."""
+    return [(int(label), int(image[8, 8, 0])) for images, labels in loader for image, label in zip(images, labels)]
+
+
+def assert_each_once_with_its_image(got: list[tuple[int, int]]) -> None:
+    assert sorted(label for label, _ in got) == list(range(SAMPLES))
+    assert all(abs(grey - level(label)) <= 3 for label, grey in got), got
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("kind", ["mds", "litdata", "wds"])
+def test_every_sample_once_with_its_own_label(kind, processes, tmp_path):
+    source = source_of(kind, FIXTURES / kind, tmp_path)
+    with AsyncLoader(source, batch_size=5, decode=decode_of(kind), processes=processes, seed=1) as loader:
+        got = samples(loader)
+    assert_each_once_with_its_image(got)
+    assert len(source.urls) == 3  # three shards each: the order is read across them
+
+
+@pytest.mark.parametrize("kind", ["mds", "litdata"])
+def test_without_decode_the_image_and_label_columns_make_the_batch(kind):
+    with AsyncLoader(source_of(kind, FIXTURES / kind, None), batch_size=6, processes=0) as loader:
+        batches = list(loader)
+    assert [tuple(images.shape) for images, _ in batches] == [(6, 224, 224, 3)] * 2
+    assert sorted(int(label) for _, labels in batches for label in labels) == list(range(SAMPLES))
+
+
+@pytest.mark.parametrize("kind", ["mds", "litdata"])
+def test_every_column_decodes_to_the_value_written(kind):
+    source = source_of(kind, FIXTURES / kind, None)
+    for shard, url in enumerate(source.urls):
+        first, last = int(source.shard_first[shard]), int(source.shard_first[shard + 1])
+        got = source.split_chunk(memoryview(Path(url).read_bytes()), 0, list(range(first, last)))
+        for sample in got.values():
+            i = sample["label"]
+            assert sample["caption"] == f"sample {i}" and sample["score"] == i / 4
+            assert np.array_equal(sample["arr"], np.arange(i % 5 + 1)) and sample["arr"].dtype == np.int16
+            assert sample["image"][:2] == b"\xff\xd8"  # left encoded, for a decode thread
+            if kind == "mds":
+                assert sample["meta"] == {"i": i}
+
+
+def test_webdataset_members_decode_by_extension(tmp_path):
+    source = source_of("wds", FIXTURES / "wds", tmp_path)
+    url = source.urls[1]
+    first, last = int(source.shard_first[1]), int(source.shard_first[2])
+    got = source.split_chunk(memoryview(Path(url).read_bytes()), 0, list(range(first, last)))
+    for index, members in got.items():
+        value = {name: decode_member(name, data, SMALL) for name, data in members.items()}
+        i = value["cls"]
+        assert i == index and value["txt"] == f"sample {i}" and value["json"] == {"i": i}
+        assert np.array_equal(value["npy"], np.arange(i % 5 + 1)) and abs(int(value["jpg"][8, 8, 0]) - level(i)) <= 3
+
+
+def test_members_picks_fields_in_order_with_alternatives_and_names_a_missing_one():
+    sample = {"png": b"", "cls": b" 7\n", "txt": "kept as given"}
+    assert Members("cls;label", "txt", image=SMALL)(sample) == (7, "kept as given")
+    with pytest.raises(KeyError, match="no member 'jpg' or 'webp'"):
+        Members("jpg;webp", image=SMALL)(sample)
+
+
+@pytest.mark.parametrize("kind", ["mds", "litdata", "wds"])
+def test_resume_mid_epoch_delivers_the_rest(kind, tmp_path):
+    source = source_of(kind, FIXTURES / kind, tmp_path, shuffle_buffer=4)
+    settings = dict(batch_size=3, decode=decode_of(kind), seed=2, processes=0)
+    with AsyncLoader(source, **settings) as loader:
+        whole = samples(loader)
+    with AsyncLoader(source, **settings) as loader:
+        iterator = iter(loader)
+        next(iterator), next(iterator)
+        state = json.loads(json.dumps(loader.state_dict()))
+        iterator.close()
+    with AsyncLoader(source, **settings) as loader:
+        loader.load_state_dict(state)
+        assert samples(loader) == whole[6:]
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("kind", ["mds", "litdata", "wds"])
+def test_two_ranks_share_the_epoch_in_equal_batch_counts(kind, processes, tmp_path):
+    source = source_of(kind, FIXTURES / kind, tmp_path)
+    got = []
+    for rank in range(2):
+        with AsyncLoader(source, batch_size=4, decode=decode_of(kind), rank=rank, world_size=2,
+                         processes=processes) as loader:
+            got.append(samples(loader))
+    assert len(got[0]) == len(got[1]) == SAMPLES // 2
+    assert_each_once_with_its_image(got[0] + got[1])
+
+
+def test_mds_sources_mix_by_weight():
+    both = mix({"a": mds(str(FIXTURES / "mds")), "b": mds(str(FIXTURES / "mds"))}, weights={"a": 0.5, "b": 0.5})
+    with AsyncLoader(both, batch_size=6, decode=decode_of("mds"), processes=0) as loader:
+        batches = list(loader)  # ((images, labels), source ids): the decode's sample, then its source
+    got = samples(sample for sample, _ in batches)
+    assert len(got) == len(both) and all(abs(grey - level(label)) <= 3 for label, grey in got)
+    assert sorted(int(i) for _, ids in batches for i in ids) == [0] * SAMPLES + [1] * SAMPLES
+
+
+@pytest.mark.parametrize("kind, field, encoding", [("mds", "column_encodings", "pkl"),
+                                                   ("litdata", "data_format", "pickle")])
+def test_an_unsupported_encoding_is_refused_at_construction_naming_the_column(kind, field, encoding, tmp_path):
+    folder = tmp_path / kind
+    shutil.copytree(FIXTURES / kind, folder)
+    index = json.loads((folder / "index.json").read_text())
+    for part in index["shards"] if kind == "mds" else [index["config"]]:
+        part[field][1] = encoding
+    (folder / "index.json").write_text(json.dumps(index))
+    column = "caption" if kind == "mds" else "label"
+    with pytest.raises(ValueError, match=f"column '{column}' has .*'{encoding}'"):
+        source_of(kind, folder, tmp_path)
+
+
+def test_a_sample_whose_offsets_disagree_with_the_index_is_refused(tmp_path):
+    folder = tmp_path / "mds"
+    shutil.copytree(FIXTURES / "mds", folder)
+    index = json.loads((folder / "index.json").read_text())
+    index["shards"][0]["samples"] += 1
+    (folder / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="shard.00000.mds: its index says 5 samples, the shard's header says 4"):
+        mds(str(folder))
+
+
+def test_brace_patterns_expand_as_webdataset_writes_them():
+    assert shard_learn.expand("s3://b/{008..011}.tar") == [f"s3://b/{n:03d}.tar" for n in range(8, 12)]
+    assert shard_learn.expand("{a,b}/{0..1}.tar") == ["a/0.tar", "a/1.tar", "b/0.tar", "b/1.tar"]
+
+
+def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp_path, monkeypatch):
+    folder = tmp_path / "wds"
+    shutil.copytree(FIXTURES / "wds", folder)
+    learnt: list[str] = []
+    real = writer._index_shard
+    monkeypatch.setattr(writer, "_index_shard", lambda file, url: learnt.append(url) or real(file, url))
+    first = tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
+    assert len(learnt) == 3 and len(list((tmp_path / "cache" / "indexes").glob("learnt-*.json"))) == 1
+    again = tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
+    assert len(learnt) == 3 and np.array_equal(again.member_offset, first.member_offset)
+    with open(folder / "000002.tar", "ab") as shard:
+        shard.write(bytes(10240))  # another size: the kept table may not describe it
+    tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
+    assert len(learnt) == 6
+
+
+def test_a_folder_of_tars_without_index_is_learnt_too(tmp_path):
+    source = tar_shards(str(FIXTURES / "wds"), index_dir=str(tmp_path))
+    assert len(source) == SAMPLES and source.labels.tolist() == list(range(SAMPLES))
+
+
+def test_a_shard_the_pattern_names_but_storage_lacks_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"1 of 4 shards not found: .*000003\.tar"):
+        tar_shards(f"{FIXTURES / 'wds'}/{{000000..000003}}.tar", index_dir=str(tmp_path))
+
+
+def test_the_processes_of_a_node_learn_the_table_once(tmp_path, monkeypatch):
+    """Two at once: the second waits on the first's lock, then reads what it kept."""
+    calls: list[int] = []
+    real = shard_learn.learn
+    gate = threading.Event()
+
+    def slow_learn(*args, **kwargs):
+        calls.append(1)
+        gate.wait(5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shard_learn, "learn", slow_learn)
+    found: list[int] = []
+    threads = [threading.Thread(target=lambda: found.append(len(source_of("wds", FIXTURES / "wds", tmp_path))))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    gate.set()
+    for thread in threads:
+        thread.join(10)
+    assert found == [SAMPLES, SAMPLES] and calls == [1]
+
+
+@pytest.fixture(scope="session")
+def s3_formats(s3_options) -> str:
+    """The three fixtures uploaded to ``s3://asyncload-test/formats/<kind>/``."""
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        for path in FIXTURES.rglob("*"):
+            if path.is_file():
+                fs.pipe_file(f"asyncload-test/formats/{path.relative_to(FIXTURES)}", path.read_bytes())
+    return "s3://asyncload-test/formats"
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("kind", ["mds", "litdata", "wds"])
+def test_from_s3_the_epoch_equals_the_local_one_and_the_cache_serves_epoch_two(kind, processes, s3_formats,
+                                                                               s3_options, tmp_path):
+    settings = dict(batch_size=5, decode=decode_of(kind), processes=processes, seed=4)
+    with AsyncLoader(source_of(kind, FIXTURES / kind, tmp_path / "local"), **settings) as loader:
+        expected = samples(loader)
+    source = source_of(kind, f"{s3_formats}/{kind}", tmp_path, storage_options=s3_options,
+                       cache_dir=str(tmp_path / "cache"))
+    with AsyncLoader(source, storage_options=s3_options, **settings) as loader:
+        loader.set_epoch(0)
+        assert samples(loader) == expected
+        loader.set_epoch(0)
+        assert samples(loader) == expected
+    kept = [path for path in (tmp_path / "cache").rglob("*") if path.is_file() and path.suffix != ".lock"
+            and path.stat().st_size in source.shard_bytes.tolist()]
+    assert len(kept) >= len(source.urls)  # every shard downloaded whole, on local disk
+
+
+@pytest.mark.parametrize("build", [
+    lambda options: mds("s3://bucket/mds", storage_options=options, timeout=0.5, retries=0),
+    lambda options: litdata("s3://bucket/lit", storage_options=options, timeout=0.5, retries=0),
+    lambda options: parquet("s3://bucket/pq/", storage_options=options, timeout=0.5, retries=0),
+    lambda options: tar_shards("s3://bucket/{0..3}.tar", storage_options=options, timeout=0.5, retries=0),
+], ids=["mds", "litdata", "parquet", "tar-pattern"])
+def test_a_silent_endpoint_fails_after_the_timeout_given(silent_endpoint, build):
+    options, accepted = silent_endpoint
+    error, seconds = storage_error(build, options)
+    assert seconds < 5 and "failed after 1 attempt" in str(error) and len(accepted) == 1
