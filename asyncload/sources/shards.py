@@ -196,12 +196,12 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
     try:
         data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")
-    except FileNotFoundError:
+    except FileNotFoundError as missing:
         if url.endswith(".json"):
             raise
         urls = _tars_in(url, storage_options, timeout, retries)
         if not urls:
-            raise FileNotFoundError(f"{url}: no {INDEX_NAME} and no .tar shard there") from None
+            raise FileNotFoundError(f"{missing}, and no .tar shard under {url} to learn one from") from None
         return _learnt(urls, storage_options, timeout, retries, index_dir, options)
     index = json.loads(data)
     return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)
