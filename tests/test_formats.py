@@ -137,6 +137,8 @@ def test_mds_sources_mix_by_weight():
     got = samples(sample for sample, _ in batches)
     assert len(got) == len(both) and all(abs(grey - level(label)) <= 3 for label, grey in got)
     assert sorted(int(i) for _, ids in batches for i in ids) == [0] * SAMPLES + [1] * SAMPLES
+    with AsyncLoader(both, batch_size=6, processes=0) as loader:  # the sources' own (image, label) decode
+        assert sorted(int(label) for (_, labels), _ in loader for label in labels) == sorted(list(range(SAMPLES)) * 2)
 
 
 @pytest.mark.parametrize("kind, field, encoding", [("mds", "column_encodings", "pkl"),
