@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncload import AsyncLoader, ImageDecoder, Members, StorageError, litdata, mds, mix, parquet, tar_shards
+from asyncload import AsyncLoader, ImageDecoder, Members, SampleError, litdata, mds, mix, parquet, tar_shards
 from asyncload.decode.members import decode_member
 from asyncload.sources import shard_learn, writer
 from tests.conftest import setup_s3fs, make_bucket
@@ -257,3 +257,24 @@ def test_a_silent_endpoint_fails_after_the_timeout_given(silent_endpoint, build)
     options, accepted = silent_endpoint
     error, seconds = storage_error(build, options)
     assert seconds < 5 and "failed after 1 attempt" in str(error) and len(accepted) == 1
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_sample_that_does_not_parse_fails_alone_naming_it(tmp_path, processes):
+    """Its first column's size runs past the sample: skipped and counted, or raised naming it."""
+    folder = tmp_path / "mds"
+    shutil.copytree(FIXTURES / "mds", folder)
+    shard = bytearray((folder / "shard.00000.mds").read_bytes())
+    begin = int.from_bytes(shard[4 * 2:4 * 3], "little")  # sample 1's offset
+    shard[begin:begin + 4] = (1 << 20).to_bytes(4, "little")  # its 'arr' column: 1 MiB long
+    (folder / "shard.00000.mds").write_bytes(bytes(shard))
+    source = mds(str(folder))
+    with AsyncLoader(source, batch_size=4, decode=decode_of("mds"), on_error="skip", max_failures=1,
+                     processes=processes) as loader:
+        got = samples(loader)
+        failed = [(f.item, f.stage) for f in loader.stats.failures]
+    assert sorted(label for label, _ in got) == [i for i in range(SAMPLES) if i != 1]
+    assert failed == [(source[1], "read")] and repr(source[1]) == repr(f"{folder}/shard.00000.mds#1")
+    with AsyncLoader(source, batch_size=4, decode=decode_of("mds"), processes=0) as loader:
+        with pytest.raises(SampleError, match=r"shard.00000.mds#1' failed at read: ValueError: column 'arr' runs past the sample's 682 bytes"):
+            list(loader)

@@ -125,8 +125,8 @@ class ChunkedSource(ShardSource):
             start, stop = int(self.sample_begin[index]) - base, int(self.sample_end[index]) - base
             try:
                 out[index] = self.parse(bytes(view[start:stop]))
-            except Exception as error:
-                out[index] = ValueError(f"{self[index]!r}: {error}")
+            except Exception as error:  # the loader's SampleError names the sample
+                out[index] = error
         return out
 
     def parse(self, data: bytes) -> dict[str, Any]:
