@@ -106,7 +106,22 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
     ``label`` (default: a leaf named label, cls, class, target or y). The index and each chunk's
     offset table are read now, each request ending after ``timeout`` seconds, tried ``1 +
     retries`` times (as ``tar_shards``). ``options`` are ``ShardSource``'s: ``shuffle_buffer``,
-    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``."""
+    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``.
+
+    Args:
+        url (str): the litdata dataset's ``index.json``, or the folder or bucket prefix holding it.
+        storage_options (dict, optional): fsspec-style options (``endpoint_url``, credentials).
+        image (str, optional): the image leaf the default decode decodes (default: the first
+            image-encoded one).
+        label (str, optional): the label leaf the default decode gives beside the images
+            (default: one named label, labels, cls, class, target or y).
+        timeout (float, optional): seconds before a request made now ends (default: the
+            loader's ``read_timeout``).
+        retries (int, optional): further tries of a request made now (default 6, or what
+            ``storage_options`` name).
+        **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
+            ``cache_bytes``.
+    """
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
     index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries,
                                           what="litdata index"))
