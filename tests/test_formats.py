@@ -278,3 +278,9 @@ def test_a_sample_that_does_not_parse_fails_alone_naming_it(tmp_path, processes)
     with AsyncLoader(source, batch_size=4, decode=decode_of("mds"), processes=0) as loader:
         with pytest.raises(SampleError, match=r"shard.00000.mds#1' failed at read: ValueError: column 'arr' runs past the sample's 682 bytes"):
             list(loader)
+
+
+@pytest.mark.parametrize("kind, reader", [("mds", "asyncload.mds"), ("litdata", "asyncload.litdata")])
+def test_tar_shards_on_another_format_says_which_reader_reads_it(kind, reader):
+    with pytest.raises(ValueError, match=rf"is the index of .*: read it with {reader}\(url\)"):
+        tar_shards(str(FIXTURES / kind))

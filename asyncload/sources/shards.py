@@ -204,7 +204,20 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
             raise FileNotFoundError(f"{missing}, and no .tar shard under {url} to learn one from") from None
         return _learnt(urls, storage_options, timeout, retries, index_dir, options)
     index = json.loads(data)
+    other = _other_format(index)
+    if other:
+        raise ValueError(f"{index_url} is the index of {other[0]}, not of tar shards: read it with {other[1]}")
     return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)
+
+
+def _other_format(index: Any) -> tuple[str, str] | None:
+    """(what wrote it, what reads it) for an index.json of MDS shards or litdata chunks."""
+    if isinstance(index, dict) and isinstance(index.get("chunks"), list) and isinstance(index.get("config"), dict):
+        return "litdata optimize() chunks", "asyncload.litdata(url)"
+    shards = index.get("shards") if isinstance(index, dict) else None
+    if isinstance(shards, list) and shards and isinstance(shards[0], dict) and shards[0].get("format") == "mds":
+        return "MosaicML Streaming MDS shards", "asyncload.mds(url)"
+    return None
 
 
 def _learnt(urls: list[str], storage_options: dict | None, timeout: float | None, retries: int | None,
