@@ -284,3 +284,11 @@ def test_a_sample_that_does_not_parse_fails_alone_naming_it(tmp_path, processes)
 def test_tar_shards_on_another_format_says_which_reader_reads_it(kind, reader):
     with pytest.raises(ValueError, match=rf"is the index of .*: read it with {reader}\(url\)"):
         tar_shards(str(FIXTURES / kind))
+
+
+def test_a_list_of_tars_and_a_single_tar_are_shard_sets_too(tmp_path):
+    shards = [str(FIXTURES / "wds" / f"00000{n}.tar") for n in (2, 0)]
+    both = tar_shards(shards, index_dir=str(tmp_path))
+    one = tar_shards(shards[0], index_dir=str(tmp_path))
+    assert both.urls == shards and both.labels.tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert one.labels.tolist() == [8, 9, 10, 11]
