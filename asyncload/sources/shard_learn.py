@@ -5,8 +5,8 @@ index) is learnt from the shards themselves and kept on local disk for the next 
 What it costs, and when: before the first epoch, one streaming read of every shard (the bytes
 of one epoch, ``LEARN_THREADS`` shards at once), printing its progress; then the index is
 written atomically to ``index_dir`` (default: beside the shard cache, ``cache_dir``, else
-``~/.cache/asyncload``), under a name derived from the shard URLs. Why learn up front rather than
-during the first epoch: the epoch's order, its length and the ranks' equal batch counts
+``$XDG_CACHE_HOME/asyncload/indexes`` or ``~/.cache/asyncload/indexes``), under a name derived
+from the shard URLs. Why learn up front rather than during the first epoch: the epoch's order, its length and the ranks' equal batch counts
 (``DistributedSampler``'s padding) all need every shard's sample count, so a first epoch read
 before they are known would have to be an epoch of another kind (unshuffled, unequal across
 ranks, not resumable). Learning first keeps every epoch, the first included, the ordinary one.
@@ -65,8 +65,9 @@ def is_pattern(url: str) -> bool:
 
 def index_path(urls: Sequence[str], index_dir: str | None, cache_dir: str | None) -> str:
     """Where the learnt index of ``urls`` is kept (see the module)."""
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = index_dir or (os.path.join(cache_dir, "indexes") if cache_dir else
-                           os.path.join(os.path.expanduser("~"), ".cache", "asyncload", "indexes"))
+                           os.path.join(user_cache, "asyncload", "indexes"))
     name = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:20]
     return os.path.join(folder, f"learnt-{name}.json")
 
