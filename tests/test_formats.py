@@ -170,7 +170,7 @@ def test_brace_patterns_expand_as_webdataset_writes_them():
     assert shard_learn.expand("{a,b}/{0..1}.tar") == ["a/0.tar", "a/1.tar", "b/0.tar", "b/1.tar"]
 
 
-def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp_path, monkeypatch):
+def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp_path, monkeypatch, capsys):
     folder = tmp_path / "wds"
     shutil.copytree(FIXTURES / "wds", folder)
     learnt: list[str] = []
@@ -178,8 +178,11 @@ def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp
     monkeypatch.setattr(writer, "_index_shard", lambda file, url: learnt.append(url) or real(file, url))
     first = tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
     assert len(learnt) == 3 and len(list((tmp_path / "cache" / "indexes").glob("learnt-*.json"))) == 1
+    said = capsys.readouterr().err
+    assert "learning the member table of 3 shards" in said and "learnt 3 shards, 12 samples" in said
     again = tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
     assert len(learnt) == 3 and np.array_equal(again.member_offset, first.member_offset)
+    assert capsys.readouterr().err == ""  # kept: nothing read, nothing to say
     with open(folder / "000002.tar", "ab") as shard:
         shard.write(bytes(10240))  # another size: the kept table may not describe it
     tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
