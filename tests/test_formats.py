@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncload import AsyncLoader, ImageDecoder, Members, SampleError, litdata, mds, mix, parquet, tar_shards
+from asyncload import (AsyncLoader, ImageDecoder, Members, SampleError, StorageError, litdata, mds, mix, parquet,
+                       tar_shards)
 from asyncload.decode.members import decode_member
 from asyncload.sources import shard_learn, writer
 from tests.conftest import setup_s3fs, make_bucket
@@ -295,3 +296,21 @@ def test_a_list_of_tars_and_a_single_tar_are_shard_sets_too(tmp_path):
     one = tar_shards(shards[0], index_dir=str(tmp_path))
     assert both.urls == shards and both.labels.tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
     assert one.labels.tolist() == [8, 9, 10, 11]
+
+
+def test_a_shard_read_that_fails_once_while_learning_is_read_again(tmp_path, monkeypatch):
+    real = writer._index_shard
+    tries: list[str] = []
+
+    def flaky(file, url):
+        tries.append(url)
+        if url.endswith("000001.tar") and tries.count(url) == 1:
+            raise ConnectionResetError("reset by peer")
+        return real(file, url)
+
+    monkeypatch.setattr(writer, "_index_shard", flaky)
+    source = tar_shards(f"{FIXTURES / 'wds'}/{PATTERN}", index_dir=str(tmp_path), retries=1)
+    assert len(source) == SAMPLES and sorted(tries).count(f"{FIXTURES / 'wds'}/000001.tar") == 2
+    monkeypatch.setattr(writer, "_index_shard", lambda file, url: (_ for _ in ()).throw(PermissionError("denied")))
+    with pytest.raises(StorageError, match=r"reading .*000000\.tar failed after 1 attempt: .*denied"):
+        tar_shards(f"{FIXTURES / 'wds'}/{PATTERN}", index_dir=str(tmp_path / "other"), retries=1)
