@@ -30,6 +30,9 @@ _PUBLIC = {
     "index_shards": "asyncload.sources.writer",
     "parquet": "asyncload.sources.parquet",
     "write_parquet": "asyncload.sources.parquet_writer",
+    "mds": "asyncload.sources.mds",
+    "litdata": "asyncload.sources.litdata",
+    "Members": "asyncload.decode.members",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -40,9 +43,12 @@ if TYPE_CHECKING:
     from .decode.image import ImageDecoder
     from .errors import SampleError, StorageError, TooManyFailures
     from .loader import AsyncLoader
+    from .decode.members import Members
     from .sources.items import Source, image_folder, list_files, manifest
     from .sources.mix import mix
     from .sources.mixed import MixedSource
+    from .sources.litdata import litdata
+    from .sources.mds import mds
     from .sources.parquet import parquet
     from .sources.parquet_writer import write_parquet
     from .sources.shards import tar_shards

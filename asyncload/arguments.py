@@ -68,7 +68,7 @@ def check_shard_arguments(source: ShardSource, read: Any, decode: Any) -> None:
     """A shard source is read by the loader; with every member, only the user knows how to decode."""
     if read is not None:
         raise ValueError("a shard source is read by the loader itself: leave read=None")
-    if source.members == "all" and decode is None:
+    if source.members == "all" and decode is None and not hasattr(source, "default_decode"):
         raise ValueError("tar_shards(..., members='all') gives each sample as {extension: bytes}: pass a decode= for it")
 
 
@@ -101,6 +101,8 @@ def make_tuner(stats: LoaderStats, pipes: Pipes, most_threads: int, auto_threads
 def default_decode(source: Sequence[Any], decode: Any) -> Any:
     """The decode the runs use: the user's or ``ImageDecoder()``; for Parquet rows with
     ``columns``, that image decode with the columns beside it (``{"image": ..., name: ...}``)."""
+    if decode is None and hasattr(source, "default_decode"):  # mds / litdata: image + label columns
+        return source.default_decode()
     decode = decode if decode is not None else ImageDecoder()
     if getattr(source, "columns", None) and isinstance(source, ShardSource):
         from .sources.parquet import ColumnsDecoder

@@ -65,6 +65,9 @@ class MixedShards(MixedSource, ShardSource):
                                                   for part, first in zip(parts, self.offsets[:-1])]]).astype(np.int64)
         self.sample_begin = np.concatenate([part.sample_begin for part in parts]).astype(np.int64)
         self.sample_end = np.concatenate([part.sample_end for part in parts]).astype(np.int64)
+        if all(hasattr(part, "default_decode") for part in parts):  # mds / litdata: the same columns' decode
+            _same(parts, "image"), _same(parts, "label")  # one decode reads every source's samples
+            self.default_decode = parts[0].default_decode
         labels = [part.labels for part in parts]
         self.labels = None if any(label is None for label in labels) else np.concatenate(labels).astype(np.int64)
 

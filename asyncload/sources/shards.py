@@ -174,16 +174,71 @@ class ShardSource(Sequence):
         raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_MEMBERS)})")
 
 
-def tar_shards(url: str, storage_options: dict | None = None, *, timeout: float | None = None,
-               retries: int | None = None, **options: Any) -> ShardSource:
-    """The shard set whose index is ``url`` (an ``index.json``, or the folder or bucket prefix that
-    holds one). The index is read now, as ``image_folder`` lists: each request ends after
-    ``timeout`` seconds (default: the loader's ``read_timeout``), tried ``1 + retries`` times
-    (default 6 retries, or what ``storage_options`` name); then ``StorageError`` naming the URL
-    and the attempts, or ``FileNotFoundError`` where there is no index. ``options`` are
+def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *, timeout: float | None = None,
+               retries: int | None = None, index_dir: str | None = None, **options: Any) -> ShardSource:
+    """The shard set at ``url``: an ``index.json`` (``write_shards``, ``index_shards``), the
+    folder or bucket prefix that holds one, or WebDataset tars as published: a brace pattern
+    (``s3://b/train/{000000..000999}.tar``, ``{a,b}``), one ``.tar``, a list of them, or a folder
+    of ``.tar`` files without an index. For those, the member table is learnt from the shards
+    (one streaming read of each, before the first epoch) and kept in ``index_dir`` (default:
+    ``cache_dir``'s ``indexes/``, else ``~/.cache/asyncload/indexes``) for the next runs and the
+    node's other ranks (see ``shard_learn``). Requests made now end after ``timeout`` seconds
+    (default: the loader's ``read_timeout``), tried ``1 + retries`` times (default 6 retries, or
+    what ``storage_options`` name); then ``StorageError`` naming the URL and the attempts, or
+    ``FileNotFoundError`` where there is no index and no shard. ``options`` are
     ``ShardSource``'s: ``members``, ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
     ``cache_bytes``, ``allow_external_shards``."""
+    from . import shard_learn
+
+    if not isinstance(url, str) or shard_learn.is_pattern(url):
+        urls = [found for one in ([url] if isinstance(url, str) else url) for found in shard_learn.expand(one)]
+        return _learnt(urls, storage_options, timeout, retries, index_dir, options)
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
-    data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")
+    try:
+        data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")
+    except FileNotFoundError as missing:
+        if url.endswith(".json"):
+            raise
+        urls = _tars_in(url, storage_options, timeout, retries)
+        if not urls:
+            raise FileNotFoundError(f"{missing}, and no .tar shard under {url} to learn one from") from None
+        return _learnt(urls, storage_options, timeout, retries, index_dir, options)
     index = json.loads(data)
+    other = _other_format(index)
+    if other:
+        raise ValueError(f"{index_url} is the index of {other[0]}, not of tar shards: read it with {other[1]}")
     return ShardSource(index, posixpath.dirname(index_url), storage_options=storage_options, **options)
+
+
+def _other_format(index: Any) -> tuple[str, str] | None:
+    """(what wrote it, what reads it) for an index.json of MDS shards or litdata chunks."""
+    if isinstance(index, dict) and isinstance(index.get("chunks"), list) and isinstance(index.get("config"), dict):
+        return "litdata optimize() chunks", "asyncload.litdata(url)"
+    shards = index.get("shards") if isinstance(index, dict) else None
+    if isinstance(shards, list) and shards and isinstance(shards[0], dict) and shards[0].get("format") == "mds":
+        return "MosaicML Streaming MDS shards", "asyncload.mds(url)"
+    return None
+
+
+def _learnt(urls: list[str], storage_options: dict | None, timeout: float | None, retries: int | None,
+            index_dir: str | None, options: dict[str, Any]) -> ShardSource:
+    """The shard set of ``urls`` from its learnt index (``shard_learn``); its URLs are the ones
+    the caller gave, so they are trusted as given."""
+    from . import shard_learn
+
+    if not urls:
+        raise ValueError("tar_shards: no shard URL given")
+    path = shard_learn.index_path(urls, index_dir, options.get("cache_dir"))
+    index = shard_learn.learnt_index(urls, path, storage_options, timeout, retries)
+    options = {**options, "allow_external_shards": True}
+    return ShardSource(index, "", storage_options=storage_options, **options)  # its URLs are whole
+
+
+def _tars_in(url: str, storage_options: dict | None, timeout: float | None, retries: int | None) -> list[str]:
+    """The ``.tar`` files under the folder or prefix ``url``, sorted (empty: none, or no folder)."""
+    try:
+        fs, root, paths = listing.find(url, storage_options, timeout=timeout, retries=retries, looked_for=".tar shards")
+    except FileNotFoundError:
+        return []
+    prefix = url.rstrip("/")
+    return [prefix + path[len(root):] for path in paths if path.endswith(".tar")]

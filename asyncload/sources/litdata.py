@@ -1,0 +1,135 @@
+"""litdata's ``optimize()`` output (``index.json`` + ``chunk-0-0.bin`` ...), read as the writer
+leaves it: a ``ChunkedSource`` (see ``chunked.py``) whose columns are the leaves of the sample's
+pytree (``{"image": ..., "label": ...}`` -> columns ``image`` and ``label``; a nested dict's
+leaves are ``outer.inner``; a tuple's ``0``, ``1``, ...), decoded by ``config.data_format``.
+
+Our own reader of the published layout (litdata/streaming: ``PyTreeLoader``): a chunk is an
+offset table and items; an item is one ``uint32`` size per leaf, then the leaves. Refused at
+construction, naming the column: compressed or encrypted chunks, another item loader (token
+streams), and data formats not in ``column_decoder`` (``pickle``: unpickling runs code from the
+data; ``tensor`` and ``json``, whose byte layout changes between litdata versions).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import struct
+from typing import Any, Callable
+
+import numpy as np
+
+from . import listing
+from .chunked import ChunkedSource, Column, array, pil_raw, raw, scalar, text
+from .mds import listing_safe_join
+
+INDEX_NAME = "index.json"
+# litdata's _NUMPY_DTYPES_MAPPING: dtype numbers of the numpy serializers
+NUMPY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"]
+
+
+def numpy_with_header(data: bytes) -> np.ndarray:
+    """litdata's ``numpy``: ``uint32`` dtype number, ``uint32`` ndim, the shape, the values."""
+    number, ndim = struct.unpack_from("<2I", data)
+    shape = struct.unpack_from(f"<{ndim}I", data, 8)
+    return np.frombuffer(data, np.dtype(NUMPY_DTYPES[number]).newbyteorder("<"), offset=8 + 4 * ndim).reshape(shape)
+
+
+def _bool(data: bytes) -> bool:
+    return bool(data[0])
+
+
+def column_decoder(data_format: str) -> Callable[[bytes], Any] | None:
+    """How a leaf of ``data_format`` becomes a value (None: not supported)."""
+    name, _, argument = data_format.partition(":")
+    simple: dict[str, Callable[[bytes], Any]] = {
+        "str": text, "text": text, "int": scalar("int64"), "float": scalar("float64"), "bytes": raw,
+        "bool": _bool, "jpeg": raw, "image": raw, "pil": pil_raw, "numpy": numpy_with_header,
+    }
+    if name in simple:
+        return simple[name]
+    if name == "no_header_numpy" and argument.isdigit() and int(argument) < len(NUMPY_DTYPES):
+        return array(NUMPY_DTYPES[int(argument)])
+    return None
+
+
+def leaf_names(spec: Any, prefix: str = "") -> list[str]:
+    """The names of a pytree's leaves, in flattening order, from litdata's ``data_spec``
+    (``[version, {"type", "context", "children_spec"}]``, torch's treespec JSON)."""
+    node = spec[1] if isinstance(spec, list) else spec
+    children = node.get("children_spec") or []
+    if node.get("type") is None and not children:
+        return [prefix or "data"]
+    kind = node.get("type") or ""
+    keys = json.loads(node["context"]) if kind.endswith("dict") and node.get("context") else list(range(len(children)))
+    names = []
+    for key, child in zip(keys, children):
+        names.extend(leaf_names(child, f"{prefix}.{key}" if prefix else str(key)))
+    return names
+
+
+class LitdataSource(ChunkedSource):
+    """The samples of a litdata ``optimize()`` dataset (see the module and ``ChunkedSource``)."""
+
+    format_name = "litdata"
+
+
+def columns_of(config: dict[str, Any], index_url: str) -> list[Column]:
+    """The leaves as columns, each with its decoder; ValueError naming a column not supported."""
+    for what in ("compression", "encryption"):
+        if config.get(what):
+            raise ValueError(f"{index_url}: chunks written with {what}={config[what]!r}: asyncload reads "
+                             f"litdata chunks written without {what}")
+    if config.get("item_loader", "PyTreeLoader") != "PyTreeLoader":
+        raise ValueError(f"{index_url}: item_loader {config['item_loader']!r}: asyncload reads PyTreeLoader chunks")
+    formats = config.get("data_format") or []
+    names = leaf_names(json.loads(config["data_spec"])) if config.get("data_spec") else []
+    if len(names) != len(formats):
+        raise ValueError(f"{index_url}: data_spec has {len(names)} leaves, data_format {len(formats)}")
+    columns = []
+    for name, data_format in zip(names, formats):
+        decode = column_decoder(data_format)
+        if decode is None:
+            raise ValueError(f"{index_url}: column {name!r} has data format {data_format!r}, which asyncload does not "
+                             "read; supported: str, int, float, bool, bytes, jpeg, image, pil, numpy, no_header_numpy")
+        columns.append(Column(name, data_format, decode, None))
+    return columns
+
+
+def litdata(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
+            timeout: float | None = None, retries: int | None = None, **options: Any) -> LitdataSource:
+    """The samples of the litdata dataset at ``url`` (its ``index.json``, or the folder or bucket
+    prefix ``optimize(output_dir=...)`` wrote), each reading as ``{column: value}``: ``jpeg``
+    and ``image`` leaves as their encoded bytes, ``pil`` as an ``H x W x C`` uint8 array, the
+    rest as Python values and NumPy arrays. Without ``decode=`` the loader gives ``(images,
+    labels)``: ``image`` (default: the first jpeg/image leaf) through ``ImageDecoder()``,
+    ``label`` (default: a leaf named label, cls, class, target or y). The index and each chunk's
+    offset table are read now, each request ending after ``timeout`` seconds, tried ``1 +
+    retries`` times (as ``tar_shards``). ``options`` are ``ShardSource``'s: ``shuffle_buffer``,
+    ``chunk_bytes``, ``cache_dir``, ``cache_bytes``.
+
+    Args:
+        url (str): the litdata dataset's ``index.json``, or the folder or bucket prefix holding it.
+        storage_options (dict, optional): fsspec-style options (``endpoint_url``, credentials).
+        image (str, optional): the image leaf the default decode decodes (default: the first
+            image-encoded one).
+        label (str, optional): the label leaf the default decode gives beside the images
+            (default: one named label, labels, cls, class, target or y).
+        timeout (float, optional): seconds before a request made now ends (default: the
+            loader's ``read_timeout``).
+        retries (int, optional): further tries of a request made now (default 6, or what
+            ``storage_options`` name).
+        **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
+            ``cache_bytes``.
+    """
+    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+    index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries,
+                                          what="litdata index"))
+    if not isinstance(index, dict) or not isinstance(index.get("chunks"), list) or not isinstance(index.get("config"), dict):
+        raise ValueError(f"{index_url}: not a litdata index (no 'chunks' and 'config')")
+    columns = columns_of(index["config"], index_url)
+    base = posixpath.dirname(index_url)
+    shards = [(listing_safe_join(base, chunk.get("filename"), index_url), int(chunk["chunk_bytes"]),
+               int(chunk["chunk_size"])) for chunk in index["chunks"]]
+    return LitdataSource(shards, columns, image=image, label=label, storage_options=storage_options,
+                         timeout=timeout, retries=retries, **options)

@@ -1,0 +1,186 @@
+"""WebDataset tars as published: shards named by a brace pattern (``train/{000000..000999}.tar``,
+``{a,b}``) or found in a folder, with no ``index.json``. The member table (``index_shards``'s
+index) is learnt from the shards themselves and kept on local disk for the next runs.
+
+What it costs, and when: before the first epoch, one streaming read of every shard (the bytes
+of one epoch, ``LEARN_THREADS`` shards at once), printing its progress; then the index is
+written atomically to ``index_dir`` (default: beside the shard cache, ``cache_dir``, else
+``$XDG_CACHE_HOME/asyncload/indexes`` or ``~/.cache/asyncload/indexes``), under a name derived
+from the shard URLs. Why learn up front rather than during the first epoch: the epoch's order, its length and the ranks' equal batch counts
+(``DistributedSampler``'s padding) all need every shard's sample count, so a first epoch read
+before they are known would have to be an epoch of another kind (unshuffled, unequal across
+ranks, not resumable). Learning first keeps every epoch, the first included, the ordinary one.
+
+Shared by a node's ranks and processes: the first to come takes an ``flock`` on the index's lock
+file and learns; the others wait on that lock (a dead learner lets go of it) and then read what
+it wrote. A kept index is used only if it names the same shards with the same sizes (one listing
+of the shards' folders checks that each run); else it is learnt again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import posixpath
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+from ..io import object_store
+from . import listing
+from .shards import INDEX_FORMAT
+
+LEARN_THREADS = 8  # shards read at once while learning (each a long streaming read)
+PROGRESS_EVERY_S = 5.0
+BRACE = re.compile(r"\{([^{}]*)\}")
+RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+def expand(pattern: str) -> list[str]:
+    """The URLs a brace pattern names, in order, as WebDataset's ``braceexpand``: ``{000..009}``
+    (zero-padded to the first bound's width), ``{a,b,c}``, several groups (each combination)."""
+    match = BRACE.search(pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end():]
+    numbers = RANGE.match(body)
+    if numbers:
+        first, last = numbers.group(1), numbers.group(2)
+        step = 1 if int(last) >= int(first) else -1
+        width = len(first) if first.startswith("0") else 0
+        choices = [str(n).zfill(width) for n in range(int(first), int(last) + step, step)]
+    else:
+        choices = body.split(",")
+    return [url for choice in choices for url in expand(head + choice + tail)]
+
+
+def is_pattern(url: str) -> bool:
+    """Whether ``url`` names shards itself (a brace pattern or a ``.tar``), not an index's folder."""
+    return BRACE.search(url) is not None or url.endswith(".tar")
+
+
+def index_path(urls: Sequence[str], index_dir: str | None, cache_dir: str | None) -> str:
+    """Where the learnt index of ``urls`` is kept (see the module)."""
+    user_cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = index_dir or (os.path.join(cache_dir, "indexes") if cache_dir else
+                           os.path.join(user_cache, "asyncload", "indexes"))
+    name = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:20]
+    return os.path.join(folder, f"learnt-{name}.json")
+
+
+def sizes_of(urls: Sequence[str], storage_options: dict | None, timeout: float | None,
+             retries: int | None) -> list[int]:
+    """Each shard's size, from one listing of each folder the shards are in; FileNotFoundError
+    naming the shards that are not there (a brace range past the last shard, a typo)."""
+    by_folder: dict[str, list[str]] = {}
+    for url in urls:
+        by_folder.setdefault(posixpath.dirname(url), []).append(url)
+    size: dict[str, int] = {}
+    tries = listing.retries_for(retries, storage_options)
+    for folder in by_folder:
+        with listing.opened(folder, storage_options, timeout) as (fs, path):
+            missing = f"{folder}: no such folder or prefix (looked for the shards {by_folder[folder][0]} ...)"
+            infos = listing._retried(folder, "listing", tries, missing, lambda: fs.find(path, maxdepth=1, detail=True))
+            names = {fs._strip_protocol(name).rstrip("/"): int(info["size"]) for name, info in infos.items()}
+            for url in by_folder[folder]:
+                found = names.get(fs._strip_protocol(url).rstrip("/"))
+                if found is not None:
+                    size[url] = found
+    absent = [url for url in urls if url not in size]
+    if absent:
+        more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+        raise FileNotFoundError(f"{len(absent)} of {len(urls)} shards not found: {', '.join(absent[:3])}{more}")
+    return [size[url] for url in urls]
+
+
+def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, timeout: float | None,
+                 retries: int | None) -> dict[str, Any]:
+    """The index of the shards ``urls``: the one kept at ``path`` if it still matches them, else
+    learnt now (see the module) and kept there. Shard URLs in it are absolute."""
+    urls = list(urls)
+    sizes = sizes_of(urls, storage_options, timeout, retries)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a+") as lock:
+        if not _try_lock(lock):
+            _say(f"waiting for another process to learn the member table of {len(urls)} shards ({path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            kept = _kept(path, urls, sizes)
+            if kept is not None:
+                return kept
+            index = {"format": INDEX_FORMAT, "classes": [], "learnt": True,
+                     "shards": learn(urls, sizes, storage_options, timeout, retries)}
+            temporary = f"{path}.{os.getpid()}.tmp"
+            with open(temporary, "w") as file:
+                json.dump(index, file)
+            os.replace(temporary, path)
+            return index
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeout: float | None,
+          retries: int | None) -> list[dict[str, Any]]:
+    """Each shard's index entry, from one streaming read of it (``LEARN_THREADS`` at once),
+    printing progress every ``PROGRESS_EVERY_S`` seconds."""
+    from .writer import _index_shard
+
+    tries = listing.retries_for(retries, storage_options)
+    total = sum(sizes)
+    _say(f"no index.json: learning the member table of {len(urls)} shards ({total / 1e6:.1f} MB, read once; "
+         "kept for the next runs)")
+
+    def one(url: str) -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            fs, path = object_store.url_to_fs(url, storage_options, listing=True, timeout=timeout)
+            try:
+                with fs.open(path, "rb") as file:
+                    return _index_shard(file, url)
+            finally:
+                object_store.release(fs)
+
+        return listing._retried(url, "reading", tries, f"shard {url} not found", read)
+
+    entries: list[dict[str, Any]] = []
+    started = last = time.monotonic()
+    done_bytes = 0
+    with ThreadPoolExecutor(min(LEARN_THREADS, max(1, len(urls))), thread_name_prefix="asyncload-learn") as pool:
+        for url, size, entry in zip(urls, sizes, pool.map(one, urls)):
+            entries.append({"url": url, "bytes": size, **entry})
+            done_bytes += size
+            if time.monotonic() - last > PROGRESS_EVERY_S:
+                last = time.monotonic()
+                _say(f"learnt {len(entries)}/{len(urls)} shards ({done_bytes / 1e6:.1f}/{total / 1e6:.1f} MB, "
+                     f"{done_bytes / 1e6 / (last - started):.1f} MB/s)")
+    samples = sum(len(entry["keys"]) for entry in entries)
+    _say(f"learnt {len(urls)} shards, {samples} samples, in {time.monotonic() - started:.1f} s")
+    return entries
+
+
+def _kept(path: str, urls: list[str], sizes: list[int]) -> dict[str, Any] | None:
+    """The index kept at ``path`` if it names exactly ``urls`` with ``sizes``, else None."""
+    try:
+        with open(path) as file:
+            index = json.load(file)
+        shards = index["shards"]
+        if [shard["url"] for shard in shards] == urls and [shard["bytes"] for shard in shards] == sizes:
+            return index
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _try_lock(lock: Any) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _say(message: str) -> None:
+    print(f"asyncload: {message}", file=sys.stderr, flush=True)
