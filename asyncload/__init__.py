@@ -41,14 +41,14 @@ if TYPE_CHECKING:
     from .decode.budget import ImageTooLarge
     from .decode.gpu import GpuImageDecoder
     from .decode.image import ImageDecoder
+    from .decode.members import Members
     from .errors import SampleError, StorageError, TooManyFailures
     from .loader import AsyncLoader
-    from .decode.members import Members
     from .sources.items import Source, image_folder, list_files, manifest
-    from .sources.mix import mix
-    from .sources.mixed import MixedSource
     from .sources.litdata import litdata
     from .sources.mds import mds
+    from .sources.mix import mix
+    from .sources.mixed import MixedSource
     from .sources.parquet import parquet
     from .sources.parquet_writer import write_parquet
     from .sources.shards import tar_shards

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, litdata, mds, tar_shards, write_shards
-from bench.dataset import ensure_image_set
-from bench.machine import cpu_model
+from bench.harness.dataset import ensure_image_set
+from bench.harness.machine import cpu_model
+from bench.harness.workloads import image_set
 from bench.parquet_vs_shards import upload
-from bench.s3server import S3_ENV, SeaweedFS, storage_options
-from bench.workloads import image_set
+from tests.support.s3server import S3_ENV, SeaweedFS, storage_options
 
 
 def write_mds(items: Any, out: str, group_bytes: int) -> None:
