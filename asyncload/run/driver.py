@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..batch.buffers import BatchBuffer
+from ..batch.ragged import grow
 from ..errors import SampleError
 from .dispatch import Dispatch
 from .handout import HandOut
@@ -163,11 +164,24 @@ class EpochDriver:
             if self._stopped:  # stop() from another thread (close()) while this one waited
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
+            if message.side:
+                self._aside(batch, message.side)
             batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
             self._settle_known()
             self._count_ready(batch)
+
+    def _aside(self, batch: Batch, side: dict[tuple[int, int], Any]) -> None:
+        """Values a fill put aside join its batch; the run's layout grows to take them in place
+        from now on (``batch/ragged.py``: a field turned ragged, or longer)."""
+        assert batch.buffer is not None
+        batch.buffer.side.update(side)
+        ring = self.pipes.ring
+        assert ring.layout is not None
+        grown = grow(ring.layout, side)
+        if grown is not ring.layout:
+            ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))
 
     def _count_ready(self, batch: Batch) -> None:
         """The stats' level of batches complete and not yet handed out."""
@@ -225,7 +239,7 @@ class EpochDriver:
                 self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
                 continue
             assert batch.buffer is not None
-            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes)
+            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipes.ring.layout)
             self.progress.handed_out(delivered, batch.skipped, batch.padded)
             self.progress.batches += 1
             self._assign()
