@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncload import AsyncLoader, SampleError, index_shards, parquet, tar_shards, write_shards
+from asyncload import AsyncLoader, SampleError, index_shards, mix, parquet, tar_shards, write_shards
 from tests.detection import (Detection, broken_collate, count, decode_npz, decode_webdataset, index_of, raw_image,
                              rows, sample, to_targets, write_npz_files, write_webdataset_tar)
 
@@ -187,3 +187,19 @@ def test_what_collate_raises_names_the_batch():
                                                r"KeyError") as raised:
             list(loader)
     assert isinstance(raised.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_mix_keeps_each_rows_fields_and_its_source(processes):
+    sources = {"a": list(range(20)), "b": list(range(100, 120))}
+    with AsyncLoader(mix(sources, weights={"a": 0.5, "b": 0.5}), batch_size=8, read=False, decode=Detection(),
+                     processes=processes) as loader:
+        got = [(rows(sample), numbers.tolist()) for sample, numbers in loader]
+    indices, numbers = sum((g[0] for g in got), []), sum((g[1] for g in got), [])
+    assert sorted(indices) == list(range(20)) + list(range(100, 120))
+    assert numbers == [int(index >= 100) for index in indices]
+
+
+def test_a_sample_of_text_alone_gives_lists_of_text():
+    with AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False, decode=str, processes=0) as loader:
+        assert list(loader) == [["0", "1", "2", "3"], ["4", "5", "6", "7"], ["8", "9"]]
