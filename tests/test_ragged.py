@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, SampleError, index_shards, mix, parquet, tar_shards, write_shards
+from asyncload.batch.assemble import assemble, host_part
+from asyncload.batch.buffers import BufferRing
+from asyncload.batch.layout import SampleLayout
+from asyncload.batch.ragged import grow
 from tests.detection import (Detection, broken_collate, count, decode_npz, decode_webdataset, index_of, raw_image,
                              rows, sample, to_targets, write_npz_files, write_webdataset_tar)
 
@@ -203,3 +207,19 @@ def test_a_mix_keeps_each_rows_fields_and_its_source(processes):
 def test_a_sample_of_text_alone_gives_lists_of_text():
     with AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False, decode=str, processes=0) as loader:
         assert list(loader) == [["0", "1", "2", "3"], ["4", "5", "6", "7"], ["8", "9"]]
+
+
+def test_what_a_device_hand_out_reads_on_the_host_is_copied_when_the_copy_starts():
+    """With a device stage a buffer may be reused once its copy is done, before its batch is
+    handed out: the hand-out then reads the lengths and the values aside from ``host_part``."""
+    layout = grow(SampleLayout.of(sample(0)), {(1, 1): sample(1)["boxes"], (1, 2): sample(1)["labels"]})
+    ring = BufferRing(keep=2, pin_memory=False)
+    ring.configure(layout, 4)
+    buffer = ring.take()
+    for row in range(4):  # row 3's 21 boxes are past the room (14): they go aside
+        buffer.write(row, sample(row))
+    storage = [tensor[:4].clone() for tensor in buffer.tensors]  # what the device copy holds
+    host = host_part(buffer, 4)
+    for row in range(4):
+        buffer.write(row, sample(10 + row))
+    assert rows(layout.unflatten(assemble(host, storage, 4, layout))) == [0, 1, 2, 3]

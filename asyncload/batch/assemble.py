@@ -14,6 +14,7 @@ index (no Python per row), unless a row went aside (longer than its slot): then 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,14 @@ def assemble(buffer: Any, storage: list[torch.Tensor], size: int, target: Sample
             rows = _rows(old, storage, buffer, size, aside, new, device)
             out.append(rows if new.kind == "list" else _jagged(old, storage, buffer, size, aside, new, rows, device))
     return out
+
+
+def host_part(buffer: Any, size: int) -> SimpleNamespace:
+    """What ``assemble`` reads from a buffer on the host besides its storage (the layout, what
+    went aside, each ragged row's length), copied: with a device stage the buffer may be reused
+    once its copy is done, before the batch is handed out."""
+    arrays = [np.array(array[:size]) if array is not None and array.ndim == 1 else None for array in buffer.arrays]
+    return SimpleNamespace(layout=buffer.layout, side=dict(buffer.side), arrays=arrays)
 
 
 def _tensor(value: Any, leaf: Leaf, device: torch.device | None) -> torch.Tensor:

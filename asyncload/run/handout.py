@@ -21,7 +21,7 @@ import numpy as np
 
 import torch
 
-from ..batch.assemble import assemble
+from ..batch.assemble import assemble, host_part
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..batch.layout import SampleLayout
 from ..device import PendingCopy, convert_batch
@@ -78,7 +78,8 @@ class HandOut:
         stage = self.s.device_stage
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
-            return target.unflatten(assemble(buffer, stage.hand_over(pending), size, target, stage.device))
+            host = getattr(pending, "host", buffer)  # see start_copy
+            return target.unflatten(assemble(host, stage.hand_over(pending), size, target, stage.device))
         leaves = assemble(buffer, buffer.views(size), size, target)
         if self.s.normalize is not None:
             leaves = [convert_batch([leaf], self.s.normalize)[0] if isinstance(leaf, torch.Tensor) and not leaf.is_nested
@@ -110,6 +111,8 @@ class HandOut:
         assert self.s.device_stage is not None
         started = time.perf_counter()
         pending = self.s.device_stage.start_copy(buffer, size)
+        if buffer.layout.leaves is not None or buffer.side:  # the buffer may be reused before the hand-out
+            pending.host = host_part(buffer, size)  # type: ignore[attr-defined]
         ended = time.perf_counter()
         self.s.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
         if self.s.stats.tracer is not None:
