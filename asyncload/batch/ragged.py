@@ -154,3 +154,13 @@ def take_aside(buffer: Any, rows: Any) -> dict[tuple[int, int], Any]:
     wanted = set(rows)
     side = buffer.side
     return {key: side.pop(key) for key in [key for key in list(side) if key[0] in wanted]}
+
+
+def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any]) -> None:
+    """On the driver: values a fill put aside join its batch's ``buffer``, and ``ring``'s layout
+    grows to take them in place from now on (a field turned ragged, or longer): buffers taken
+    from now on have it; those already taken keep theirs (``assemble`` converts them)."""
+    buffer.side.update(side)
+    grown = grow(ring.layout, side)
+    if grown is not ring.layout:
+        ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..batch.buffers import BatchBuffer
-from ..batch.ragged import grow
+from ..batch.ragged import take_in
 from ..errors import SampleError
 from .dispatch import Dispatch
 from .handout import HandOut
@@ -164,24 +164,13 @@ class EpochDriver:
             if self._stopped:  # stop() from another thread (close()) while this one waited
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
-            if message.side:
-                self._aside(batch, message.side)
+            if message.side:  # values its rows put aside (batch/ragged.py)
+                take_in(self.pipes.ring, batch.buffer, message.side)
             batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
             self._settle_known()
             self._count_ready(batch)
-
-    def _aside(self, batch: Batch, side: dict[tuple[int, int], Any]) -> None:
-        """Values a fill put aside join its batch; the run's layout grows to take them in place
-        from now on (``batch/ragged.py``: a field turned ragged, or longer)."""
-        assert batch.buffer is not None
-        batch.buffer.side.update(side)
-        ring = self.pipes.ring
-        assert ring.layout is not None
-        grown = grow(ring.layout, side)
-        if grown is not ring.layout:
-            ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))
 
     def _count_ready(self, batch: Batch) -> None:
         """The stats' level of batches complete and not yet handed out."""
