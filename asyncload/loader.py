@@ -133,6 +133,11 @@ class AsyncLoader:
             exit). ``python -m asyncload.doctor`` writes one for you.
         trace_events (int, default 200,000): the trace keeps the last this many events (about
             200 bytes each), so a long run's memory and file stay bounded.
+        collate (callable, default None): called once on each batch as assembled (fixed fields
+            as tensors, ragged ones as jagged ``torch.nested`` tensors, others as lists, see
+            ``docs/guides/variable-length.md``) when it is handed out; the loop gets what it
+            returns (e.g. torchvision detection's ``list[dict]`` targets). What it raises comes as
+            a ``RuntimeError`` naming the batch. Runs in this process, on the loop's thread.
 
     Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
     ``sampler`` (``sampler.order(epoch)``), ``epoch`` (what ``state_dict()`` records), ``device``,
@@ -171,6 +176,7 @@ class AsyncLoader:
         processes: int | str | None = None,
         trace: str | os.PathLike | None = None,
         trace_events: int = DEFAULT_EVENTS,
+        collate: Callable[[Any], Any] | None = None,
     ) -> None:
         check_arguments(on_error, io_concurrency, prefetch, read, max_failures,
                         dict(decode_timeout=decode_timeout, max_sample_bytes=max_sample_bytes,
@@ -196,6 +202,7 @@ class AsyncLoader:
             max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
             read_retries=read_retries, read_retry_seconds=read_retry_seconds, max_sample_bytes=max_sample_bytes,
             decode_timeout=decode_timeout, normalize=normalize, device=self.device, stats=self.stats)
+        self._settings.collate = collate
         count = process_count(processes, isolate)
         configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)

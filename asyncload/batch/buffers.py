@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .layout import Field, SampleLayout, torch_dtype
+from .ragged import write_any
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class BatchBuffer:
         self.copy_done: Any = None  # a CUDA event: the GPU's reads of the buffer end before it
         self._handed: list[weakref.ref] = []  # the NumPy views under the tensors the user got
         self._with_user = False  # handed out pinned, and the user has not moved on yet
+        self.side: dict[tuple[int, int], Any] = {}  # (row, leaf) -> a value not in the arrays (batch/ragged.py)
 
     def _allocate(self, index: int, field: Field, pin_memory: bool) -> torch.Tensor:
         shape, dtype = (self.capacity, *field.shape), torch_dtype(field.dtype)
@@ -102,8 +104,13 @@ class BatchBuffer:
         return [array[index, ...] for array in self._arrays]  # `...` keeps 0-d rows as views
 
     def write(self, index: int, sample: Any) -> None:
-        """Copies a decoded sample into row ``index`` (NumPy releases the GIL for the copy)."""
-        for row, array in zip(self.rows(index), self.layout.flatten(sample)):
+        """Copies a decoded sample into row ``index`` (NumPy releases the GIL for the copy). A
+        sample that is not fixed-shape arrays of the layout's shapes is ``write_any``'s."""
+        arrays = self.layout.flatten(sample)
+        if arrays is None:
+            write_any(self, index, sample)
+            return
+        for row, array in zip(self.rows(index), arrays):
             np.copyto(row, array, casting="same_kind")
 
     def close_holes(self, size: int, holes: set[int]) -> int:
@@ -114,6 +121,9 @@ class BatchBuffer:
             for array in self._arrays:
                 if array is not None:
                     array[hole] = array[row]
+        if self.side:  # what rides aside moves with its row (batch/ragged.py)
+            to = {row: hole for hole, row in moves}
+            self.side = {(to.get(row, row), leaf): value for (row, leaf), value in self.side.items() if row not in holes}
         if moves and self.on_device is not None:  # on the stream that wrote them, so after their writes
             with torch.cuda.stream(self.on_device.stream):
                 for tensor in (self.tensors[index] for index in self.on_device.fields):
@@ -196,7 +206,7 @@ class BufferRing:
         """Sets the sample layout (and the fields that live on a CUDA device); buffers of another
         layout are dropped."""
         with self._lock:
-            if self.layout is not None and (self.layout.tree, self.layout.fields) == (layout.tree, layout.fields):
+            if self.layout is not None and self.layout.key() == layout.key():
                 if capacity == self.capacity and on_device == self.on_device:
                     return
             self.layout, self.capacity, self.on_device = layout, capacity, on_device
@@ -213,6 +223,7 @@ class BufferRing:
             else:
                 buffer = self._new_buffer()
             buffer.in_pipeline = True
+            buffer.side = {}
             buffer.writes = []  # a batch given back uncopied left its own: later ones on that stream cover them
             self._buffers.append(buffer)  # most recently used goes last
             self._forget_held_buffers()

@@ -34,28 +34,98 @@ class SampleLayout:
     to child processes) warns (FutureWarning) when loaded. The leaf order is pytree's all the same.
     """
 
-    def __init__(self, tree: Any, fields: list[Field]) -> None:
+    def __init__(self, tree: Any, fields: list[Field], leaves: "tuple[Leaf, ...] | None" = None) -> None:
         self.tree = tree
-        self.fields = fields
+        self.fields = fields  # what a batch buffer holds: one ``[B, *shape]`` array each
+        # None: every leaf of the sample is the fixed field of the same number (the fast path).
+        # Otherwise what each leaf is (``Leaf``): the fields are then its storage (``batch/ragged.py``).
+        self.leaves = leaves
 
     @classmethod
     def of(cls, sample: Any) -> "SampleLayout":
-        arrays: list[np.ndarray] = []
-        tree = _flatten(sample, arrays)
-        return cls(tree, [Field(a.shape, a.dtype) for a in arrays])
+        values: list[Any] = []
+        tree = flatten_any(sample, values)
+        if all(isinstance(v, np.ndarray) and is_numeric(v.dtype) for v in values):
+            return cls(tree, [Field(v.shape, v.dtype) for v in values])
+        fields: list[Field] = []
+        leaves = []
+        for value in values:
+            if isinstance(value, np.ndarray) and is_numeric(value.dtype):
+                leaves.append(Leaf("fixed", len(fields), value.dtype, value.shape))
+                fields.append(Field(value.shape, value.dtype))
+            else:
+                leaves.append(Leaf("object"))
+        return cls(tree, fields, tuple(leaves))
 
-    def flatten(self, sample: Any) -> list[np.ndarray]:
+    def key(self) -> tuple[Any, ...]:
+        """What two layouts must share for one's buffers to serve the other."""
+        return self.tree, self.fields, self.leaves
+
+    def flatten(self, sample: Any) -> list[np.ndarray] | None:
+        """The sample's arrays, one per field, or None when it does not fit this layout as it
+        is (another structure or shape: ``batch/ragged.py`` then says how it fits, if it does)."""
+        if self.leaves is not None:
+            return None
         arrays: list[np.ndarray] = []
         tree = _flatten(sample, arrays)
         if tree != self.tree:
-            raise ValueError(f"sample structure {tree!r} differs from the first sample's {self.tree!r}")
+            return None
         for array, field in zip(arrays, self.fields):
             if array.shape != field.shape:
-                raise ValueError(f"sample field of shape {array.shape} differs from the first sample's {field.shape}")
+                return None
         return arrays
 
     def unflatten(self, leaves: Sequence[Any]) -> Any:
         return _unflatten(self.tree, iter(leaves))
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """What one leaf of a sample is in the batch: ``fixed`` (an array of one ``shape``: the
+    field ``storage``), ``ragged`` (an array whose first dimension varies: fields ``storage``,
+    ``[cap, *shape]`` values per row, and ``storage + 1``, its length), ``list`` (an array whose
+    other dimensions vary: a list of tensors) or ``object`` (anything else: a list)."""
+
+    kind: str
+    storage: int = -1
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+
+def is_numeric(dtype: np.dtype) -> bool:
+    """Whether a torch tensor can hold it (numbers and bool; not str, bytes or objects)."""
+    return dtype.kind in "biufc"
+
+
+def flatten_any(sample: Any, out: list[Any]) -> Any:
+    """``_flatten`` that keeps a leaf that is not an array or a number as it is (str, bytes, None,
+    any object), rather than make a NumPy array of it."""
+    if type(sample) is np.ndarray:  # the most common leaf first: this runs per sample
+        out.append(sample)
+        return None
+    if isinstance(sample, dict):
+        return {key: flatten_any(value, out) for key, value in sample.items()}
+    if isinstance(sample, (tuple, list)):
+        return tuple(flatten_any(value, out) for value in sample)
+    if isinstance(sample, torch.Tensor):
+        sample = sample.numpy()
+    if isinstance(sample, (np.ndarray, np.generic, int, float, bool, complex)):
+        out.append(np.asarray(sample))
+    else:
+        out.append(sample)
+    return None
+
+
+def leaf_names(tree: Any, prefix: str = "") -> list[str]:
+    """How an error names each leaf: ``boxes``, ``[0]``, ``meta.id``..."""
+    if tree is None:
+        return [prefix or "sample"]
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    names: list[str] = []
+    for key, sub in items:
+        name = f"{prefix}[{key}]" if isinstance(key, int) else (f"{prefix}.{key}" if prefix else str(key))
+        names += leaf_names(sub, name)
+    return names
 
 
 def _flatten(sample: Any, out: list[np.ndarray]) -> Any:

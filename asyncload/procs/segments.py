@@ -42,9 +42,7 @@ class SegmentRing:
 
     def configure(self, layout: SampleLayout, capacity: int) -> None:
         """Sets the layout; segments of another layout are dropped once free."""
-        if self.layout is not None and (self.layout.tree, self.layout.fields, self.capacity) == (
-            layout.tree, layout.fields, capacity
-        ):
+        if self.layout is not None and (self.layout.key(), self.capacity) == (layout.key(), capacity):
             return
         self.layout, self.capacity = layout, capacity
         self._drop([i for i, buffer in self.segments.items() if buffer.is_free()])
@@ -56,6 +54,7 @@ class SegmentRing:
         for buffer in self.segments.values():
             if buffer.layout is self.layout and buffer.capacity == self.capacity and buffer.is_free():
                 buffer.in_pipeline = True
+                buffer.side = {}
                 return buffer
         buffer = self._allocate(self.layout, self.capacity)
         buffer.in_pipeline = True

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..batch.buffers import BatchBuffer
+from ..batch.ragged import take_in
 from ..errors import SampleError
 from .dispatch import Dispatch
 from .handout import HandOut
@@ -163,6 +164,8 @@ class EpochDriver:
             if self._stopped:  # stop() from another thread (close()) while this one waited
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
+            if message.side:  # values its rows put aside (batch/ragged.py)
+                take_in(self.pipes.ring, batch.buffer, message.side)
             batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
@@ -225,7 +228,7 @@ class EpochDriver:
                 self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
                 continue
             assert batch.buffer is not None
-            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes)
+            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipes.ring.layout)
             self.progress.handed_out(delivered, batch.skipped, batch.padded)
             self.progress.batches += 1
             self._assign()

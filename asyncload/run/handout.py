@@ -19,7 +19,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+import torch
+
+from ..batch.assemble import assemble, host_part
 from ..batch.buffers import BatchBuffer, hole_moves
+from ..batch.layout import SampleLayout
 from ..device import PendingCopy, convert_batch
 from .in_flight import Batch
 from .settings import Settings
@@ -36,21 +40,27 @@ class HandOut:
         self.pending_copies: dict[int, PendingCopy] = {}  # batch number -> its copy, started early
         self._handed: BatchBuffer | None = None  # the buffer of the batch the user holds
 
-    def hand_out(self, number: int, buffer: BatchBuffer, positions: Sequence[int], holes: set[int]) -> Any:
+    def hand_out(self, number: int, buffer: BatchBuffer, positions: Sequence[int], holes: set[int],
+                 target: SampleLayout | None = None) -> Any:
         """The user's view of batch ``number``, whose rows (epoch ``positions``) are complete but
-        ``holes``."""
+        ``holes``; ``target``: the run's layout now (a field may have turned ragged since the
+        buffer was taken: ``batch/ragged.py``)."""
         started = time.perf_counter()
-        out = self._view(number, buffer, len(positions), holes)
+        out = self._view(number, buffer, len(positions), holes, target or buffer.layout)
         if self._host is not None:
             add_fields(out, self._host.host_fields(self.order[delivered_rows(positions, holes)]))
+        if self.s.collate is not None:
+            out = collated(self.s.collate, out, number, positions)
         if self.s.stats.tracer is not None:
             self.s.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
         return out
 
-    def _view(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int]) -> Any:
+    def _view(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int], target: SampleLayout) -> Any:
         size = buffer.close_holes(rows, holes)
         if self.s.source_names is not None:  # a mix: its source numbers are the last field, on the host
             self.s.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
+        if target is not buffer.layout or target.leaves is not None or buffer.side:
+            return self._assembled(number, buffer, size, target)
         stage = self.s.device_stage
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
@@ -61,6 +71,21 @@ class HandOut:
             out = buffer.batch(size)
         self._handed = buffer
         return out
+
+    def _assembled(self, number: int, buffer: BatchBuffer, size: int, target: SampleLayout) -> Any:
+        """A batch with more than fixed fields (``batch/assemble.py``): its storage copied to the
+        device like any batch's (the ragged values with it), or tracked views on the host."""
+        stage = self.s.device_stage
+        if stage is not None:
+            pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
+            host = getattr(pending, "host", buffer)  # see start_copy
+            return target.unflatten(assemble(host, stage.hand_over(pending), size, target, stage.device))
+        leaves = assemble(buffer, buffer.views(size), size, target)
+        if self.s.normalize is not None:
+            leaves = [convert_batch([leaf], self.s.normalize)[0] if isinstance(leaf, torch.Tensor) and not leaf.is_nested
+                      else leaf for leaf in leaves]
+        self._handed = buffer
+        return target.unflatten(leaves)
 
     def wants_copy(self, number: int) -> bool:
         """Whether batch ``number``'s copy should start now, once it is complete."""
@@ -86,6 +111,8 @@ class HandOut:
         assert self.s.device_stage is not None
         started = time.perf_counter()
         pending = self.s.device_stage.start_copy(buffer, size)
+        if buffer.layout.leaves is not None or buffer.side:  # the buffer may be reused before the hand-out
+            pending.host = host_part(buffer, size)  # type: ignore[attr-defined]
         ended = time.perf_counter()
         self.s.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
         if self.s.stats.tracer is not None:
@@ -116,3 +143,14 @@ def add_fields(out: Any, fields: dict[str, list[Any]]) -> None:
     if not isinstance(target, dict):
         raise TypeError(f"fields {sorted(fields)} need a batch that is a dict of fields, not {type(target).__name__}")
     target.update(fields)
+
+
+def collated(collate: Any, batch: Any, number: int, positions: Sequence[int]) -> Any:
+    """The user's ``collate`` of a batch; what it raises comes as a ``RuntimeError`` naming the
+    batch (its number in the pass and its first epoch positions), the original as its cause."""
+    try:
+        return collate(batch)
+    except Exception as error:
+        shown = ", ".join(str(p) for p in list(positions)[:4]) + (", ..." if len(positions) > 4 else "")
+        raise RuntimeError(f"collate= failed on batch {number} (epoch positions {shown}): "
+                           f"{type(error).__name__}: {error}") from error

@@ -36,6 +36,7 @@ class Work:
     run: Any = None  # the pipeline's state of the run the fill belongs to
     failures: list[tuple[int, SampleError]] = field(default_factory=list)
     cancelled: bool = False
+    rows: Sequence[int] = ()  # the buffer's rows it fills: what they put aside goes with its answer
 
 
 @dataclass

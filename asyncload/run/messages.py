@@ -71,6 +71,7 @@ class Done:
     failures: list[tuple[int, SampleError]]
     figures: dict[str, Any] | None = None  # a child's stats and trace events ride along (procs/)
     trace: Any = None
+    side: dict[tuple[int, int], Any] | None = None  # what its rows put aside (batch/ragged.py)
 
 
 @dataclass

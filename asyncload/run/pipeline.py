@@ -23,6 +23,7 @@ from ..batch.layout import SampleLayout
 from ..errors import SampleError
 from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
+from ..batch.ragged import take_aside
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
@@ -128,7 +129,9 @@ class Pipeline:
         reads them itself; others read here, one decode job each. A batched decoder's rows are
         held until none of the fill is still being read, then make one job."""
         state = self.runs[message.run]
-        work = Work(message.fill, self.buffers(message.segment), len(message.rows), state)
+        work = Work(message.fill, self.buffers(message.segment), len(message.rows), state, rows=message.rows)
+        if work.buffer.side:  # left by a fill of a stopped run (a child's buffers are never taken afresh)
+            take_aside(work.buffer, work.rows)
         with self._lock:
             state.active += 1
             state.by_id[work.number] = work
@@ -296,7 +299,8 @@ class Pipeline:
             del state.by_id[work.number]
             confirm = state.stopped and state.confirms()
         if not state.stopped:
-            self.send(Done(state.run, work.number, work.failures))
+            side = take_aside(work.buffer, work.rows) if work.buffer.side else None
+            self.send(Done(state.run, work.number, work.failures, side=side))
         elif confirm:
             self.loop_thread.call_soon(self.runs.pop, state.run, None)
             self.send(Stopped(state.run))

@@ -80,6 +80,7 @@ class Settings:
     device_stage: DeviceStage | None
     stats: LoaderStats
     source_names: tuple[str, ...] | None = None  # a mix's: each sample then carries its source's number
+    collate: Callable[[Any], Any] | None = None  # the user's, once per batch at hand-out
 
     def pipeline(self, processes: int = 0, thread_limit: int | None = None) -> "PipelineSettings":
         """What one pipeline needs; with ``processes`` children, its share of the totals."""

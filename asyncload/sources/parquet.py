@@ -31,6 +31,7 @@ import numpy as np
 
 from .parquet_files import (TAIL_BYTES, column_text, column_values, footer_of, is_number, is_text, leaf_range,
                             list_parquet, metadata_of, pyarrow_parquet, read_group, read_ranges, refuse_kind)
+from .parquet_nested import NestedColumn, column_leaves, is_nested, nested_parts
 from .shards import ShardSample, ShardSource
 
 
@@ -139,10 +140,12 @@ class ParquetSource(ShardSource):
         names = [*([self.label] if self.label else []), *self.columns]
         schema = self.metadata(0).schema.to_arrow_schema() if self.files else None
         texts = {name for name in self.columns if schema is not None and is_text(schema.field(name).type)}
-        for name in names:  # before any read: a list or struct column has no single column chunk
-            if schema is not None and name not in texts and not is_number(schema.field(name).type):
+        nested = {name for name in self.columns if schema is not None and is_nested(schema.field(name).type)}
+        for name in names:  # before any read
+            if schema is not None and name not in texts | nested and not is_number(schema.field(name).type):
                 raise refuse_kind(name, schema.field(name).type)
-        self.number_columns = [name for name in self.columns if name not in texts]
+        self.number_columns = [name for name in self.columns if name not in texts | nested]
+        self.nested: dict[str, NestedColumn] = {}  # list and struct columns (parquet_nested.py)
         self.string_columns = [name for name in self.columns if name in texts]
         self.values: dict[str, np.ndarray] = {}
         self.strings: dict[str, Any] = {}
@@ -151,18 +154,18 @@ class ParquetSource(ShardSource):
         if not names:
             self.labels = None
             return
-        ranges = [leaf_range(self.metadata(f).row_group(n), names)
-                  for f, n in zip(self.group_file.tolist(), self.group_number.tolist())]
+        groups = [self.metadata(f).row_group(n) for f, n in zip(self.group_file.tolist(), self.group_number.tolist())]
+        ranges = [leaf_range(group, column_leaves(group, names)) for group in groups]
         datas = read_ranges(self.urls, [r[0] for r in ranges], [r[1] for r in ranges], self.storage_options, timeout, retries)
         parts: dict[str, list[Any]] = {name: [] for name in names}
-        masks: dict[str, list[np.ndarray]] = {name: [] for name in names if name not in texts}
+        masks: dict[str, list[np.ndarray]] = {name: [] for name in names if name not in texts | nested}
         for group, ((start, _), data) in enumerate(zip(ranges, datas)):
             file = int(self.group_file[group])
             table = read_group(self.metadata(file), int(self.file_bytes[file]), self.footers[file],
                                int(self.group_number[group]), [(start, data)], names)
             for name in names:
-                if name in texts:
-                    parts[name].append(column_text(table, name))
+                if name in texts or name in nested:
+                    parts[name].append(column_text(table, name) if name in texts else nested_parts(table, name))
                     continue
                 values, nulls = column_values(table, name)
                 parts[name].append(values)
@@ -171,6 +174,11 @@ class ParquetSource(ShardSource):
 
         for name in texts:
             self.strings[name] = pa.concat_arrays(parts[name]) if parts[name] else pa.array([], pa.large_string())
+        for name in nested:
+            self.nested[name] = NestedColumn(name, parts[name])
+            if self.nested[name].nulls.any():
+                self._null_columns[name] = self.nested[name].nulls
+                self.nulls |= self.nested[name].nulls
         for name in masks:
             self.values[name] = np.concatenate(parts[name]) if parts[name] else np.zeros(0)
             mask = np.concatenate(masks[name]) if masks[name] else np.zeros(0, bool)
@@ -224,7 +232,8 @@ class ParquetSource(ShardSource):
                 row = index - int(self.file_first[file])
                 out[index] = ValueError(f"row {row} of {self.files[file]}: {self._null_what(index, image is None)} is null")
             elif self.columns:  # strings are not sent: the hand-out adds them (host_fields)
-                out[index] = (image, {name: self.values[name][index] for name in self.number_columns})
+                out[index] = (image, {**{name: self.values[name][index] for name in self.number_columns},
+                                      **{name: column.value(index) for name, column in self.nested.items()}})
             else:
                 out[index] = image
         return out
@@ -244,8 +253,9 @@ class ColumnsDecoder:
         self.decode = decode
 
     def __call__(self, row: tuple[bytes, dict[str, Any]]) -> dict[str, Any]:
-        image, values = row
-        return {"image": self.decode(image), **{name: np.asarray(value) for name, value in values.items()}}
+        image, values = row  # a list column's value is an array already, a struct's a dict
+        return {"image": self.decode(image), **{name: value if isinstance(value, dict) else np.asarray(value)
+                                                for name, value in values.items()}}
 
 
 def _class_names(metadata: Any, label: str | None) -> list[str]:

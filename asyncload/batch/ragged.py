@@ -1,0 +1,166 @@
+"""Samples that are not fixed-shape arrays: ragged fields, lists of tensors and Python values.
+
+A batch buffer holds fixed-shape fields only (that is what the fast path writes, and what
+``processes=N`` shares). Beside that, a layout may say a leaf is (``Leaf``):
+
+- ``ragged``: its first dimension varies. Two fields hold it: ``[B, cap, *shape]`` values,
+  each row's written at the start of its own slot by the decode thread, as a fixed field's row
+  is (so also in a child's shared segment), and ``[B]`` lengths. A row longer than ``cap`` goes
+  aside (below), its length -1.
+- ``list``: its other dimensions vary; ``object``: not an array (str, bytes, None, objects).
+  Their values go aside.
+
+"Aside" is the buffer's ``side`` dict, ``(row, leaf) -> value``: a child sends the entries of
+a fill's rows in its ``Done`` answer (pickled once per batch, not per sample), this process
+merges them into its own buffer. A sample that does not fit its buffer's layout but can (a
+fixed leaf of another length, a ragged one past ``cap``) also goes aside, so no sample is lost
+or reordered, and the driver ``grow``s the run's layout from what went aside: later buffers
+have the leaf ragged (or a bigger ``cap``, or a list) for the rest of the run. Anything else
+(another dtype, another number of dimensions, another structure, an array where there was an
+object) is a real mismatch: ``FieldMismatch``, naming the field and both shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .layout import Field, Leaf, SampleLayout, flatten_any, is_numeric, leaf_names
+
+FIRST_CAP = 8  # the least room a ragged row gets (values), so short ones rarely go aside
+
+
+class FieldMismatch(ValueError):
+    """A sample's field cannot take its place in the batch: another dtype, number of dimensions
+    or structure than the samples before it."""
+
+
+def write_any(buffer: Any, row: int, sample: Any) -> None:
+    """Writes ``sample`` into ``row`` of ``buffer`` by its layout's leaves: fixed and ragged
+    values into the buffer's arrays, the rest into ``buffer.side``. Checks every leaf before
+    writing any, so a sample that fails leaves nothing aside."""
+    layout: SampleLayout = buffer.layout
+    values: list[Any] = []
+    tree = flatten_any(sample, values)
+    if tree != layout.tree:
+        raise FieldMismatch(f"the sample's structure {tree!r} differs from the samples' before it {layout.tree!r}")
+    leaves = layout.leaves if layout.leaves is not None else fixed_leaves(layout)
+    arrays, side, aside = buffer.arrays, buffer.side, []
+    writes = []
+    for number, (leaf, value) in enumerate(zip(leaves, values)):
+        where = place(leaf, value, layout, number)
+        if where == "aside":
+            aside.append((number, value))
+        else:
+            writes.append((leaf, value))
+    for leaf, value in writes:
+        if leaf.kind == "fixed":
+            np.copyto(arrays[leaf.storage][row, ...], value, casting="same_kind")
+        else:  # ragged, fits its slot
+            np.copyto(arrays[leaf.storage][row, : len(value)], value, casting="same_kind")
+            arrays[leaf.storage + 1][row] = len(value)
+    for number, value in aside:
+        leaf = leaves[number]
+        if leaf.kind == "ragged":
+            arrays[leaf.storage + 1][row] = -1
+        side[row, number] = np.array(value) if isinstance(value, np.ndarray) else value
+
+
+def place(leaf: Leaf, value: Any, layout: SampleLayout, number: int) -> str:
+    """Where ``value`` goes for ``leaf``: ``"row"`` (the buffer's arrays) or ``"aside"``; raises
+    ``FieldMismatch`` when it cannot be the same field as the samples' before it."""
+    if leaf.kind == "object":
+        return "aside"
+    if not isinstance(value, np.ndarray) or not is_numeric(value.dtype):
+        raise mismatch(layout, number, leaf, value)
+    assert leaf.dtype is not None
+    if value.dtype.kind != leaf.dtype.kind or value.ndim != len(leaf.shape) + (leaf.kind == "ragged"):
+        raise mismatch(layout, number, leaf, value)
+    if leaf.kind == "fixed":
+        return "row" if value.shape == leaf.shape else "aside"
+    if leaf.kind == "ragged":
+        cap = layout.fields[leaf.storage].shape[0]
+        return "row" if value.shape[1:] == leaf.shape and len(value) <= cap else "aside"
+    return "aside"  # list
+
+
+def mismatch(layout: SampleLayout, number: int, leaf: Leaf, value: Any) -> FieldMismatch:
+    name = leaf_names(layout.tree)[number]
+    if isinstance(value, np.ndarray):
+        got = f"{value.dtype} array of shape {value.shape}"
+    else:
+        got = type(value).__name__
+    if leaf.kind == "object":
+        was = "Python values"
+    else:
+        shape = leaf.shape if leaf.kind == "fixed" else ("N", *leaf.shape) if leaf.kind == "ragged" else "varying"
+        was = f"{leaf.dtype} arrays of shape {shape}"
+    return FieldMismatch(f"field {name!r} is {got}, but the samples before it had {was}")
+
+
+def fixed_leaves(layout: SampleLayout) -> tuple[Leaf, ...]:
+    """The leaves of a layout of fixed fields only (``leaves`` None)."""
+    return tuple(Leaf("fixed", number, f.dtype, f.shape) for number, f in enumerate(layout.fields))
+
+
+def grow(layout: SampleLayout, side: dict[tuple[int, int], Any]) -> SampleLayout:
+    """The layout that takes what went aside in place: a fixed leaf with values of other
+    lengths turns ragged (room for twice the longest), a ragged one too short for a value gets
+    twice its length, one whose other dimensions varied turns a list. ``layout`` itself when
+    nothing changes."""
+    leaves = list(layout.leaves if layout.leaves is not None else fixed_leaves(layout))
+    caps = {number: layout.fields[leaf.storage].shape[0] for number, leaf in enumerate(leaves) if leaf.kind == "ragged"}
+    changed = False
+    for (_, number), value in side.items():
+        leaf = leaves[number]
+        if leaf.kind in ("object", "list") or not isinstance(value, np.ndarray):
+            continue
+        trailing = leaf.shape if leaf.kind == "ragged" else leaf.shape[1:]
+        if value.ndim == 0 or value.shape[1:] != trailing:
+            leaves[number], changed = Leaf("list", -1, leaf.dtype, (-1,) * value.ndim), True
+            caps.pop(number, None)
+            continue
+        longest = max(len(value), leaf.shape[0] if leaf.kind == "fixed" else 0)
+        if leaf.kind == "fixed":
+            leaves[number] = Leaf("ragged", -1, leaf.dtype, trailing)
+        if longest > caps.get(number, 0):
+            caps[number] = max(FIRST_CAP, 2 * longest)
+            changed = True
+    if not changed:
+        return layout
+    return with_storage(layout, leaves, caps)
+
+
+def with_storage(layout: SampleLayout, leaves: list[Leaf], caps: dict[int, int]) -> SampleLayout:
+    """A layout of ``leaves`` with their storage fields numbered afresh."""
+    fields: list[Field] = []
+    placed = []
+    for number, leaf in enumerate(leaves):
+        assert leaf.dtype is not None or leaf.kind == "object"
+        if leaf.kind == "fixed":
+            placed.append(Leaf("fixed", len(fields), leaf.dtype, leaf.shape))
+            fields.append(Field(leaf.shape, leaf.dtype))  # type: ignore[arg-type]
+        elif leaf.kind == "ragged":
+            placed.append(Leaf("ragged", len(fields), leaf.dtype, leaf.shape))
+            fields += [Field((caps[number], *leaf.shape), leaf.dtype), Field((), np.dtype(np.int64))]  # type: ignore[arg-type]
+        else:
+            placed.append(Leaf(leaf.kind, -1, leaf.dtype, leaf.shape))
+    return SampleLayout(layout.tree, fields, tuple(placed))
+
+
+def take_aside(buffer: Any, rows: Any) -> dict[tuple[int, int], Any]:
+    """Removes and returns what ``rows`` of ``buffer`` put aside (a fill's, for its answer)."""
+    wanted = set(rows)
+    side = buffer.side
+    return {key: side.pop(key) for key in [key for key in list(side) if key[0] in wanted]}
+
+
+def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any]) -> None:
+    """On the driver: values a fill put aside join its batch's ``buffer``, and ``ring``'s layout
+    grows to take them in place from now on (a field turned ragged, or longer): buffers taken
+    from now on have it; those already taken keep theirs (``assemble`` converts them)."""
+    buffer.side.update(side)
+    grown = grow(ring.layout, side)
+    if grown is not ring.layout:
+        ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))
