@@ -26,8 +26,8 @@ from asyncload.batch.assemble import assemble
 from asyncload.batch.buffers import BufferRing
 from asyncload.batch.layout import SampleLayout
 from asyncload.batch.ragged import grow
-from bench.dataset import ensure_image_set, list_image_folder
-from bench.workloads import image_set
+from bench.harness.dataset import ensure_image_set, list_image_folder
+from bench.harness.workloads import image_set
 
 SIZE = 384
 
