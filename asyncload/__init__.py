@@ -24,7 +24,7 @@ _PUBLIC = {
     "list_files": "asyncload.sources.items",
     "manifest": "asyncload.sources.items",
     "mix": "asyncload.sources.mix",
-    "MixedSource": "asyncload.sources.mixed",
+    "MixedSource": "asyncload.sources.mix_source",
     "tar_shards": "asyncload.sources.shards",
     "write_shards": "asyncload.sources.writer",
     "index_shards": "asyncload.sources.writer",
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .loader import AsyncLoader
     from .sources.items import Source, image_folder, list_files, manifest
     from .sources.mix import mix
-    from .sources.mixed import MixedSource
+    from .sources.mix_source import MixedSource
     from .sources.parquet import parquet
     from .sources.parquet_writer import write_parquet
     from .sources.shards import tar_shards

@@ -15,10 +15,10 @@ from .device import DeviceStage
 from .order.mix_order import MixSampler
 from .order.sampler import EpochSampler
 from .order.shard_order import ShardSampler
-from .run.pipes import Pipes
-from .run.settings import Settings
+from .pipeline.pipes import Pipes
+from .pipeline.settings import Settings
 from .sources.items import is_labelled
-from .sources.mixed import MixedSource
+from .sources.mix_source import MixedSource
 from .sources.shards import ShardSource
 from .stats.figures import LoaderStats
 

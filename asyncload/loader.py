@@ -16,11 +16,11 @@ from .device import resolve_device
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
 from .procs.processes import process_count, start_processes, window
-from .run.batched import image_placement
-from .run.driver import EpochDriver, stop_unless_stopped
-from .run.pipes import LocalPipes, Pipes
-from .run.settings import configure_known_layout
-from .run.state import Epochs, Progress, resume_point
+from .pipeline.batched import image_placement
+from .epoch.driver import EpochDriver, stop_unless_stopped
+from .pipeline.pipes import LocalPipes, Pipes
+from .pipeline.settings import configure_known_layout
+from .epoch.progress import Epochs, Progress, resume_point
 from .sources.shards import ShardSource
 from .stats.bar import ProgressBar
 from .stats.figures import LoaderStats

@@ -21,8 +21,8 @@ from multiprocessing import reduction
 from typing import Any
 
 from ..batch.buffers import BatchBuffer
-from ..run.pipeline import Pipeline
-from ..run.settings import PipelineSettings
+from ..pipeline.pipeline import Pipeline
+from ..pipeline.settings import PipelineSettings
 from ..stats.figures import LoaderStats
 from ..stats.trace import Tracer
 from . import shm

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..redact import shown
-from ..run.settings import share, split
+from ..pipeline.settings import share, split
 from . import shm
 from .child import child_main
 from .merged import ProcessStats

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..run.settings import Settings
+from ..pipeline.settings import Settings
 from ..stats.machine import usable_cores
 from .merged import ProcessStats
 from .parent import ProcessPool

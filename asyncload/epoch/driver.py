@@ -19,12 +19,12 @@ from ..errors import SampleError
 from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import Batch
-from .messages import Done, Failed
-from .pipes import ENDED, Pipes
+from ..pipeline.messages import Done, Failed
+from ..pipeline.pipes import ENDED, Pipes
 from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
-from .settings import BatchQuota, Settings
-from .state import Progress
+from ..pipeline.settings import BatchQuota, Settings
+from .progress import Progress
 
 
 class EpochDriver:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..order.elastic import Elastic, rest_batches
 from ..order.positions import Positions
-from .settings import BatchQuota, batch_quota
+from ..pipeline.settings import BatchQuota, batch_quota
 
 
 @dataclass

@@ -15,8 +15,8 @@ import numpy as np
 from ..sources.shard_plan import plan_reads
 from ..sources.shards import ShardSource
 from .in_flight import Batch
-from .messages import Fill, Start
-from .pipes import Pipes
+from ..pipeline.messages import Fill, Start
+from ..pipeline.pipes import Pipes
 
 
 class Dispatch:

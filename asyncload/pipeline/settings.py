@@ -21,7 +21,7 @@ from ..device import DeviceStage
 from ..errors import SampleError
 from ..io.reader import Reader
 from ..sources.items import is_labelled
-from ..sources.mixed import MixedSource
+from ..sources.mix_source import MixedSource
 from ..sources.shards import ShardSource
 from ..stats.figures import LoaderStats
 

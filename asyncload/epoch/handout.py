@@ -22,7 +22,7 @@ import numpy as np
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..device import PendingCopy, convert_batch
 from .in_flight import Batch
-from .settings import Settings
+from ..pipeline.settings import Settings
 
 
 class HandOut:

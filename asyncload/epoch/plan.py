@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import SampleError, TooManyFailures
 from ..order.positions import Cursor, Positions
 from ..stats.figures import LoaderStats
-from .settings import BatchQuota
+from ..pipeline.settings import BatchQuota
 
 
 class EpochPlan:
