@@ -16,7 +16,7 @@ import statistics
 import time
 
 from asyncload import AsyncLoader, Source, image_folder, mix
-from asyncload.pipeline.settings import split
+from asyncload.pipeline.keys import split
 from bench import tasks
 from bench.dataset import ensure_image_set
 from bench.workloads import image_set

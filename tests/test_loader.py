@@ -190,7 +190,7 @@ def test_error_in_first_sample_of_a_user_decode(tmp_path):
         raise RuntimeError(f"cannot decode {i}")
 
     with index_loader(n=4, shuffle=False) as loader:
-        loader._settings.decode = decode
+        loader._backend.pipes.settings.decode = decode  # the in-process pipeline's own settings
         with pytest.raises(SampleError, match="sample 0 failed at decode: RuntimeError: cannot decode 0"):
             list(loader)
 

@@ -20,32 +20,34 @@ from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import Batch
 from ..pipeline.messages import Done, Failed
-from ..pipeline.pipes import ENDED, Pipes
+from ..order.epoch_size import EpochSize
+from ..pipeline.pipes import ENDED, Backend
 from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
-from ..pipeline.settings import BatchQuota, Settings
 from .progress import Progress
+from .settings import Settings
 
 
 class EpochDriver:
     """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run.
     ``rank``: this process's rank in a job of several, put on each failure recorded (None alone)."""
 
-    def __init__(self, pipes: Pipes, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
-                 quota: BatchQuota | None, window: int, rank: int | None = None) -> None:
-        self.pipes = pipes
+    def __init__(self, backend: Backend, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
+                 size: EpochSize, rank: int | None = None) -> None:
+        self.pipes = backend.pipes
+        self.stats = backend.stats
         self.s = settings
         self.order = order
         self.progress = progress
-        self.window = window
-        self.plan = EpochPlan(order, progress.done, quota, settings.batch_size, settings.drop_last,
-                              settings.skip_errors, settings.max_failures, settings.stats, progress.skipped,
-                              progress.padded, epoch=epoch, rank=rank)
+        self.window = backend.window
+        self.plan = EpochPlan(order, progress.done, size, progress.batches, settings.skip_errors,
+                              settings.max_failures, self.stats, progress.skipped, progress.padded,
+                              epoch=epoch, rank=rank)
         self.batches: dict[int, Batch] = {}  # assigned and not yet taken for the hand-out
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
-        self.handout = HandOut(settings, order)
+        self.handout = HandOut(settings, self.stats, order)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
@@ -56,9 +58,9 @@ class EpochDriver:
         self._unfinished: list[BatchBuffer] = []
         self._stats_stopped = False
         self._full = False  # the window is full: the plan waits for the user
-        self.run = pipes.new_run()
-        self.dispatch = Dispatch(pipes, self.run, order)
-        settings.stats.run_started()
+        self.run = self.pipes.new_run()
+        self.dispatch = Dispatch(self.pipes, self.run, order)
+        self.stats.run_started()
         try:
             self.dispatch.start(epoch, settings.source, self.plan.undelivered())
             if self.pipes.ring.layout is not None:
@@ -97,7 +99,7 @@ class EpochDriver:
         """The stats' level of time spent with the window full (the verdict's "memory")."""
         if full != self._full:
             self._full = full
-            self.s.stats.level("producer_waiting", 1 if full else -1)
+            self.stats.level("producer_waiting", 1 if full else -1)
 
     def _send_rows(self, batch: Batch, rows: list[int]) -> None:
         """Sends ``rows`` of ``batch`` to be filled (``dispatch.py``). Rows whose sample the probe
@@ -136,7 +138,7 @@ class EpochDriver:
             failure = self.plan.record(position, self._known.pop(position))
             if failure is not None:
                 batch = Batch(self.assigned, positions, None, errors={0: failure}, counted=True)
-                self.s.stats.level("batches_ready", 1)
+                self.stats.level("batches_ready", 1)
                 with self._lock:
                     self.batches[batch.number] = batch
                     self.assigned += 1
@@ -175,7 +177,7 @@ class EpochDriver:
             if batch.moved:
                 batch.gather()
             batch.counted = True
-            self.s.stats.level("batches_ready", 1)
+            self.stats.level("batches_ready", 1)
 
     def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
         """The policy for a failed row: its batch raises, or the row gets the epoch's next
@@ -221,7 +223,7 @@ class EpochDriver:
                     batch.buffer.give_back()
                 raise error
             delivered = [p for row, p in enumerate(batch.positions) if row not in batch.holes]
-            if batch.holes and (not delivered or (self.s.drop_last and self.plan.quota is None)):
+            if batch.holes and (not delivered or self.plan.keeps_short_rest):
                 self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
                 continue
             assert batch.buffer is not None
@@ -248,12 +250,12 @@ class EpochDriver:
                 with self._lock:
                     batch = self.batches.pop(ready)
                     self.taken += 1
-                self.s.stats.level("batches_ready", -1)
+                self.stats.level("batches_ready", -1)
                 break
             if self.exhausted and self.taken >= self.assigned:
                 return None
             self._answer(self.pipes.receive(self.run))
-        self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
+        self.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
     def _drop(self, batch: Batch) -> None:
@@ -274,7 +276,7 @@ class EpochDriver:
             if first:
                 for batch in self.batches.values():
                     if batch.counted:
-                        self.s.stats.level("batches_ready", -1)
+                        self.stats.level("batches_ready", -1)
                     if batch.buffer is None or batch.number in self.pending_copies:
                         continue
                     if batch.pending:
@@ -290,7 +292,7 @@ class EpochDriver:
         finished = self.pipes.stop_run(self.run, self._unfinished, timeout)
         if not self._stats_stopped:  # once, whether or not a stuck thread is left: not the run's figures
             self._stats_stopped = True
-            self.s.stats.run_stopped()
+            self.stats.run_stopped()
         if finished:
             self._unfinished = []  # the pipes hold them until they are free: the run keeps no buffer
         self._stop_done = finished

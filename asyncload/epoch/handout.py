@@ -22,14 +22,16 @@ import numpy as np
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..device import PendingCopy, convert_batch
 from .in_flight import Batch
-from ..pipeline.settings import Settings
+from ..stats.figures import LoaderStats
+from .settings import Settings
 
 
 class HandOut:
     """Turns complete batch buffers into the user's batches, on the user's thread."""
 
-    def __init__(self, settings: Settings, order: np.ndarray) -> None:
+    def __init__(self, settings: Settings, stats: LoaderStats, order: np.ndarray) -> None:
         self.s = settings
+        self.stats = stats
         self.order = order  # epoch position -> source index
         # Checked once, not per batch: only a source with host fields costs anything at hand-out.
         self._host = settings.source if getattr(settings.source, "string_columns", None) else None
@@ -43,14 +45,14 @@ class HandOut:
         out = self._view(number, buffer, len(positions), holes)
         if self._host is not None:
             add_fields(out, self._host.host_fields(self.order[delivered_rows(positions, holes)]))
-        if self.s.stats.tracer is not None:
-            self.s.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
         return out
 
     def _view(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int]) -> Any:
         size = buffer.close_holes(rows, holes)
         if self.s.source_names is not None:  # a mix: its source numbers are the last field, on the host
-            self.s.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
+            self.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
         stage = self.s.device_stage
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
@@ -87,9 +89,9 @@ class HandOut:
         started = time.perf_counter()
         pending = self.s.device_stage.start_copy(buffer, size)
         ended = time.perf_counter()
-        self.s.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
-        if self.s.stats.tracer is not None:
-            self.s.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.number}")
+        self.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.number}")
         return pending
 
     def release(self) -> None:

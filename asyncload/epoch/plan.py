@@ -16,9 +16,9 @@ import math
 import numpy as np
 
 from ..errors import SampleError, TooManyFailures
+from ..order.epoch_size import EpochSize
 from ..order.positions import Cursor, Positions
 from ..stats.figures import LoaderStats
-from ..pipeline.settings import BatchQuota
 
 
 class EpochPlan:
@@ -28,18 +28,20 @@ class EpochPlan:
     again, not used as padding, and count against the failure budget, which spans the epoch.
     ``padded``: positions an earlier run delivered as padding: padding goes on past them, as
     the uninterrupted run's would. ``padding_given`` lists the padding this run took, in order.
-    ``epoch`` and ``rank`` go on each failure recorded (``record``)."""
+    ``size``: the epoch's arithmetic, of which ``batches_done`` batches were handed out before
+    (the DDP quota, ``drop_last``). ``epoch`` and ``rank`` go on each failure recorded (``record``)."""
 
-    def __init__(self, order: np.ndarray, done: Positions, quota: BatchQuota | None, batch_size: int,
-                 drop_last: bool, skip_errors: bool, max_failures: int | float, stats: LoaderStats,
+    def __init__(self, order: np.ndarray, done: Positions, size: EpochSize, batches_done: int,
+                 skip_errors: bool, max_failures: int | float, stats: LoaderStats,
                  skipped: Positions | None = None, padded: Positions | None = None, *,
                  epoch: int | None = None, rank: int | None = None) -> None:
         self.order = order
         self.epoch = epoch
         self.rank = rank
-        self.quota = quota
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+        self.size = size
+        self.quota = size.quota(batches_done)
+        self.batch_size = size.batch_size
+        self.keeps_short_rest = size.keeps_short_rest(self.quota)
         self.skip_errors = skip_errors
         self.max_failures = max_failures
         self.stats = stats
@@ -72,12 +74,12 @@ class EpochPlan:
             if number >= self.quota.count:
                 return []
             size = self.quota.last_size if number == self.quota.count - 1 else size
-        if self.drop_last and self.quota is None:  # the rest stays, to replace skipped samples
+        if self.keeps_short_rest:  # the rest stays, to replace skipped samples
             return self.cursor.take(size, whole=True)
         positions = self.cursor.take(size)
         if self.quota is not None and len(positions) < size:
             positions += self._padding(size - len(positions))
-        if self.drop_last and len(positions) < self.batch_size:
+        if self.size.drops(len(positions)):
             return []
         return positions
 

@@ -13,9 +13,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..order.elastic import Elastic, rest_batches
+from ..order.elastic import Elastic
+from ..order.epoch_size import EpochSize
 from ..order.positions import Positions
-from ..pipeline.settings import BatchQuota, batch_quota
 
 
 @dataclass
@@ -101,7 +101,7 @@ def resume_point(saved: dict[str, Any] | list[dict[str, Any]], sampler: Any,
         return state, Elastic.from_state(state.get("elastic"))
     old_state = states[0]
     check_resumable(old_state, mine, keys=("seed", "batch_size"))
-    expected = sampler.num_items // old if sampler.drop_last else -(-sampler.num_items // old)
+    expected = sampler.size.of(sampler.num_items, old).per_rank
     if old_state["samples_per_rank"] != expected:
         raise ValueError(f"state_dict was saved with samples_per_rank={old_state['samples_per_rank']}, "
                          f"{old} ranks of this loader's source have {expected}")
@@ -149,16 +149,13 @@ class Epochs:
         self.progress, self.resume = Progress.from_state(state, batch_size), True
         self.elastic = elastic
 
-    def plan(self, sampler: Any, epoch: int) -> tuple[np.ndarray, BatchQuota | None]:
-        """The pass's order and DDP batch quota: the epoch's at this world size, or the rest of
+    def plan(self, sampler: Any, epoch: int) -> tuple[np.ndarray, EpochSize]:
+        """The pass's order and its arithmetic: the epoch's at this world size, or the rest of
         an epoch begun at another (its batches, equal on every new rank, fewer than ``len``)."""
         if self.elastic is None:
-            return sampler.order(epoch)[: sampler.samples_per_rank], batch_quota(sampler, self.progress.batches)
-        order = self.elastic.order(sampler, epoch)
-        if sampler.world_size == 1:
-            return order, None
-        batches, last = rest_batches(len(order), sampler.batch_size, sampler.drop_last)
-        return order, BatchQuota(batches - self.progress.batches, last)
+            size = sampler.size
+            return sampler.order(epoch)[: size.per_rank], size
+        return self.elastic.dealt(sampler, epoch)
 
     def start_pass(self) -> int:
         """A pass begins: its epoch (``progress`` is what it has to go on from)."""

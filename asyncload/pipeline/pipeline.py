@@ -17,7 +17,7 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from ..autotune import AsyncGate, Gate
+from ..gates import AsyncGate, Gate
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import SampleLayout
 from ..errors import SampleError
@@ -28,7 +28,8 @@ from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_pat
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
 from .refetch import Refetch
 from .run_state import RunState
-from .settings import PipelineSettings, split
+from .keys import split
+from .settings import PipelineSettings
 from .slots import Watchdog
 from .threads import LoopThread, wait_ended
 from .workers import DecodeWorkers

@@ -17,7 +17,8 @@ from ..errors import SampleError
 from ..sources.shards import ShardSample
 from .jobs import Row, Work
 from .run_state import RunState
-from .settings import PipelineSettings, split
+from .keys import split
+from .settings import PipelineSettings
 from .threads import LoopThread
 
 

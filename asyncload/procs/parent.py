@@ -25,7 +25,8 @@ from typing import Any, NoReturn
 import torch
 
 from ..redact import shown
-from ..pipeline.settings import share, split
+from ..pipeline.keys import split
+from ..pipeline.settings import share
 from . import shm
 from .child import child_main
 from .merged import ProcessStats

@@ -34,7 +34,7 @@ class ProgressBar:
         """The bar of one pass over ``epoch``: its total is what the epoch delivers (full batches
         only with ``drop_last``), its start what ``progress`` records as delivered before (a
         resumed epoch, padding included)."""
-        total = min(sampler.samples_per_rank, len(sampler) * sampler.batch_size)
+        total = sampler.size.delivered
         return cls(stats, total, epoch, len(progress.done) + len(progress.padded))
 
     def advance(self, samples: int) -> None:
