@@ -44,7 +44,7 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
     Args:
         sources (dict of str -> source): name -> a source: ``image_folder``, ``list_files``,
             ``manifest`` or any sized, indexable sequence of items; or all ``tar_shards``, or all
-            ``parquet`` (read as one shard set: see ``mix_shards.py``). All labelled or none.
+            ``parquet`` (read as one shard set: see ``shard_mix.py``). All labelled or none.
         weights (dict of str -> float): the same names, positive numbers, normalised to sum 1.
         seed (int): the draw's and the sources' shuffles' seed (the loader's ``seed`` is added).
         stop ("first", "all" or "never"): when an epoch ends: "first" as soon as one source
