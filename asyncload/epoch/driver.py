@@ -18,7 +18,7 @@ from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
 from .dispatch import Dispatch
 from .handout import HandOut
-from .in_flight import Batch
+from .in_flight import InFlight
 from ..pipeline.messages import Done, Failed
 from ..order.epoch_size import EpochSize
 from ..pipeline.pipes import ENDED, Backend
@@ -41,9 +41,9 @@ class EpochDriver:
         self.progress = progress
         self.window = backend.window
         self.plan = EpochPlan(order, progress.done, size, progress.batches, settings.skip_errors,
-                              settings.max_failures, self.stats, progress.skipped, progress.padded,
+                              settings.max_failures, self.stats, progress.skipped, progress.repeated,
                               epoch=epoch, rank=rank)
-        self.batches: dict[int, Batch] = {}  # assigned and not yet taken for the hand-out
+        self.batches: dict[int, InFlight] = {}  # assigned and not yet taken for the hand-out
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
@@ -51,7 +51,7 @@ class EpochDriver:
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
-        self._failing: list[tuple[Batch, int, SampleError]] = []  # their rows, policy to apply
+        self._failing: list[tuple[InFlight, int, SampleError]] = []  # their rows, policy to apply
         self._lock = threading.Lock()  # the bookkeeping above, against stop() from another thread
         self._stopped = False  # stop() was called (it may not have finished)
         self._stop_done = False  # every thread has ended and the buffers are accounted for
@@ -74,8 +74,7 @@ class EpochDriver:
     def _assign(self) -> None:
         """Sends new batches to the pipelines while fewer than ``window`` are ahead of the user."""
         while not self.exhausted and self.assigned - self.taken < self.window:
-            padding_before = len(self.plan.padding_given)
-            positions = self.plan.take_batch(self.assigned)
+            positions, repeated = self.plan.take_batch(self.assigned)
             if positions and self.pipes.ring.layout is None and not self._learn_layout(positions):
                 self.exhausted = True
                 return
@@ -85,8 +84,8 @@ class EpochDriver:
             with self._lock:
                 if self._stopped:
                     raise RuntimeError(ENDED)
-                batch = Batch(self.assigned, positions, self.pipes.ring.take(),
-                              padded=self.plan.padding_given[padding_before:], skipped=self._early_skips)
+                batch = InFlight(self.assigned, positions, self.pipes.ring.take(),
+                              repeated=repeated, skipped=self._early_skips)
                 self._early_skips = []
                 self.batches[batch.number] = batch
                 self.assigned += 1
@@ -101,7 +100,7 @@ class EpochDriver:
             self._full = full
             self.stats.level("producer_waiting", 1 if full else -1)
 
-    def _send_rows(self, batch: Batch, rows: list[int]) -> None:
+    def _send_rows(self, batch: InFlight, rows: list[int]) -> None:
         """Sends ``rows`` of ``batch`` to be filled (``dispatch.py``). Rows whose sample the probe
         saw fail are not sent: they take the failure policy in ``_settle_known``."""
         known = [row for row in rows if batch.positions[row] in self._known]
@@ -137,7 +136,7 @@ class EpochDriver:
         for position in sorted(self._known):
             failure = self.plan.record(position, self._known.pop(position))
             if failure is not None:
-                batch = Batch(self.assigned, positions, None, errors={0: failure}, counted=True)
+                batch = InFlight(self.assigned, positions, None, errors={0: failure}, counted=True)
                 self.stats.level("batches_ready", 1)
                 with self._lock:
                     self.batches[batch.number] = batch
@@ -171,7 +170,7 @@ class EpochDriver:
             self._settle_known()
             self._count_ready(batch)
 
-    def _count_ready(self, batch: Batch) -> None:
+    def _count_ready(self, batch: InFlight) -> None:
         """The stats' level of batches complete and not yet handed out."""
         if not batch.counted and batch.complete():
             if batch.moved:
@@ -179,7 +178,7 @@ class EpochDriver:
             batch.counted = True
             self.stats.level("batches_ready", 1)
 
-    def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
+    def _failed(self, batch: InFlight, row: int, error: SampleError) -> None:
         """The policy for a failed row: its batch raises, or the row gets the epoch's next
         position, or (none left) becomes a hole."""
         failure = self.plan.record(batch.positions[row], error)
@@ -187,12 +186,12 @@ class EpochDriver:
             batch.errors[row] = failure
             return
         batch.skipped.append(batch.positions[row])
-        padding_before = len(self.plan.padding_given)
-        replacement = self.plan.replacement()
+        replacement, repeat = self.plan.replacement()
         if replacement is None:
             batch.holes.add(row)
             return
-        batch.padded += self.plan.padding_given[padding_before:]
+        if repeat:
+            batch.repeated.append(replacement)
         batch.positions[row] = replacement
         self._send_rows(batch, [row])
 
@@ -228,7 +227,7 @@ class EpochDriver:
                 continue
             assert batch.buffer is not None
             out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes)
-            self.progress.handed_out(delivered, batch.skipped, batch.padded)
+            self.progress.handed_out(delivered, batch.skipped, batch.repeated)
             self.progress.batches += 1
             self._assign()
             if self.s.device_stage is not None:
@@ -240,7 +239,7 @@ class EpochDriver:
                 del out
                 self.handout.release()  # the user asked for the next batch, or ended the loop
 
-    def _wait_for(self, number: int | None) -> Batch | None:
+    def _wait_for(self, number: int | None) -> InFlight | None:
         """Blocks until batch ``number`` (or, with None, any batch) is complete and takes it;
         None once the epoch has no more batches."""
         started = time.perf_counter()
@@ -258,11 +257,11 @@ class EpochDriver:
         self.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
-    def _drop(self, batch: Batch) -> None:
+    def _drop(self, batch: InFlight) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""
         assert batch.buffer is not None
         batch.buffer.give_back()
-        self.progress.handed_out((), batch.skipped, batch.padded)
+        self.progress.handed_out((), batch.skipped, batch.repeated)
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the run: complete batches go back to the ring now, the others once no pipeline

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..device import PendingCopy, convert_batch
-from .in_flight import Batch
+from .in_flight import InFlight
 from ..stats.figures import LoaderStats
 from .settings import Settings
 
@@ -68,7 +68,7 @@ class HandOut:
         """Whether batch ``number``'s copy should start now, once it is complete."""
         return self.s.device_stage is not None and self.s.in_order and number not in self.pending_copies
 
-    def prefetch_if_complete(self, number: int, batch: Batch | None) -> None:
+    def prefetch_if_complete(self, number: int, batch: InFlight | None) -> None:
         """With a device stage: if batch ``number`` is already complete (no errors, no holes),
         start its copy now."""
         if batch is None or not self.wants_copy(number):

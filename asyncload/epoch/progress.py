@@ -1,4 +1,4 @@
-"""Where an epoch stands for the user: what was handed out, what was skipped, what was padded.
+"""Where an epoch stands for the user: what was handed out, skipped, or repeated to fill the quota.
 
 The driver updates it as each batch is handed out (never for a batch still in the pipeline), so
 ``state_dict()`` taken at any point describes exactly the batches the user has seen, and a resume
@@ -21,29 +21,29 @@ from ..order.positions import Positions
 @dataclass
 class Progress:
     """The epoch's positions handed out as themselves (``done``), skipped (failed and not retried:
-    on the failure budget) and delivered as DDP padding (a resumed rank pads on past them), and
-    the batches handed out."""
+    on the failure budget) and delivered again to fill the DDP batch quota (``repeated``: a resumed
+    rank repeats on past them; ``"padded"`` in ``state_dict()``), and the batches handed out."""
 
     done: Positions = field(default_factory=Positions)
     skipped: Positions = field(default_factory=Positions)
-    padded: Positions = field(default_factory=Positions)
+    repeated: Positions = field(default_factory=Positions)
     batches: int = 0
 
-    def handed_out(self, positions: Iterable[int], skipped: Iterable[int], padded: Iterable[int]) -> None:
-        """A batch reached the user (``positions``, of which ``padded`` came as padding), or was
-        dropped (no ``positions``). A position delivered as padding is not done as itself: a
-        rank that pads early (samples failed) still owes it, as the uninterrupted run would."""
+    def handed_out(self, positions: Iterable[int], skipped: Iterable[int], repeated: Iterable[int]) -> None:
+        """A batch reached the user (``positions``, of which ``repeated`` came as repeats), or was
+        dropped (no ``positions``). A position delivered as a repeat is not done as itself: a
+        rank that repeats early (samples failed) still owes it, as the uninterrupted run would."""
         as_itself = list(positions)
-        for position in padded:
+        for position in repeated:
             if position in as_itself:
                 as_itself.remove(position)
         self.done.add(as_itself)
         self.skipped.add(skipped)
-        self.padded.add(padded)
+        self.repeated.add(repeated)
 
     def as_state(self) -> dict[str, Any]:
         return {"delivered": self.done.intervals(), "batches": self.batches, "skipped": self.skipped.intervals(),
-                "padded": self.padded.intervals()}
+                "padded": self.repeated.intervals()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], batch_size: int) -> "Progress":

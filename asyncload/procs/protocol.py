@@ -1,6 +1,6 @@
 """The messages between the parent and its child processes, and how values cross the pipe.
 
-The driver speaks to a child's pipeline with ``run/messages.py``'s messages (``Start``, ``Fill``,
+The driver speaks to a child's pipeline with ``pipeline/messages.py``'s messages (``Start``, ``Fill``,
 ``Probe``, ``Stop``; ``Done``, ``Probed``, ``Stopped``), as it does to the pipeline in its own
 process; this module adds what only processes need: shared segments (``Map``, ``Unmap``), the
 tuner's ``Limits``, ``Close``, a child that could not start (``Broken``), and pickling.
