@@ -9,14 +9,14 @@ from typing import Any, Sequence
 import torch
 
 from .autotune import MAX_IO, AutoTuner, Knob
-from .gates import Gate
 from .decode.image import ImageDecoder
 from .device import DeviceStage
+from .epoch.settings import Settings
+from .gates import Gate
 from .order.mix_order import MixSampler
 from .order.sampler import EpochSampler
 from .order.shard_order import ShardSampler
 from .pipeline.pipes import Pipes
-from .epoch.settings import Settings
 from .sources.items import is_labelled
 from .sources.mix_source import MixedSource
 from .sources.shards import ShardSource

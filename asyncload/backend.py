@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .batch.buffers import BufferRing, OnDevice
+from .batch.buffers import BufferRing
 from .batch.layout import Field, SampleLayout
 from .epoch.settings import Settings
 from .pipeline.batched import image_placement

@@ -1,28 +1,27 @@
 """AsyncLoader: the public object. It holds the settings, the sampler, the epoch's progress and
 the backend (``backend.py``: one pipeline in this process or N child processes, their ring of
-batch buffers and their stats); each iteration runs an ``EpochDriver`` (``epoch/driver.py``).
+batch buffers and their stats); each iteration is a pass (``epoch/passes.py``) that runs an
+``EpochDriver`` (``epoch/driver.py``).
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .arguments import check_arguments, initial_reads, make_sampler, make_settings, make_tuner
+from .backend import build_backend
 from .device import resolve_device
+from .epoch.passes import Passes
+from .epoch.progress import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
 from .procs.processes import process_count
-from .backend import build_backend
-from .epoch.driver import EpochDriver, stop_unless_stopped
-from .epoch.progress import Epochs, Progress, resume_point
 from .sources.shards import ShardSource
-from .stats.bar import ProgressBar
-from .stats.trace import DEFAULT_EVENTS, Tracer
 from .stats.machine import usable_cores
+from .stats.trace import DEFAULT_EVENTS, Tracer
 
 
 class AsyncLoader:
@@ -182,7 +181,7 @@ class AsyncLoader:
                                     drop_last=drop_last, rank=rank, world_size=world_size)
         self._epochs = Epochs()  # which epoch a pass runs, and what it handed out
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
-        self._driver: EpochDriver | None = None
+        self._passes = Passes(self._epochs)  # the pass running, if any
         self._closed = False
         self.progress = progress
         self._settings = make_settings(
@@ -226,38 +225,7 @@ class AsyncLoader:
         stops the threads; a batch stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
-        self._stop_driver()  # a new iteration replaces an unfinished one
-        epoch, progress = self._epochs.start_pass(), self._epochs.progress
-        order, size = self._epochs.plan(self.sampler, epoch)  # the epoch's, or an elastic rest
-        driver = EpochDriver(self._backend, self._settings, epoch, order, progress, size,
-                             rank=self.sampler.rank if self.sampler.world_size > 1 else None)
-        self._driver = driver
-        iteration = self._iterate(driver, epoch, progress)
-        # The threads start now (the first batch is under way before the first next()), but a
-        # generator dropped before its first next() never runs its `finally`: stop them when
-        # it goes, whether it ran or not.
-        weakref.finalize(iteration, stop_unless_stopped, driver)
-        return iteration
-
-    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress) -> Iterator[Any]:
-        bar = ProgressBar.for_pass(self.stats, self.sampler, progress, epoch) if self.progress else None
-        try:
-            for positions, batch in driver:  # the driver records what was handed out in progress
-                if self.tuner is not None:
-                    self.tuner.observe()
-                if bar is not None:
-                    bar.advance(len(positions))
-                yield batch
-                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
-            self._epochs.pass_ended(epoch, latest=self._driver is driver)
-            if bar is not None:
-                bar.complete()
-        finally:
-            driver.stop()
-            if self._driver is driver and driver._stop_done:  # else close() finishes the stop
-                self._driver = None
-            if bar is not None:
-                bar.close()
+        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its
@@ -283,20 +251,13 @@ class AsyncLoader:
             elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()
         self._epochs.load(state, self.sampler.batch_size, elastic)
 
-    def _stop_driver(self) -> None:
-        driver = self._driver
-        if driver is not None:
-            driver.stop()  # a Ctrl-C here leaves self._driver set: the next close() finishes the stop
-            if driver._stop_done:
-                self._driver = None
-
     def close(self) -> None:
         """Stops every thread and child process and frees the batch buffers (also done by ``with``
         and by garbage collection); a pass still running ends, and a new one raises
         ``RuntimeError``. Idempotent; a close cut short (Ctrl-C while it waits for the threads) is
         finished by the next."""
         self._closed = True
-        self._stop_driver()
+        self._passes.stop()
         self._backend.close()
         if self.stats.tracer is not None:
             self.stats.tracer.finish()  # the children's events came with their answers

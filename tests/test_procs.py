@@ -308,7 +308,7 @@ def test_stopped_runs_give_their_segments_back_once_the_children_confirm():
     batches = iter(loader)
     assert next(batches).tolist() == list(range(8))  # waiting for it takes in the children's answers
     assert wait_until(lambda: not pool._stopping or next(batches) is None, timeout=10)
-    current = [batch.buffer for batch in loader._driver.batches.values()]
+    current = [batch.buffer for batch in loader._passes.driver.batches.values()]
     assert all(not b.in_pipeline or any(b is c for c in current) for b in held), "given back to the ring"
     loader.close()
 
@@ -504,7 +504,7 @@ def test_device_stage_copies_the_next_batch_ahead_from_segments_pinned_only_for_
             assert batch.device == device
             got.append(batch.cpu())
             if number < len(loader) - 1:
-                assert list(loader._driver.pending_copies) == [number + 1] or number == 0, \
+                assert list(loader._passes.driver.pending_copies) == [number + 1] or number == 0, \
                     "batch k+1's copy starts when batch k is handed out"
             time.sleep(0.2)  # the next batch completes meanwhile
         assert all(b.tensors[0].is_pinned() for b in loader._backend.pipes.ring.segments.values())

@@ -12,11 +12,11 @@ import itertools
 
 import numpy as np
 
+from ..pipeline.messages import Fill, Start
+from ..pipeline.pipes import Pipes
 from ..sources.shard_plan import plan_reads
 from ..sources.shards import ShardSource
 from .in_flight import InFlight
-from ..pipeline.messages import Fill, Start
-from ..pipeline.pipes import Pipes
 
 
 class Dispatch:

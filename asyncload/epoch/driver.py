@@ -16,12 +16,12 @@ import numpy as np
 
 from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
+from ..order.epoch_size import EpochSize
+from ..pipeline.messages import Done, Failed
+from ..pipeline.pipes import ENDED, Backend
 from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import InFlight
-from ..pipeline.messages import Done, Failed
-from ..order.epoch_size import EpochSize
-from ..pipeline.pipes import ENDED, Backend
 from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
 from .progress import Progress
@@ -296,9 +296,3 @@ class EpochDriver:
             self._unfinished = []  # the pipes hold them until they are free: the run keeps no buffer
         self._stop_done = finished
 
-
-def stop_unless_stopped(run: EpochDriver) -> None:
-    """A dropped iteration's run is stopped, unless its own ``finally`` already tried: a stop that
-    timed out waited once, and garbage collection must not wait again (``close()`` finishes it)."""
-    if not run._stopped:
-        run.stop()

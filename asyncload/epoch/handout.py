@@ -21,8 +21,8 @@ import numpy as np
 
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..device import PendingCopy, convert_batch
-from .in_flight import InFlight
 from ..stats.figures import LoaderStats
+from .in_flight import InFlight
 from .settings import Settings
 
 

@@ -24,9 +24,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..redact import shown
 from ..pipeline.keys import split
 from ..pipeline.settings import share
+from ..redact import shown
 from . import shm
 from .child import child_main
 from .merged import ProcessStats

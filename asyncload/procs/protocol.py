@@ -16,8 +16,8 @@ from typing import Any
 
 from ..batch.layout import SampleLayout
 from ..errors import SampleError, TooManyFailures, describe
-from ..redact import unpicklable
 from ..pipeline.messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
+from ..redact import unpicklable
 
 # A child that finds itself created while spawn imports the user's script again (a script with
 # no ``if __name__ == "__main__":`` guard) exits with this code; the parent then says why.

@@ -17,8 +17,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .items import is_labelled
-from .shard_mix import MixedShards
 from .mix_source import STOPS, MixedSource
+from .shard_mix import MixedShards
 from .shards import ShardSource
 
 
