@@ -32,7 +32,7 @@ def test_batches_and_the_last_batch(per_rank, batch_size, drop_last):
     if batches:
         assert size.last_size == (batch_size if drop_last else per_rank - (batches - 1) * batch_size)
     assert size.delivered == min(per_rank, batches * batch_size)
-    assert size.drops(batch_size - 1) is drop_last and not size.drops(batch_size)
+    assert size.smallest_batch == (batch_size if drop_last else 1)
 
 
 def test_the_quota_is_for_several_ranks_only():

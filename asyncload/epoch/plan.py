@@ -42,6 +42,7 @@ class EpochPlan:
         self.quota = size.quota(batches_done)
         self.batch_size = size.batch_size
         self.keeps_short_rest = size.keeps_short_rest(self.quota)
+        self.smallest_batch = size.smallest_batch
         self.skip_errors = skip_errors
         self.max_failures = max_failures
         self.stats = stats
@@ -78,7 +79,7 @@ class EpochPlan:
             return self.cursor.take(size, whole=True), []
         positions = self.cursor.take(size)
         repeats = self._repeats(size - len(positions)) if self.quota is not None and len(positions) < size else []
-        if self.size.drops(len(positions) + len(repeats)):
+        if len(positions) + len(repeats) < self.smallest_batch:
             return [], repeats
         return positions + repeats, repeats
 

@@ -85,9 +85,10 @@ class EpochSize:
         dropped rather than handed out."""
         return self.drop_last and quota is None
 
-    def drops(self, count: int) -> bool:
-        """Whether a batch of ``count`` samples is dropped: with ``drop_last``, one too short."""
-        return self.drop_last and count < self.batch_size
+    @property
+    def smallest_batch(self) -> int:
+        """The fewest samples a batch handed out may have: with ``drop_last``, a whole batch."""
+        return self.batch_size if self.drop_last else 1
 
     def padded(self, order: np.ndarray) -> np.ndarray:
         """``order`` cut or padded to ``per_rank * world_size`` samples: the tail that does not
