@@ -24,7 +24,7 @@ _PUBLIC = {
     "list_files": "asyncload.sources.items",
     "manifest": "asyncload.sources.items",
     "mix": "asyncload.sources.mix",
-    "MixedSource": "asyncload.sources.mixed",
+    "MixedSource": "asyncload.sources.mix_source",
     "tar_shards": "asyncload.sources.shards",
     "write_shards": "asyncload.sources.writer",
     "index_shards": "asyncload.sources.writer",
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .sources.litdata import litdata
     from .sources.mds import mds
     from .sources.mix import mix
-    from .sources.mixed import MixedSource
+    from .sources.mix_source import MixedSource
     from .sources.parquet import parquet
     from .sources.parquet_writer import write_parquet
     from .sources.shards import tar_shards

@@ -8,17 +8,17 @@ from typing import Any, Sequence
 
 import torch
 
-from .autotune import MAX_IO, AutoTuner, Gate, Knob
-from .batch.buffers import BufferRing
+from .autotune import MAX_IO, AutoTuner, Knob
 from .decode.image import ImageDecoder
 from .device import DeviceStage
+from .epoch.settings import Settings
+from .gates import Gate
 from .order.mix_order import MixSampler
 from .order.sampler import EpochSampler
 from .order.shard_order import ShardSampler
-from .run.pipes import Pipes
-from .run.settings import Settings
+from .pipeline.pipes import Pipes
 from .sources.items import is_labelled
-from .sources.mixed import MixedSource
+from .sources.mix_source import MixedSource
 from .sources.shards import ShardSource
 from .stats.figures import LoaderStats
 
@@ -111,24 +111,23 @@ def default_decode(source: Sequence[Any], decode: Any) -> Any:
     return decode
 
 
-def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, drop_last: bool, threads: int,
+def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, threads: int,
                   cores: int, auto_threads: bool, io: int, prefetch: int, in_order: bool, on_error: str,
                   max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
                   read_retries: int | None, read_retry_seconds: float, max_sample_bytes: int | None,
                   decode_timeout: float | None, normalize: Any, device: torch.device | None,
-                  stats: LoaderStats) -> Settings:
+                  collate: Any = None) -> Settings:
     """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
     cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
     return Settings(
         source=source, read=read, decode=default_decode(source, decode),
         labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
-        batch_size=batch_size, drop_last=drop_last,
+        batch_size=batch_size,
         num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,
         thread_gate=Gate(threads) if auto_threads else None, prefetch=prefetch, in_order=in_order,
         skip_errors=on_error == "skip", max_failures=max_failures, storage_options=storage_options,
         read_timeout=read_timeout, read_retries=read_retries, read_retry_seconds=read_retry_seconds,
         max_sample_bytes=max_sample_bytes, decode_timeout=decode_timeout, normalize=normalize,
-        ring=BufferRing(keep=prefetch + 2, pin_memory=torch.cuda.is_available()),
         device_stage=DeviceStage(device, normalize) if device is not None else None,
-        stats=stats, source_names=source.names if isinstance(source, MixedSource) else None,
+        source_names=source.names if isinstance(source, MixedSource) else None, collate=collate,
     )

@@ -11,8 +11,6 @@ not oscillate. Reads in flight are also kept within a memory budget.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -21,54 +19,6 @@ from .stats.figures import LoaderStats
 from .stats.verdict import diagnose
 
 MAX_IO = 1024
-
-
-class Gate:
-    """Lets at most ``limit`` threads through at once; the limit may change while threads wait."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._inside = 0
-        self._cond = threading.Condition()
-
-    def set_limit(self, limit: int) -> None:
-        with self._cond:
-            self._limit = limit
-            self._cond.notify_all()
-
-    def __enter__(self) -> None:
-        with self._cond:
-            while self._inside >= self._limit:
-                self._cond.wait()
-            self._inside += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._cond:
-            self._inside -= 1
-            self._cond.notify()
-
-
-class AsyncGate:
-    """Like ``Gate`` for coroutines on one event loop: at most ``limit`` holders at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.inside = 0
-        self._freed = asyncio.Event()
-
-    async def acquire(self) -> None:
-        while self.inside >= self.limit:
-            self._freed.clear()
-            await self._freed.wait()
-        self.inside += 1
-
-    def release(self) -> None:
-        self.inside -= 1
-        self._freed.set()
-
-    def set_limit(self, limit: int) -> None:
-        self.limit = limit
-        self._freed.set()
 
 
 @dataclass

@@ -1,31 +1,27 @@
-"""AsyncLoader: the public object. It holds the settings, the sampler, the ring of batch
-buffers and the epoch's progress; each iteration runs an ``EpochDriver`` (``run/driver.py``)
-over its pipelines: one in this process (``run/pipes.py``), or N child processes (``procs/``).
+"""AsyncLoader: the public object. It holds the settings, the sampler, the epoch's progress and
+the backend (``backend.py``: one pipeline in this process or N child processes, their ring of
+batch buffers and their stats); each iteration is a pass (``epoch/passes.py``) that runs an
+``EpochDriver`` (``epoch/driver.py``).
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .arguments import check_arguments, initial_reads, make_sampler, make_settings, make_tuner
+from .backend import build_backend
 from .device import resolve_device
+from .epoch.passes import Passes
+from .epoch.progress import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
-from .procs.processes import process_count, start_processes, window
-from .run.batched import image_placement
-from .run.driver import EpochDriver, stop_unless_stopped
-from .run.pipes import LocalPipes, Pipes
-from .run.settings import configure_known_layout
-from .run.state import Epochs, Progress, resume_point
+from .procs.processes import process_count
 from .sources.shards import ShardSource
-from .stats.bar import ProgressBar
-from .stats.figures import LoaderStats
-from .stats.trace import DEFAULT_EVENTS, Tracer
 from .stats.machine import usable_cores
+from .stats.trace import DEFAULT_EVENTS, Tracer
 
 
 class AsyncLoader:
@@ -191,26 +187,21 @@ class AsyncLoader:
                                     drop_last=drop_last, rank=rank, world_size=world_size)
         self._epochs = Epochs()  # which epoch a pass runs, and what it handed out
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
-        self.stats = LoaderStats(io, threads, prefetch)
-        self.stats.tracer = Tracer(trace, trace_events) if trace is not None else None
-        self._run: EpochDriver | None = None
+        self._passes = Passes(self._epochs)  # the pass running, if any
         self._closed = False
         self.progress = progress
         self._settings = make_settings(
-            source, read, decode, batch_size=batch_size, drop_last=drop_last, threads=threads, cores=cores,
+            source, read, decode, batch_size=batch_size, threads=threads, cores=cores,
             auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
             max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
             read_retries=read_retries, read_retry_seconds=read_retry_seconds, max_sample_bytes=max_sample_bytes,
-            decode_timeout=decode_timeout, normalize=normalize, device=self.device, stats=self.stats)
-        self._settings.collate = collate
+            decode_timeout=decode_timeout, normalize=normalize, device=self.device, collate=collate)
         count = process_count(processes, isolate)
-        configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
-        self._window = window(prefetch, count)
-        self._pipes: Pipes = LocalPipes(self._settings)
-        if count:  # reads and decodes run in the children; the device stage and normalize here
-            self._pipes = start_processes(count, self._settings, self.device, threads if auto_threads else None, threads)
-            self.stats = self._settings.stats
-        self.tuner = make_tuner(self.stats, self._pipes, self._settings.num_threads, auto_threads, auto_io,
+        self._backend = build_backend(self._settings, count, self.device, threads=threads,
+                                      thread_limit=threads if auto_threads else None,
+                                      tracer=Tracer(trace, trace_events) if trace is not None else None)
+        self.stats = self._backend.stats
+        self.tuner = make_tuner(self.stats, self._backend.pipes, self._settings.num_threads, auto_threads, auto_io,
                                 threads, io, count)
 
     def __len__(self) -> int:
@@ -240,38 +231,7 @@ class AsyncLoader:
         stops the threads; a batch stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
-        self._stop_run()  # a new iteration replaces an unfinished one
-        epoch, progress = self._epochs.start_pass(), self._epochs.progress
-        order, quota = self._epochs.plan(self.sampler, epoch)  # the epoch's, or an elastic rest
-        run = EpochDriver(self._pipes, self._settings, epoch, order, progress, quota, self._window,
-                          rank=self.sampler.rank if self.sampler.world_size > 1 else None)
-        self._run = run
-        iteration = self._iterate(run, epoch, progress)
-        # The threads start now (the first batch is under way before the first next()), but a
-        # generator dropped before its first next() never runs its `finally`: stop them when
-        # it goes, whether it ran or not.
-        weakref.finalize(iteration, stop_unless_stopped, run)
-        return iteration
-
-    def _iterate(self, run: EpochDriver, epoch: int, progress: Progress) -> Iterator[Any]:
-        bar = ProgressBar.for_pass(self.stats, self.sampler, progress, epoch) if self.progress else None
-        try:
-            for positions, batch in run:  # the driver records what was handed out in progress
-                if self.tuner is not None:
-                    self.tuner.observe()
-                if bar is not None:
-                    bar.advance(len(positions))
-                yield batch
-                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
-            self._epochs.pass_ended(epoch, latest=self._run is run)
-            if bar is not None:
-                bar.complete()
-        finally:
-            run.stop()
-            if self._run is run and run._stop_done:  # else close() finishes the stop
-                self._run = None
-            if bar is not None:
-                bar.close()
+        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its
@@ -297,24 +257,14 @@ class AsyncLoader:
             elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()
         self._epochs.load(state, self.sampler.batch_size, elastic)
 
-    def _stop_run(self) -> None:
-        run = self._run
-        if run is not None:
-            run.stop()  # a Ctrl-C here leaves self._run set: the next close() finishes the stop
-            if run._stop_done:
-                self._run = None
-
     def close(self) -> None:
         """Stops every thread and child process and frees the batch buffers (also done by ``with``
         and by garbage collection); a pass still running ends, and a new one raises
         ``RuntimeError``. Idempotent; a close cut short (Ctrl-C while it waits for the threads) is
         finished by the next."""
         self._closed = True
-        self._stop_run()
-        self._settings.ring.clear()
-        close = getattr(self._pipes, "close", None)  # the child processes
-        if close is not None:
-            close()
+        self._passes.stop()
+        self._backend.close()
         if self.stats.tracer is not None:
             self.stats.tracer.finish()  # the children's events came with their answers
 

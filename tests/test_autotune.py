@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 from asyncload import AsyncLoader
-from asyncload.autotune import AutoTuner, Gate, Knob, _interval_figures
+from asyncload.autotune import AutoTuner, Knob, _interval_figures
+from asyncload.gates import Gate
 from asyncload.stats.figures import LoaderStats
 
 

@@ -165,10 +165,10 @@ def test_a_poisoned_buffer_is_never_taken_again():
 
 
 def test_a_batch_moved_off_a_poisoned_buffer_keeps_its_rows_and_takes_replacements_in_the_fresh_one():
-    from asyncload.run.in_flight import Batch
+    from asyncload.epoch.in_flight import InFlight
 
     ring = ring_with(keep=4)
-    batch = Batch(0, [0, 1, 2], ring.take())
+    batch = InFlight(0, [0, 1, 2], ring.take())
     for row in range(3):
         batch.buffer.write(row, (np.full(4, row, np.float32), row))
     old = batch.buffer

@@ -110,7 +110,7 @@ def test_pinned_buffers_are_still_reused_once_the_gpu_is_done():
             batch.to("cuda", non_blocking=True)
             torch.cuda.synchronize()
             del batch
-    assert len(pointers) <= loader._settings.ring.keep + 2
+    assert len(pointers) <= loader._backend.ring.keep + 2
 
 
 @cuda

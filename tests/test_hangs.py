@@ -24,10 +24,10 @@ from asyncload import AsyncLoader, SampleError, TooManyFailures
 from asyncload.batch.buffers import BatchBuffer
 from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
-from asyncload.run import jobs
-from asyncload.run.slots import Watchdog
-from asyncload.run.threads import LoopThread, wait_ended
-from asyncload.run.workers import DecodeWorkers, current_slot
+from asyncload.pipeline import jobs
+from asyncload.pipeline.slots import Watchdog
+from asyncload.pipeline.threads import LoopThread, wait_ended
+from asyncload.pipeline.workers import DecodeWorkers, current_slot
 from tests.conftest import asyncload_threads, wait_until
 
 MODES = [0, 2]

@@ -190,7 +190,7 @@ def test_error_in_first_sample_of_a_user_decode(tmp_path):
         raise RuntimeError(f"cannot decode {i}")
 
     with index_loader(n=4, shuffle=False) as loader:
-        loader._settings.decode = decode
+        loader._backend.pipes.settings.decode = decode  # the in-process pipeline's own settings
         with pytest.raises(SampleError, match="sample 0 failed at decode: RuntimeError: cannot decode 0"):
             list(loader)
 
@@ -506,9 +506,9 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
     """A decode stuck past stop()'s bound: the end of the loop warns (once: dropping the iterator
     must not wait again), the loader keeps the run, and close() ends every thread, the GIL probe's
     included, once the decode returns."""
-    import asyncload.run.pipes
+    import asyncload.pipeline.pipes
 
-    monkeypatch.setattr(asyncload.run.pipes, "STOP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(asyncload.pipeline.pipes, "STOP_TIMEOUT_S", 0.5)
     stuck, release = threading.Event(), threading.Event()
 
     def decode(i):

@@ -15,7 +15,7 @@ import pytest
 from asyncload import AsyncLoader, ImageDecoder, image_folder, parquet
 from asyncload.batch.buffers import BatchBuffer
 from asyncload.batch.layout import SampleLayout
-from asyncload.run.handout import delivered_rows
+from asyncload.epoch.handout import delivered_rows
 from tests.conftest import CLASSES, PER_CLASS, identify
 
 DECODE = ImageDecoder(32)

@@ -78,7 +78,7 @@ def pid_sample(i):
 
 
 def child_pids(loader: AsyncLoader) -> list[int]:
-    return [process.pid for process in loader._pipes.processes]
+    return [process.pid for process in loader._backend.pipes.processes]
 
 
 def gone(pid: int) -> bool:
@@ -95,7 +95,7 @@ def reaped(pid: int) -> bool:
 
 
 def segment_name(loader: AsyncLoader) -> str:
-    return loader._pipes.ring.name
+    return loader._backend.pipes.ring.name
 
 
 def mappings(name: str) -> list[str]:
@@ -167,7 +167,7 @@ def test_tuple_and_dict_samples_keep_their_structure():
 def test_kept_batches_stay_intact_and_released_buffers_are_reused():
     with AsyncLoader(list(range(160)), batch_size=4, seed=1, read=False, decode=index_sample, processes=2,
                      prefetch=2) as loader:
-        ring = loader._pipes.ring
+        ring = loader._backend.pipes.ring
         kept = list(loader)  # 40 batches held at once: the ring must allocate beyond its size
         assert rows(kept) == loader.sampler.order(0).tolist()
         assert all(bool((batch[:, 0:1] == batch).all()) for batch in kept)
@@ -282,7 +282,7 @@ def test_break_stops_the_run_and_close_ends_the_children():
     del batch
     with pytest.raises(RuntimeError, match="iteration has ended"):
         next(first)
-    ring = loader._pipes.ring
+    ring = loader._backend.pipes.ring
     kept = next(iter(loader))  # it starts again, in the same processes, and the stalled reads were cancelled
     assert child_pids(loader) == pids and kept.tolist() == list(range(8))
     loader.close()
@@ -300,15 +300,15 @@ def test_break_stops_the_run_and_close_ends_the_children():
 def test_stopped_runs_give_their_segments_back_once_the_children_confirm():
     loader = AsyncLoader(list(range(100_000)), batch_size=8, shuffle=False, read=slow_after_the_first_batch,
                          decode=np.asarray, io_concurrency=64, processes=2, prefetch=2)
-    pool = loader._pipes
+    pool = loader._backend.pipes
     next(iter(loader))  # the run ends with batches 1-4 still being read
     (answers, held), = pool._stopping.values()
-    assert len(held) == loader._window and all(b.in_pipeline for b in held), \
+    assert len(held) == loader._backend.window and all(b.in_pipeline for b in held), \
         "unfinished batches (a window of them: batch 0 was handed out) stay out of the ring"
     batches = iter(loader)
     assert next(batches).tolist() == list(range(8))  # waiting for it takes in the children's answers
     assert wait_until(lambda: not pool._stopping or next(batches) is None, timeout=10)
-    current = [batch.buffer for batch in loader._run.batches.values()]
+    current = [batch.buffer for batch in loader._passes.driver.batches.values()]
     assert all(not b.in_pipeline or any(b is c for c in current) for b in held), "given back to the ring"
     loader.close()
 
@@ -356,7 +356,7 @@ def test_the_children_exit_when_the_parent_dies():
             batches = iter(loader)
             next(batches)
             del batches  # the children now have hanging decodes
-            print(*[p.pid for p in loader._pipes.processes], flush=True)
+            print(*[p.pid for p in loader._backend.pipes.processes], flush=True)
             time.sleep(60)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -496,7 +496,7 @@ def test_device_stage_copies_the_next_batch_ahead_from_segments_pinned_only_for_
         expected = [b.clone() for b in plain]
     with AsyncLoader(list(range(40)), processes=2, **kwargs) as host:
         next(iter(host))
-        assert not any(b.tensors[0].is_pinned() for b in host._pipes.ring.segments.values()), \
+        assert not any(b.tensors[0].is_pinned() for b in host._backend.ring.segments.values()), \
             "no device: nothing is registered with CUDA"
     with AsyncLoader(list(range(40)), device=device, processes=2, **kwargs) as loader:
         got = []
@@ -504,10 +504,10 @@ def test_device_stage_copies_the_next_batch_ahead_from_segments_pinned_only_for_
             assert batch.device == device
             got.append(batch.cpu())
             if number < len(loader) - 1:
-                assert list(loader._run.pending_copies) == [number + 1] or number == 0, \
+                assert list(loader._passes.driver.pending_copies) == [number + 1] or number == 0, \
                     "batch k+1's copy starts when batch k is handed out"
             time.sleep(0.2)  # the next batch completes meanwhile
-        assert all(b.tensors[0].is_pinned() for b in loader._pipes.ring.segments.values())
+        assert all(b.tensors[0].is_pinned() for b in loader._backend.pipes.ring.segments.values())
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -533,7 +533,7 @@ def test_a_raised_sample_error_does_not_keep_its_segment():
         for _ in range(4):
             with pytest.raises(SampleError):
                 list(loader)
-        segments = loader._pipes.ring.segments
+        segments = loader._backend.pipes.ring.segments
         # At most the batch a child was still filling when the last run stopped (it comes back
         # once the child confirms); before, each error kept one more segment for good.
         assert sum(buffer.in_pipeline for buffer in segments.values()) <= 1

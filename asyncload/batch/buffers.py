@@ -39,7 +39,7 @@ def hole_moves(size: int, holes: set[int]) -> tuple[list[tuple[int, int]], int]:
     """How ``close_holes`` makes the first ``size`` rows contiguous: ``(hole, row)`` pairs, row
     ``row`` copied into ``hole`` in that order, the first hole taking the last filled row; and how
     many rows are filled. One function, so that what rides beside the buffer (the strings of
-    ``run/handout.py``) moves exactly as its rows do."""
+    ``epoch/handout.py``) moves exactly as its rows do."""
     filled = [row for row in range(size) if row not in holes]
     moves = []
     for hole, row in zip(sorted(holes), reversed(filled)):

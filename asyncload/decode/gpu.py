@@ -89,7 +89,7 @@ class GpuImageDecoder:
             (a CUDA out-of-memory included) is retried alone, then decoded on the CPU.
     """
 
-    batched = True  # the loader calls decode_batch once per batch (run/batched.py), not decode_into per row
+    batched = True  # the loader calls decode_batch once per batch (pipeline/batched.py), not decode_into per row
 
     def __init__(
         self,

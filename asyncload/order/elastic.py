@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from .sampler import deal
 
 ELASTIC_STREAM = 0x656C6173  # "elas": the remainder's shuffle is its own, unlike any epoch's
 
@@ -68,7 +67,14 @@ class Elastic:
     def order(self, sampler: Any, epoch: int) -> np.ndarray:
         """This rank's part of the rest, dealt like an epoch: equal lengths on every new rank,
         padded by repeating the rest's start, or its tail dropped with ``drop_last``."""
-        return deal(self.remaining(sampler, epoch), sampler.rank, sampler.world_size, sampler.drop_last)
+        return self.dealt(sampler, epoch)[0]
+
+    def dealt(self, sampler: Any, epoch: int) -> tuple[np.ndarray, Any]:
+        """``order`` and the rest's arithmetic (an ``EpochSize``: its batches, equal on every new
+        rank, fewer than ``len(loader)``)."""
+        rest = self.remaining(sampler, epoch)
+        size = sampler.size.of(len(rest))
+        return size.deal(rest, sampler.rank), size
 
 
 def old_orders(sampler: Any, epoch: int, elastic: Elastic | None, world_size: int) -> list[np.ndarray]:
@@ -77,13 +83,6 @@ def old_orders(sampler: Any, epoch: int, elastic: Elastic | None, world_size: in
     if elastic is None:
         return sampler.orders_at(epoch, world_size)
     rest = elastic.remaining(sampler, epoch)
-    return [deal(rest, rank, world_size, sampler.drop_last) for rank in range(world_size)]
+    size = sampler.size.of(len(rest), world_size)
+    return [size.deal(rest, rank) for rank in range(world_size)]
 
-
-def rest_batches(rest_per_rank: int, batch_size: int, drop_last: bool) -> tuple[int, int]:
-    """Batches a rank's part of a rest makes, and the size of the last one (as ``len(sampler)``
-    counts an epoch's)."""
-    if drop_last:
-        return rest_per_rank // batch_size, batch_size
-    batches = -(-rest_per_rank // batch_size)
-    return batches, rest_per_rank - (batches - 1) * batch_size

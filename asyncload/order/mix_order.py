@@ -1,7 +1,7 @@
 """The epoch order of a mixed source: its seeded sequence, dealt to ranks like any other order.
 
 Because the whole mixed sequence is the order, everything that works on positions of the order
-works unchanged: ranks take disjoint parts of equal length (``deal``), ``state_dict()`` records
+works unchanged: ranks take disjoint parts of equal length (``EpochSize.deal``), ``state_dict()`` records
 positions handed out, and a resume delivers exactly the rest of the same sequence.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..sources.mixed import MixedSource
+from ..sources.mix_source import MixedSource
 from ..sources.shards import ShardSource
-from .sampler import EpochSampler, deal
+from .sampler import EpochSampler
 
 
 class MixSampler(EpochSampler):
@@ -42,11 +42,8 @@ class MixSampler(EpochSampler):
         (which would break each shard's chunks into reads of a sample or two)."""
         sequence = self.permutation(epoch)
         if not isinstance(self.source, ShardSource) or self.world_size == 1:
-            return deal(sequence, self.rank, self.world_size, self.drop_last)
-        per_rank = self.samples_per_rank
-        if per_rank * self.world_size > len(sequence) and len(sequence) > 0:
-            sequence = np.resize(sequence, per_rank * self.world_size)  # pads by repeating from the start
-        return np.asarray(sequence[self.rank * per_rank : (self.rank + 1) * per_rank], dtype=np.int64)
+            return self.size.deal(sequence, self.rank)
+        return self.size.stretch(sequence, self.rank)
 
     def orders_at(self, epoch: int, world_size: int) -> list[np.ndarray]:
         """Elastic resume counts source indices left, which a mix may repeat (``"never"``): not

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from typing import Any, Sequence
 
 import numpy as np
+
+from .epoch_size import EpochSize
 
 SOURCE_PROBES = 64  # items of the source a fingerprint looks at: evenly spaced, first and last included
 
@@ -53,24 +54,13 @@ def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int,
     return rank, world_size
 
 
-def deal(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """``rank``'s part of ``order`` as ``DistributedSampler`` deals it: every rank gets the same
-    length; ``drop_last`` drops the tail that does not divide evenly, else the order is padded by
-    repeating its start; rank ``r`` takes every ``world_size``-th index from ``r`` (int64)."""
-    per_rank = len(order) // world_size if drop_last else math.ceil(len(order) / world_size)
-    total = per_rank * world_size
-    if total > len(order) and len(order) > 0:
-        order = np.resize(order, total)  # pads by repeating from the start
-    return np.asarray(order[:total][rank::world_size], dtype=np.int64)
-
-
 class EpochSampler:
     """Splits an epoch's order into this rank's batches of source indices.
 
     Sharding keeps ``DistributedSampler``'s semantics so every rank gets the same number of
     samples (no DDP hang at epoch end): with ``drop_last`` the tail that does not divide evenly
     is dropped, otherwise the order is padded by repeating its start. ``drop_last`` also drops
-    this rank's final short batch.
+    this rank's final short batch. The arithmetic is ``size``'s (``epoch_size.py``).
     """
 
     def __init__(
@@ -95,16 +85,17 @@ class EpochSampler:
         self.world_size = world_size
 
     @property
+    def size(self) -> EpochSize:
+        """The epoch's arithmetic: samples per rank, padding, batches, the last batch's size."""
+        return EpochSize(self.num_items, self.world_size, self.batch_size, self.drop_last)
+
+    @property
     def samples_per_rank(self) -> int:
-        if self.drop_last:
-            return self.num_items // self.world_size
-        return math.ceil(self.num_items / self.world_size)
+        return self.size.per_rank
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
-        if self.drop_last:
-            return self.samples_per_rank // self.batch_size
-        return math.ceil(self.samples_per_rank / self.batch_size)
+        return self.size.batches
 
     def identity(self) -> dict[str, Any]:
         """What, beside the seed, sizes, rank and world size, decides the order: resuming with
@@ -121,13 +112,14 @@ class EpochSampler:
 
     def order(self, epoch: int) -> np.ndarray:
         """This rank's source indices for ``epoch``, in delivery order (int64)."""
-        return deal(self.permutation(epoch), self.rank, self.world_size, self.drop_last)
+        return self.size.deal(self.permutation(epoch), self.rank)
 
     def orders_at(self, epoch: int, world_size: int) -> list[np.ndarray]:
         """Every rank's ``order(epoch)`` had there been ``world_size`` ranks: what the positions
         in each of their ``state_dict()``s refer to, for an elastic resume."""
         whole = self.permutation(epoch)
-        return [deal(whole, rank, world_size, self.drop_last) for rank in range(world_size)]
+        size = self.size.of(self.num_items, world_size)
+        return [size.deal(whole, rank) for rank in range(world_size)]
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches for ``epoch``: ``len(self)`` arrays of source indices."""

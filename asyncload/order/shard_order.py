@@ -41,11 +41,7 @@ class ShardSampler(EpochSampler):
         if self.shuffle:
             shards = np.random.default_rng([self.seed, epoch]).permutation(shards)
         stream = np.concatenate([np.arange(source.shard_first[s], source.shard_first[s + 1]) for s in shards] or [[]])
-        per_rank = self.samples_per_rank
-        total = per_rank * self.world_size
-        if total > len(stream) and len(stream) > 0:
-            stream = np.resize(stream, total)  # pads by repeating from the start
-        mine = stream[self.rank * per_rank : (self.rank + 1) * per_rank].astype(np.int64)
+        mine = self.size.stretch(stream, self.rank)
         if not self.shuffle:
             return mine
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1])

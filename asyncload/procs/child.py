@@ -1,5 +1,5 @@
 """A child process of ``processes=N``: maps the parent's shared segments and runs the pipeline
-(``run/pipeline.py``, the same code as in-process) on them.
+(``pipeline/pipeline.py``, the same code as in-process) on them.
 
 The child builds no ``AsyncLoader``: the parent's driver owns the epoch (order, cursor, failure
 budget, resume state) and sends the pipeline's messages (``protocol.py``). Three kinds of
@@ -21,8 +21,8 @@ from multiprocessing import reduction
 from typing import Any
 
 from ..batch.buffers import BatchBuffer
-from ..run.pipeline import Pipeline
-from ..run.settings import PipelineSettings
+from ..pipeline.pipeline import Pipeline
+from ..pipeline.settings import PipelineSettings
 from ..stats.figures import LoaderStats
 from ..stats.trace import Tracer
 from . import shm

@@ -24,8 +24,9 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..pipeline.keys import split
+from ..pipeline.settings import share
 from ..redact import shown
-from ..run.settings import share, split
 from . import shm
 from .child import child_main
 from .merged import ProcessStats
@@ -57,7 +58,7 @@ def _guard_advice() -> str:
 
 class ProcessPool:
     """The children, their pipes and the segment ring they share with this process: the
-    driver's pipelines (``run/pipes.py``'s ``Pipes``), one per child."""
+    driver's pipelines (``pipeline/pipes.py``'s ``Pipes``), one per child."""
 
     def __init__(self, count: int, arguments: dict[str, Any], stats: ProcessStats, keep: int,
                  device: torch.device | None) -> None:

@@ -1,4 +1,4 @@
-"""``processes=N``: what ``AsyncLoader`` creates and calls; the rest of ``procs/`` is behind it.
+"""``processes=N``: how many children; ``backend.py`` builds them (``parent.py``'s ``ProcessPool``).
 
 Past what one GIL can feed, N child processes each run the read + decode pipeline (their own
 event loop and decode threads) and write samples straight into rows of the same shared-memory
@@ -13,12 +13,7 @@ its choices to the children.
 
 from __future__ import annotations
 
-import torch
-
-from ..run.settings import Settings
 from ..stats.machine import usable_cores
-from .merged import ProcessStats
-from .parent import ProcessPool
 
 CORES_PER_PROCESS = 3  # "auto": the 16-core measurements put the best at one process per 2-4 cores
 
@@ -34,23 +29,3 @@ def process_count(processes: int | str | None, isolate: bool) -> int:
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
         raise ValueError(f"processes must be None, a non-negative integer or 'auto', got {processes!r}")
     return processes
-
-
-def start_processes(count: int, settings: Settings, device: torch.device | None, thread_limit: int | None,
-                    threads: int) -> ProcessPool:
-    """``count`` children, each running the pipeline on its share of the threads and reads, and
-    the merged stats (which become ``settings.stats``: the driver counts there)."""
-    tracer = settings.stats.tracer
-    settings.stats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, count)
-    settings.stats.tracer = tracer  # the children's events are merged into it as they arrive
-    arguments = vars(settings.pipeline(count, thread_limit))
-    pool = ProcessPool(count, arguments, settings.stats, keep=window(settings.prefetch, count) + 2, device=device)
-    if settings.ring.layout is not None:  # a decoder that declares its output
-        pool.ring.configure(settings.ring.layout, settings.ring.capacity)
-    return pool
-
-
-def window(prefetch: int, processes: int) -> int:
-    """Batches the driver keeps under way: ``prefetch``, and with processes enough that every
-    child has a batch queued behind its current one."""
-    return max(prefetch, 2 * processes)

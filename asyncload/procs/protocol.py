@@ -1,6 +1,6 @@
 """The messages between the parent and its child processes, and how values cross the pipe.
 
-The driver speaks to a child's pipeline with ``run/messages.py``'s messages (``Start``, ``Fill``,
+The driver speaks to a child's pipeline with ``pipeline/messages.py``'s messages (``Start``, ``Fill``,
 ``Probe``, ``Stop``; ``Done``, ``Probed``, ``Stopped``), as it does to the pipeline in its own
 process; this module adds what only processes need: shared segments (``Map``, ``Unmap``), the
 tuner's ``Limits``, ``Close``, a child that could not start (``Broken``), and pickling.
@@ -16,8 +16,8 @@ from typing import Any
 
 from ..batch.layout import SampleLayout
 from ..errors import SampleError, TooManyFailures, describe
+from ..pipeline.messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
 from ..redact import unpicklable
-from ..run.messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
 
 # A child that finds itself created while spawn imports the user's script again (a script with
 # no ``if __name__ == "__main__":`` guard) exits with this code; the parent then says why.

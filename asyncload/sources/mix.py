@@ -17,8 +17,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .items import is_labelled
-from .mix_shards import MixedShards
-from .mixed import STOPS, MixedSource
+from .mix_source import STOPS, MixedSource
+from .shard_mix import MixedShards
 from .shards import ShardSource
 
 
@@ -44,7 +44,7 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
     Args:
         sources (dict of str -> source): name -> a source: ``image_folder``, ``list_files``,
             ``manifest`` or any sized, indexable sequence of items; or all ``tar_shards``, or all
-            ``parquet`` (read as one shard set: see ``mix_shards.py``). All labelled or none.
+            ``parquet`` (read as one shard set: see ``shard_mix.py``). All labelled or none.
         weights (dict of str -> float): the same names, positive numbers, normalised to sum 1.
         seed (int): the draw's and the sources' shuffles' seed (the loader's ``seed`` is added).
         stop ("first", "all" or "never"): when an epoch ends: "first" as soon as one source

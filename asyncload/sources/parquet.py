@@ -12,7 +12,7 @@ row group (small: a few bytes a row), so labels are known before any image is re
 shard index knows them.
 
 Why string ``columns`` never enter the pipeline: a batch buffer holds fixed-shape arrays, and the
-strings are in this (the parent) process already. The hand-out (``run/handout.py``), on the user's
+strings are in this (the parent) process already. The hand-out (``epoch/handout.py``), on the user's
 thread, asks ``host_fields`` for the strings of the rows it delivers and puts them in the batch as
 lists, so ``processes=N`` moves no string per sample and a child never reads them.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..autotune import AsyncGate
+from ..gates import AsyncGate
 from ..io.cache import ShardCache
 from ..io.retries import RangeNotSatisfiable
 from .shard_plan import Chunk, ChunkPlan

@@ -33,9 +33,9 @@ class ProgressBar:
     def for_pass(cls, stats: LoaderStats, sampler: Any, progress: Any, epoch: int) -> "ProgressBar":
         """The bar of one pass over ``epoch``: its total is what the epoch delivers (full batches
         only with ``drop_last``), its start what ``progress`` records as delivered before (a
-        resumed epoch, padding included)."""
-        total = min(sampler.samples_per_rank, len(sampler) * sampler.batch_size)
-        return cls(stats, total, epoch, len(progress.done) + len(progress.padded))
+        resumed epoch, repeats included)."""
+        total = sampler.size.delivered
+        return cls(stats, total, epoch, len(progress.done) + len(progress.repeated))
 
     def advance(self, samples: int) -> None:
         """``samples`` more were delivered."""

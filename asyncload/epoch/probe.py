@@ -16,8 +16,8 @@ import numpy as np
 
 from ..batch.layout import SampleLayout
 from ..errors import SampleError
-from .messages import Failed, Probe, Probed
-from .pipes import Pipes
+from ..pipeline.messages import Failed, Probe, Probed
+from ..pipeline.pipes import Pipes
 
 
 def probe_layout(pipes: Pipes, run: int, positions: Iterable[int], order: np.ndarray,

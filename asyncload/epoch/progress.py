@@ -1,4 +1,4 @@
-"""Where an epoch stands for the user: what was handed out, what was skipped, what was padded.
+"""Where an epoch stands for the user: what was handed out, skipped, or repeated to fill the quota.
 
 The driver updates it as each batch is handed out (never for a batch still in the pipeline), so
 ``state_dict()`` taken at any point describes exactly the batches the user has seen, and a resume
@@ -13,37 +13,37 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..order.elastic import Elastic, rest_batches
+from ..order.elastic import Elastic
+from ..order.epoch_size import EpochSize
 from ..order.positions import Positions
-from .settings import BatchQuota, batch_quota
 
 
 @dataclass
 class Progress:
     """The epoch's positions handed out as themselves (``done``), skipped (failed and not retried:
-    on the failure budget) and delivered as DDP padding (a resumed rank pads on past them), and
-    the batches handed out."""
+    on the failure budget) and delivered again to fill the DDP batch quota (``repeated``: a resumed
+    rank repeats on past them; ``"padded"`` in ``state_dict()``), and the batches handed out."""
 
     done: Positions = field(default_factory=Positions)
     skipped: Positions = field(default_factory=Positions)
-    padded: Positions = field(default_factory=Positions)
+    repeated: Positions = field(default_factory=Positions)
     batches: int = 0
 
-    def handed_out(self, positions: Iterable[int], skipped: Iterable[int], padded: Iterable[int]) -> None:
-        """A batch reached the user (``positions``, of which ``padded`` came as padding), or was
-        dropped (no ``positions``). A position delivered as padding is not done as itself: a
-        rank that pads early (samples failed) still owes it, as the uninterrupted run would."""
+    def handed_out(self, positions: Iterable[int], skipped: Iterable[int], repeated: Iterable[int]) -> None:
+        """A batch reached the user (``positions``, of which ``repeated`` came as repeats), or was
+        dropped (no ``positions``). A position delivered as a repeat is not done as itself: a
+        rank that repeats early (samples failed) still owes it, as the uninterrupted run would."""
         as_itself = list(positions)
-        for position in padded:
+        for position in repeated:
             if position in as_itself:
                 as_itself.remove(position)
         self.done.add(as_itself)
         self.skipped.add(skipped)
-        self.padded.add(padded)
+        self.repeated.add(repeated)
 
     def as_state(self) -> dict[str, Any]:
         return {"delivered": self.done.intervals(), "batches": self.batches, "skipped": self.skipped.intervals(),
-                "padded": self.padded.intervals()}
+                "padded": self.repeated.intervals()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], batch_size: int) -> "Progress":
@@ -101,7 +101,7 @@ def resume_point(saved: dict[str, Any] | list[dict[str, Any]], sampler: Any,
         return state, Elastic.from_state(state.get("elastic"))
     old_state = states[0]
     check_resumable(old_state, mine, keys=("seed", "batch_size"))
-    expected = sampler.num_items // old if sampler.drop_last else -(-sampler.num_items // old)
+    expected = sampler.size.of(sampler.num_items, old).per_rank
     if old_state["samples_per_rank"] != expected:
         raise ValueError(f"state_dict was saved with samples_per_rank={old_state['samples_per_rank']}, "
                          f"{old} ranks of this loader's source have {expected}")
@@ -149,16 +149,13 @@ class Epochs:
         self.progress, self.resume = Progress.from_state(state, batch_size), True
         self.elastic = elastic
 
-    def plan(self, sampler: Any, epoch: int) -> tuple[np.ndarray, BatchQuota | None]:
-        """The pass's order and DDP batch quota: the epoch's at this world size, or the rest of
+    def plan(self, sampler: Any, epoch: int) -> tuple[np.ndarray, EpochSize]:
+        """The pass's order and its arithmetic: the epoch's at this world size, or the rest of
         an epoch begun at another (its batches, equal on every new rank, fewer than ``len``)."""
         if self.elastic is None:
-            return sampler.order(epoch)[: sampler.samples_per_rank], batch_quota(sampler, self.progress.batches)
-        order = self.elastic.order(sampler, epoch)
-        if sampler.world_size == 1:
-            return order, None
-        batches, last = rest_batches(len(order), sampler.batch_size, sampler.drop_last)
-        return order, BatchQuota(batches - self.progress.batches, last)
+            size = sampler.size
+            return sampler.order(epoch)[: size.per_rank], size
+        return self.elastic.dealt(sampler, epoch)
 
     def start_pass(self) -> int:
         """A pass begins: its epoch (``progress`` is what it has to go on from)."""

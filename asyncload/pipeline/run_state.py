@@ -55,3 +55,20 @@ class RunState:
             self.confirmed = True
             return True
         return False
+
+    async def close(self, lock: Any) -> bool:
+        """On the loop: cancels the run's reads and closes its shard stream; True when the stop
+        may be confirmed now (else the last row to end confirms it: ``confirms``). ``lock``:
+        the pipeline's, shared with the decode threads."""
+        with lock:  # the control thread's mark may have come before the run's Start
+            self.stop_jobs()
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.stream is not None:
+            await self.stream.aclose()
+        self.probed.clear()
+        with lock:
+            self.closed = True
+            return self.confirms()

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .items import checked_index
-from .mixed import MixedSource
+from .mix_source import MixedSource
 from .shards import ShardSample, ShardSource, buffer_shuffle
 
 

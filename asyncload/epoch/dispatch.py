@@ -12,11 +12,11 @@ import itertools
 
 import numpy as np
 
+from ..pipeline.messages import Fill, Start
+from ..pipeline.pipes import Pipes
 from ..sources.shard_plan import plan_reads
 from ..sources.shards import ShardSource
-from .in_flight import Batch
-from .messages import Fill, Start
-from .pipes import Pipes
+from .in_flight import InFlight
 
 
 class Dispatch:
@@ -27,7 +27,7 @@ class Dispatch:
         self.run = run
         self.order = order  # epoch position -> source index
         self.owner: np.ndarray | None = None  # source index -> the pipeline that reads it (tar shards)
-        self.fills: dict[int, tuple[Batch, int]] = {}  # fill id -> its batch and pipeline
+        self.fills: dict[int, tuple[InFlight, int]] = {}  # fill id -> its batch and pipeline
         self.load = [0] * pipes.count  # fills in hand per pipeline
         self._ids = itertools.count()
 
@@ -49,7 +49,7 @@ class Dispatch:
         """The pipeline that reads source index ``index`` on its own (the probe's)."""
         return 0 if self.owner is None or self.owner[index] < 0 else int(self.owner[index])
 
-    def send(self, batch: Batch, rows: list[int]) -> None:
+    def send(self, batch: InFlight, rows: list[int]) -> None:
         """Sends ``rows`` of ``batch`` to be filled: each to the pipeline that owns its shard
         chunk, else all to the least busy one; one ``Fill`` per pipeline."""
         indices = self.order[[batch.positions[row] for row in rows]]
@@ -69,7 +69,7 @@ class Dispatch:
             pipe_indices = indices if len(groups) == 1 else self.order[[batch.positions[row] for row in pipe_rows]]
             self.pipes.send(pipe, Fill(self.run, fill, batch.buffer.number, pipe_rows, pipe_indices))
 
-    def answered(self, fill: int) -> Batch:
+    def answered(self, fill: int) -> InFlight:
         """Fill ``fill`` is done: its batch, one fill fewer in hand."""
         batch, pipe = self.fills.pop(fill)
         batch.pending -= 1

@@ -2,7 +2,7 @@
 
 The driver keeps one per batch in its window. It records what the policy decided for the
 batch's rows as their answers come (failures raised, positions skipped and replaced, holes the
-epoch had no replacement for, padding), so the hand-out and the epoch's progress read it from
+epoch had no replacement for, repeats to fill the DDP quota), so the hand-out and the epoch's progress read it from
 one place.
 """
 
@@ -16,7 +16,7 @@ from ..errors import SampleError
 
 
 @dataclass
-class Batch:
+class InFlight:
     """A batch being filled: its positions, its buffer, the fills not yet answered."""
 
     number: int
@@ -26,7 +26,7 @@ class Batch:
     errors: dict[int, SampleError] = field(default_factory=dict)
     holes: set[int] = field(default_factory=set)  # skipped rows the epoch had no item left for
     skipped: list[int] = field(default_factory=list)  # positions that failed in its rows and were skipped
-    padded: list[int] = field(default_factory=list)  # positions the plan gave it as DDP padding
+    repeated: list[int] = field(default_factory=list)  # positions the plan repeated into it to fill the DDP quota
     settling: int = 0  # rows that failed in the probe, their policy not yet applied
     counted: bool = False  # counted in the stats' batches_ready
     moved: dict[int, BatchBuffer] = field(default_factory=dict)  # rows left in a poisoned buffer: where

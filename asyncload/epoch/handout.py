@@ -25,15 +25,17 @@ from ..batch.assemble import assemble, host_part
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..batch.layout import SampleLayout
 from ..device import PendingCopy, convert_batch
-from .in_flight import Batch
+from ..stats.figures import LoaderStats
+from .in_flight import InFlight
 from .settings import Settings
 
 
 class HandOut:
     """Turns complete batch buffers into the user's batches, on the user's thread."""
 
-    def __init__(self, settings: Settings, order: np.ndarray) -> None:
+    def __init__(self, settings: Settings, stats: LoaderStats, order: np.ndarray) -> None:
         self.s = settings
+        self.stats = stats
         self.order = order  # epoch position -> source index
         # Checked once, not per batch: only a source with host fields costs anything at hand-out.
         self._host = settings.source if getattr(settings.source, "string_columns", None) else None
@@ -51,14 +53,14 @@ class HandOut:
             add_fields(out, self._host.host_fields(self.order[delivered_rows(positions, holes)]))
         if self.s.collate is not None:
             out = collated(self.s.collate, out, number, positions)
-        if self.s.stats.tracer is not None:
-            self.s.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("hand out", started, time.perf_counter(), f"batch {number}")
         return out
 
     def _view(self, number: int, buffer: BatchBuffer, rows: int, holes: set[int], target: SampleLayout) -> Any:
         size = buffer.close_holes(rows, holes)
         if self.s.source_names is not None:  # a mix: its source numbers are the last field, on the host
-            self.s.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
+            self.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
         if target is not buffer.layout or target.leaves is not None or buffer.side:
             return self._assembled(number, buffer, size, target)
         stage = self.s.device_stage
@@ -91,7 +93,7 @@ class HandOut:
         """Whether batch ``number``'s copy should start now, once it is complete."""
         return self.s.device_stage is not None and self.s.in_order and number not in self.pending_copies
 
-    def prefetch_if_complete(self, number: int, batch: Batch | None) -> None:
+    def prefetch_if_complete(self, number: int, batch: InFlight | None) -> None:
         """With a device stage: if batch ``number`` is already complete (no errors, no holes),
         start its copy now."""
         if batch is None or not self.wants_copy(number):
@@ -114,9 +116,9 @@ class HandOut:
         if buffer.layout.leaves is not None or buffer.side:  # the buffer may be reused before the hand-out
             pending.host = host_part(buffer, size)  # type: ignore[attr-defined]
         ended = time.perf_counter()
-        self.s.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
-        if self.s.stats.tracer is not None:
-            self.s.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.number}")
+        self.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
+        if self.stats.tracer is not None:
+            self.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.number}")
         return pending
 
     def release(self) -> None:

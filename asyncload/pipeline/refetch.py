@@ -16,8 +16,9 @@ from typing import Any, Coroutine, Protocol
 from ..errors import SampleError
 from ..sources.shards import ShardSample
 from .jobs import Row, Work
+from .keys import split
 from .run_state import RunState
-from .settings import PipelineSettings, split
+from .settings import PipelineSettings
 from .threads import LoopThread
 
 

@@ -17,49 +17,51 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.ragged import take_in
 from ..errors import SampleError
+from ..order.epoch_size import EpochSize
+from ..pipeline.messages import Done, Failed
+from ..pipeline.pipes import ENDED, Backend
 from .dispatch import Dispatch
 from .handout import HandOut
-from .in_flight import Batch
-from .messages import Done, Failed
-from .pipes import ENDED, Pipes
+from .in_flight import InFlight
 from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
-from .settings import BatchQuota, Settings
-from .state import Progress
+from .progress import Progress
+from .settings import Settings
 
 
 class EpochDriver:
     """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run.
     ``rank``: this process's rank in a job of several, put on each failure recorded (None alone)."""
 
-    def __init__(self, pipes: Pipes, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
-                 quota: BatchQuota | None, window: int, rank: int | None = None) -> None:
-        self.pipes = pipes
+    def __init__(self, backend: Backend, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
+                 size: EpochSize, rank: int | None = None) -> None:
+        self.pipes = backend.pipes
+        self.stats = backend.stats
         self.s = settings
         self.order = order
         self.progress = progress
-        self.window = window
-        self.plan = EpochPlan(order, progress.done, quota, settings.batch_size, settings.drop_last,
-                              settings.skip_errors, settings.max_failures, settings.stats, progress.skipped,
-                              progress.padded, epoch=epoch, rank=rank)
-        self.batches: dict[int, Batch] = {}  # assigned and not yet taken for the hand-out
+        self.window = backend.window
+        self.plan = EpochPlan(order, progress.done, size, progress.batches, settings.skip_errors,
+                              settings.max_failures, self.stats, progress.skipped, progress.repeated,
+                              epoch=epoch, rank=rank)
+        self.batches: dict[int, InFlight] = {}  # assigned and not yet taken for the hand-out
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
-        self.handout = HandOut(settings, order)
+        self.handout = HandOut(settings, self.stats, order)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
-        self._failing: list[tuple[Batch, int, SampleError]] = []  # their rows, policy to apply
+        self._failing: list[tuple[InFlight, int, SampleError]] = []  # their rows, policy to apply
         self._lock = threading.Lock()  # the bookkeeping above, against stop() from another thread
         self._stopped = False  # stop() was called (it may not have finished)
         self._stop_done = False  # every thread has ended and the buffers are accounted for
         self._unfinished: list[BatchBuffer] = []
         self._stats_stopped = False
         self._full = False  # the window is full: the plan waits for the user
-        self.run = pipes.new_run()
-        self.dispatch = Dispatch(pipes, self.run, order)
-        settings.stats.run_started()
+        self.run = self.pipes.new_run()
+        self.dispatch = Dispatch(self.pipes, self.run, order)
+        self.stats.run_started()
         try:
             self.dispatch.start(epoch, settings.source, self.plan.undelivered())
             if self.pipes.ring.layout is not None:
@@ -73,8 +75,7 @@ class EpochDriver:
     def _assign(self) -> None:
         """Sends new batches to the pipelines while fewer than ``window`` are ahead of the user."""
         while not self.exhausted and self.assigned - self.taken < self.window:
-            padding_before = len(self.plan.padding_given)
-            positions = self.plan.take_batch(self.assigned)
+            positions, repeated = self.plan.take_batch(self.assigned)
             if positions and self.pipes.ring.layout is None and not self._learn_layout(positions):
                 self.exhausted = True
                 return
@@ -84,8 +85,8 @@ class EpochDriver:
             with self._lock:
                 if self._stopped:
                     raise RuntimeError(ENDED)
-                batch = Batch(self.assigned, positions, self.pipes.ring.take(),
-                              padded=self.plan.padding_given[padding_before:], skipped=self._early_skips)
+                batch = InFlight(self.assigned, positions, self.pipes.ring.take(),
+                              repeated=repeated, skipped=self._early_skips)
                 self._early_skips = []
                 self.batches[batch.number] = batch
                 self.assigned += 1
@@ -98,9 +99,9 @@ class EpochDriver:
         """The stats' level of time spent with the window full (the verdict's "memory")."""
         if full != self._full:
             self._full = full
-            self.s.stats.level("producer_waiting", 1 if full else -1)
+            self.stats.level("producer_waiting", 1 if full else -1)
 
-    def _send_rows(self, batch: Batch, rows: list[int]) -> None:
+    def _send_rows(self, batch: InFlight, rows: list[int]) -> None:
         """Sends ``rows`` of ``batch`` to be filled (``dispatch.py``). Rows whose sample the probe
         saw fail are not sent: they take the failure policy in ``_settle_known``."""
         known = [row for row in rows if batch.positions[row] in self._known]
@@ -136,8 +137,8 @@ class EpochDriver:
         for position in sorted(self._known):
             failure = self.plan.record(position, self._known.pop(position))
             if failure is not None:
-                batch = Batch(self.assigned, positions, None, errors={0: failure}, counted=True)
-                self.s.stats.level("batches_ready", 1)
+                batch = InFlight(self.assigned, positions, None, errors={0: failure}, counted=True)
+                self.stats.level("batches_ready", 1)
                 with self._lock:
                     self.batches[batch.number] = batch
                     self.assigned += 1
@@ -172,15 +173,15 @@ class EpochDriver:
             self._settle_known()
             self._count_ready(batch)
 
-    def _count_ready(self, batch: Batch) -> None:
+    def _count_ready(self, batch: InFlight) -> None:
         """The stats' level of batches complete and not yet handed out."""
         if not batch.counted and batch.complete():
             if batch.moved:
                 batch.gather()
             batch.counted = True
-            self.s.stats.level("batches_ready", 1)
+            self.stats.level("batches_ready", 1)
 
-    def _failed(self, batch: Batch, row: int, error: SampleError) -> None:
+    def _failed(self, batch: InFlight, row: int, error: SampleError) -> None:
         """The policy for a failed row: its batch raises, or the row gets the epoch's next
         position, or (none left) becomes a hole."""
         failure = self.plan.record(batch.positions[row], error)
@@ -188,12 +189,12 @@ class EpochDriver:
             batch.errors[row] = failure
             return
         batch.skipped.append(batch.positions[row])
-        padding_before = len(self.plan.padding_given)
-        replacement = self.plan.replacement()
+        replacement, repeat = self.plan.replacement()
         if replacement is None:
             batch.holes.add(row)
             return
-        batch.padded += self.plan.padding_given[padding_before:]
+        if repeat:
+            batch.repeated.append(replacement)
         batch.positions[row] = replacement
         self._send_rows(batch, [row])
 
@@ -224,12 +225,12 @@ class EpochDriver:
                     batch.buffer.give_back()
                 raise error
             delivered = [p for row, p in enumerate(batch.positions) if row not in batch.holes]
-            if batch.holes and (not delivered or (self.s.drop_last and self.plan.quota is None)):
+            if batch.holes and (not delivered or self.plan.keeps_short_rest):
                 self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
                 continue
             assert batch.buffer is not None
             out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipes.ring.layout)
-            self.progress.handed_out(delivered, batch.skipped, batch.padded)
+            self.progress.handed_out(delivered, batch.skipped, batch.repeated)
             self.progress.batches += 1
             self._assign()
             if self.s.device_stage is not None:
@@ -241,7 +242,7 @@ class EpochDriver:
                 del out
                 self.handout.release()  # the user asked for the next batch, or ended the loop
 
-    def _wait_for(self, number: int | None) -> Batch | None:
+    def _wait_for(self, number: int | None) -> InFlight | None:
         """Blocks until batch ``number`` (or, with None, any batch) is complete and takes it;
         None once the epoch has no more batches."""
         started = time.perf_counter()
@@ -251,19 +252,19 @@ class EpochDriver:
                 with self._lock:
                     batch = self.batches.pop(ready)
                     self.taken += 1
-                self.s.stats.level("batches_ready", -1)
+                self.stats.level("batches_ready", -1)
                 break
             if self.exhausted and self.taken >= self.assigned:
                 return None
             self._answer(self.pipes.receive(self.run))
-        self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
+        self.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
-    def _drop(self, batch: Batch) -> None:
+    def _drop(self, batch: InFlight) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""
         assert batch.buffer is not None
         batch.buffer.give_back()
-        self.progress.handed_out((), batch.skipped, batch.padded)
+        self.progress.handed_out((), batch.skipped, batch.repeated)
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the run: complete batches go back to the ring now, the others once no pipeline
@@ -277,7 +278,7 @@ class EpochDriver:
             if first:
                 for batch in self.batches.values():
                     if batch.counted:
-                        self.s.stats.level("batches_ready", -1)
+                        self.stats.level("batches_ready", -1)
                     if batch.buffer is None or batch.number in self.pending_copies:
                         continue
                     if batch.pending:
@@ -293,14 +294,8 @@ class EpochDriver:
         finished = self.pipes.stop_run(self.run, self._unfinished, timeout)
         if not self._stats_stopped:  # once, whether or not a stuck thread is left: not the run's figures
             self._stats_stopped = True
-            self.s.stats.run_stopped()
+            self.stats.run_stopped()
         if finished:
             self._unfinished = []  # the pipes hold them until they are free: the run keeps no buffer
         self._stop_done = finished
 
-
-def stop_unless_stopped(run: EpochDriver) -> None:
-    """A dropped iteration's run is stopped, unless its own ``finally`` already tried: a stop that
-    timed out waited once, and garbage collection must not wait again (``close()`` finishes it)."""
-    if not run._stopped:
-        run.stop()

@@ -1,5 +1,5 @@
 """The mixed source: several sources laid end to end, and the seeded weighted sequence
-that is its epoch order (``mix()`` in ``mix.py`` builds one; ``mix_shards.py`` extends it to
+that is its epoch order (``mix()`` in ``mix.py`` builds one; ``shard_mix.py`` extends it to
 shard sources). See ``mix.py`` for what a mix is.
 """
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import cv2
 import torch
 
-from ..autotune import Gate
+from ..gates import Gate
 from ..io.blocking import MAX_LOST_FACTOR  # as for reads: stuck threads replaced, at most this many per thread
 from .slots import Slot
 from .threads import wait_ended

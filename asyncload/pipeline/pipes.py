@@ -1,20 +1,25 @@
 """What the driver talks to: its pipelines. ``LocalPipes`` is the one pipeline in this process;
 ``procs/parent.py``'s ``ProcessPool`` is N of them in child processes. Both take the same
-messages (``messages.py``) and hand out buffers from one kind of ring (``take``, ``configure``,
-numbered buffers), so the driver cannot tell them apart.
+messages (``messages.py``), hand out buffers from one kind of ring (``take``, ``configure``,
+numbered buffers) and count in one kind of stats, so the driver cannot tell them apart. A
+``Backend`` is one of them with its window, as ``backend.py`` builds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..batch.buffers import BatchBuffer
+from ..batch.buffers import BatchBuffer, BufferRing
+from ..gates import Gate
+from ..stats.figures import LoaderStats
 from .messages import Stop, Stopped
 from .pipeline import Pipeline
-from .settings import Settings
+from .settings import PipelineSettings
 
 ENDED = "this iteration has ended: the loader was closed or iterated anew"
 STOP_TIMEOUT_S = 20.0  # how long a stop waits for the threads: a read's timeout is on its own threads
@@ -22,10 +27,12 @@ POLL_S = 0.1  # how often a wait for an answer looks whether the run was stopped
 
 
 class Pipes(Protocol):
-    """The driver's pipelines: ``count`` of them, and the ring their buffers come from."""
+    """The driver's pipelines: ``count`` of them, the ring their buffers come from, the stats
+    they count in (with the tracer, if any)."""
 
     count: int
     ring: Any  # take() -> BatchBuffer, configure(layout, capacity), layout
+    stats: LoaderStats
 
     def new_run(self) -> int: ...
 
@@ -37,6 +44,32 @@ class Pipes(Protocol):
 
     def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None: ...
 
+    def close(self) -> None: ...
+
+
+@dataclass
+class Backend:
+    """What moves the samples of every pass, built once (``backend.py``): the pipelines, with
+    their ring and stats, and the ``window`` of batches the driver keeps under way for them.
+    Nothing of it is replaced after it is built; a loader that changes how it moves samples
+    builds another and hands over between two batches."""
+
+    pipes: Pipes
+    window: int
+    processes: int  # 0: the one pipeline in this process
+
+    @property
+    def ring(self) -> Any:
+        return self.pipes.ring
+
+    @property
+    def stats(self) -> LoaderStats:
+        return self.pipes.stats
+
+    def close(self) -> None:
+        """Stops the pipelines (the child processes) and frees the ring's buffers."""
+        self.pipes.close()
+
 
 class LocalPipes:
     """The pipeline in this process: one per run, so that leaving the loop leaves no thread
@@ -44,9 +77,11 @@ class LocalPipes:
 
     count = 1
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.ring = settings.ring
+    def __init__(self, settings: PipelineSettings, ring: BufferRing, stats: LoaderStats, gate: Gate | None) -> None:
+        self.settings = settings  # this pipeline's own: the tuner changes its reads in flight
+        self.ring = ring
+        self.stats = stats
+        self.gate = gate
         self._pipelines: dict[int, Pipeline] = {}  # by run: a stop cut short is finished later
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._runs = 0
@@ -55,8 +90,8 @@ class LocalPipes:
     def new_run(self) -> int:
         self._runs += 1
         self._answers = queue.SimpleQueue()
-        self._pipelines[self._runs] = Pipeline(self.settings.pipeline(), self.ring.buffer, self._answers.put,
-                                               self.settings.stats, gate=self.settings.thread_gate)
+        self._pipelines[self._runs] = Pipeline(dataclasses.replace(self.settings), self.ring.buffer,
+                                               self._answers.put, self.stats, gate=self.gate)
         return self._runs
 
     def send(self, index: int, message: Any) -> None:
@@ -109,10 +144,14 @@ class LocalPipes:
     def set_limits(self, num_threads: int | None, io_concurrency: int | None) -> None:
         """The tuner's settings: threads through the shared gate, reads in flight for this run
         and the next ones."""
-        if num_threads is not None and self.settings.thread_gate is not None:
-            self.settings.thread_gate.set_limit(num_threads)
+        if num_threads is not None and self.gate is not None:
+            self.gate.set_limit(num_threads)
         if io_concurrency is not None:
             self.settings.io_concurrency = io_concurrency
             pipeline = self._pipelines.get(self._runs)
             if pipeline is not None:
                 pipeline.set_limits(None, io_concurrency)
+
+    def close(self) -> None:
+        """Frees the ring's buffers (the runs were stopped before)."""
+        self.ring.clear()

@@ -1,14 +1,14 @@
-"""The pipeline: moves samples and decides nothing; the same code in this process and in each
-child of ``processes=N``. It takes the driver's messages (``messages.py``): ``Start`` a run,
-``Fill`` rows of a batch buffer with given source indices, ``Probe`` the first sample's layout,
-``Stop`` a run. A fill reads (local files on the decode threads, by chunks of rows; other items
-on the event loop, at most ``io_concurrency`` in flight; tar shards through the run's one
-``ShardStream``), decodes straight into the rows (``jobs.py``, ``batched.py``, on ``workers.py``'s
-threads) and answers one ``Done`` with the rows that failed; what a failure means is the driver's.
+"""The pipeline: moves samples and decides nothing, the same code in this process and in each
+child of ``processes=N``. It takes the driver's messages (``messages.py``: ``Start`` and ``Stop``
+a run, ``Fill`` rows of a batch buffer with given source indices, ``Probe`` the first sample's
+layout). A fill reads (local files on the decode threads, by chunks of rows; other items on the
+event loop, at most ``io_concurrency`` in flight; tar shards through the run's ``ShardStream``),
+decodes straight into the rows (``jobs.py``, ``batched.py``, on ``workers.py``'s threads) and
+answers one ``Done`` naming the rows that failed: what a failure means is the driver's.
 
 A row ends exactly once: the loop task that reads it (failed, or cancelled before its decode was
-queued) or the decode job (which, for a stopped run, ends its rows without decoding). So the
-``Stopped`` answer goes out only once no thread can still write into the run's buffers.
+queued) or the decode job (which, for a stopped run, ends its rows undecoded). So ``Stopped``
+goes out only once no thread can still write into the run's buffers.
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ import asyncio
 import threading
 from typing import Any, Callable
 
-from ..autotune import AsyncGate, Gate
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import SampleLayout
 from ..errors import SampleError
+from ..gates import AsyncGate, Gate
 from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
 from ..batch.ragged import take_aside
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
+from .keys import split
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
 from .refetch import Refetch
 from .run_state import RunState
-from .settings import PipelineSettings, split
+from .settings import PipelineSettings
 from .slots import Watchdog
 from .threads import LoopThread, wait_ended
 from .workers import DecodeWorkers
@@ -235,22 +236,7 @@ class Pipeline:
     async def _stop(self, run: int) -> None:
         """Cancels the run's reads and closes its shard stream; ``Stopped`` once no row is under way."""
         state = self.runs.get(run)
-        if state is None:
-            self.send(Stopped(run))
-            return
-        with self._lock:  # the control thread's mark may have come before the run's Start
-            state.stop_jobs()
-        tasks = list(state.tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if state.stream is not None:
-            await state.stream.aclose()
-        state.probed.clear()
-        with self._lock:
-            state.closed = True
-            confirm = state.confirms()
-        if confirm:
+        if state is None or await state.close(self._lock):
             self.runs.pop(run, None)
             self.send(Stopped(run))
 

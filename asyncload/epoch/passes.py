@@ -1,0 +1,75 @@
+"""A pass over the loader: the driver of its epoch, the loop that hands its batches to the user
+(telling the tuner and the progress bar), and its stop. The loader keeps one ``Passes``: a new
+pass stops the one still running, and ``close()`` the last.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator
+
+from ..pipeline.pipes import Backend
+from ..stats.bar import ProgressBar
+from .driver import EpochDriver
+from .progress import Epochs, Progress
+from .settings import Settings
+
+
+class Passes:
+    """Which pass is running (``driver``), over the epochs of ``epochs``."""
+
+    def __init__(self, epochs: Epochs) -> None:
+        self.epochs = epochs
+        self.driver: EpochDriver | None = None
+
+    def start(self, backend: Backend, settings: Settings, sampler: Any, tuner: Any, bar: bool) -> Iterator[Any]:
+        """A new pass (``AsyncLoader.__iter__``): the epoch ``epochs`` says, or the rest of one.
+        Its first batches are under way before the first ``next()``."""
+        self.stop()  # a new iteration replaces an unfinished one
+        epoch, progress = self.epochs.start_pass(), self.epochs.progress
+        order, size = self.epochs.plan(sampler, epoch)  # the epoch's, or an elastic rest
+        driver = EpochDriver(backend, settings, epoch, order, progress, size,
+                             rank=sampler.rank if sampler.world_size > 1 else None)
+        self.driver = driver
+        iteration = self._iterate(driver, epoch, progress, sampler, tuner,
+                                  backend.stats if bar else None)
+        # The threads start now, but a generator dropped before its first next() never runs its
+        # `finally`: stop them when it goes, whether it ran or not.
+        weakref.finalize(iteration, stop_unless_stopped, driver)
+        return iteration
+
+    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, tuner: Any,
+                 bar_stats: Any) -> Iterator[Any]:
+        bar = ProgressBar.for_pass(bar_stats, sampler, progress, epoch) if bar_stats is not None else None
+        try:
+            for positions, batch in driver:  # the driver records what was handed out in progress
+                if tuner is not None:
+                    tuner.observe()
+                if bar is not None:
+                    bar.advance(len(positions))
+                yield batch
+                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
+            self.epochs.pass_ended(epoch, latest=self.driver is driver)
+            if bar is not None:
+                bar.complete()
+        finally:
+            driver.stop()
+            if self.driver is driver and driver._stop_done:  # else close() finishes the stop
+                self.driver = None
+            if bar is not None:
+                bar.close()
+
+    def stop(self) -> None:
+        """Stops the pass still running, if any."""
+        driver = self.driver
+        if driver is not None:
+            driver.stop()  # a Ctrl-C here leaves self.driver set: the next close() finishes the stop
+            if driver._stop_done:
+                self.driver = None
+
+
+def stop_unless_stopped(driver: EpochDriver) -> None:
+    """A dropped iteration's pass is stopped, unless its own ``finally`` already tried: a stop that
+    timed out waited once, and garbage collection must not wait again (``close()`` finishes it)."""
+    if not driver._stopped:
+        driver.stop()
