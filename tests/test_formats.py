@@ -19,7 +19,7 @@ from asyncload import (AsyncLoader, ImageDecoder, Members, SampleError, StorageE
 from asyncload.decode.members import decode_member
 from asyncload.sources import shard_learn, writer
 from tests.conftest import setup_s3fs, make_bucket
-from tests.fixtures.make_formats import SAMPLES, level
+from tests.fixtures.make_formats import SAMPLES, level, old_litdata
 from tests.test_listing import silent_endpoint, storage_error  # noqa: F401 (a fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "formats"
@@ -164,6 +164,24 @@ def test_a_sample_whose_offsets_disagree_with_the_index_is_refused(tmp_path):
     (folder / "index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="shard.00000.mds: its index says 5 samples, the shard's header says 4"):
         mds(str(folder))
+
+
+def test_litdata_chunks_indexed_by_older_versions_are_read_whole(tmp_path):
+    """Older litdata writes ``chunk_bytes`` without the offset table: the sizes come from the
+    listing, so every sample is still read."""
+    source = litdata(old_litdata(str(tmp_path / "old")))
+    assert source.shard_bytes.tolist() == [(FIXTURES / "litdata" / f"chunk-0-{n}.bin").stat().st_size for n in range(3)]
+    with AsyncLoader(source, batch_size=5, decode=decode_of("litdata"), processes=0) as loader:
+        assert_each_once_with_its_image(samples(loader))
+
+
+def test_a_chunk_shorter_than_its_offset_table_says_is_refused(tmp_path):
+    folder = tmp_path / "lit"
+    shutil.copytree(FIXTURES / "litdata", folder)
+    chunk = folder / "chunk-0-1.bin"
+    chunk.write_bytes(chunk.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=r"chunk-0-1.bin: its offset table .* runs past the shard's 2732 bytes"):
+        litdata(str(folder))
 
 
 def test_brace_patterns_expand_as_webdataset_writes_them():

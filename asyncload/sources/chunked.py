@@ -54,7 +54,7 @@ class ChunkedSource(ShardSource):
 
     format_name = "chunked"
 
-    def __init__(self, shards: Sequence[tuple[str, int, int]], columns: Sequence[Column], *,
+    def __init__(self, shards: Sequence[tuple[str, int | None, int]], columns: Sequence[Column], *,
                  image: str | None = None, label: str | None = None, storage_options: dict | None = None,
                  shuffle_buffer: int = 1000, chunk_bytes: int = 16 << 20, cache_dir: str | None = None,
                  cache_bytes: int | None = None, timeout: float | None = None, retries: int | None = None) -> None:
@@ -71,7 +71,7 @@ class ChunkedSource(ShardSource):
         self.image, self.label = self._pick(image, label)
         shards = [shard for shard in shards if shard[2] > 0]
         self.urls = [url for url, _, _ in shards]
-        self.shard_bytes = np.array([size for _, size, _ in shards], dtype=np.int64)
+        self.shard_bytes = self._listed_sizes([declared for _, declared, _ in shards], timeout, retries)
         counts = np.array([samples for _, _, samples in shards], dtype=np.int64)
         self.shard_of = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
         self.shard_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -87,6 +87,18 @@ class ChunkedSource(ShardSource):
         if label is None:
             label = next((name for name in LABEL_NAMES if name in names), None)
         return image, label
+
+    def _listed_sizes(self, declared: list[int | None], timeout: float | None, retries: int | None) -> np.ndarray:
+        """Each shard's size from one listing of its folder, not from the index: litdata's
+        ``chunk_bytes`` is the file's size in some versions and its items' bytes (without the
+        offset table) in others. A size the index declares (MDS) may not exceed the listed one."""
+        from .shard_learn import sizes_of
+
+        listed = sizes_of(self.urls, self.storage_options, timeout, retries) if self.urls else []
+        for url, size, found in zip(self.urls, declared, listed):
+            if size is not None and size > found:
+                raise ValueError(f"{url}: its index says {size} bytes, the storage holds {found}")
+        return np.array(listed, dtype=np.int64)
 
     def _read_offsets(self, counts: np.ndarray, timeout: float | None, retries: int | None) -> None:
         """Every sample's byte range, from each shard's offset table (one ranged read a shard)."""

@@ -129,7 +129,8 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
         raise ValueError(f"{index_url}: not a litdata index (no 'chunks' and 'config')")
     columns = columns_of(index["config"], index_url)
     base = posixpath.dirname(index_url)
-    shards = [(listing_safe_join(base, chunk.get("filename"), index_url), int(chunk["chunk_bytes"]),
-               int(chunk["chunk_size"])) for chunk in index["chunks"]]
+    # chunk_bytes is not the file's size in every litdata version: ChunkedSource lists the sizes
+    shards = [(listing_safe_join(base, chunk.get("filename"), index_url), None, int(chunk["chunk_size"]))
+              for chunk in index["chunks"]]
     return LitdataSource(shards, columns, image=image, label=label, storage_options=storage_options,
                          timeout=timeout, retries=retries, **options)
