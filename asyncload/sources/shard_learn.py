@@ -13,8 +13,9 @@ ranks, not resumable). Learning first keeps every epoch, the first included, the
 
 Shared by a node's ranks and processes: the first to come takes an ``flock`` on the index's lock
 file and learns; the others wait on that lock (a dead learner lets go of it) and then read what
-it wrote. A kept index is used only if it names the same shards with the same sizes (one listing
-of the shards' folders checks that each run); else it is learnt again.
+it wrote. A kept index is used only if it names the same shards with the same sizes and versions (ETag,
+else modification time: one listing of the shards' folders checks that each run); else it is
+learnt again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ..io import object_store
+from ..io.reader import _version_of
 from . import listing
 from .shards import INDEX_FORMAT
 
@@ -74,27 +76,36 @@ def index_path(urls: Sequence[str], index_dir: str | None, cache_dir: str | None
 
 def sizes_of(urls: Sequence[str], storage_options: dict | None, timeout: float | None,
              retries: int | None) -> list[int]:
-    """Each shard's size, from one listing of each folder the shards are in; FileNotFoundError
-    naming the shards that are not there (a brace range past the last shard, a typo)."""
+    """Each shard's size, from one listing of each folder the shards are in (see ``listed``)."""
+    return [size for size, _ in listed(urls, storage_options, timeout, retries)]
+
+
+def listed(urls: Sequence[str], storage_options: dict | None, timeout: float | None,
+           retries: int | None) -> list[tuple[int, str]]:
+    """Each shard's ``(size, version)`` (version: its ETag, else its modification time, as the
+    shard cache compares them), from one listing of each folder the shards are in;
+    FileNotFoundError naming the shards that are not there (a brace range past the last shard,
+    a typo)."""
     by_folder: dict[str, list[str]] = {}
     for url in urls:
         by_folder.setdefault(posixpath.dirname(url), []).append(url)
-    size: dict[str, int] = {}
+    found: dict[str, tuple[int, str]] = {}
     tries = listing.retries_for(retries, storage_options)
     for folder in by_folder:
         with listing.opened(folder, storage_options, timeout) as (fs, path):
             missing = f"{folder}: no such folder or prefix (looked for the shards {by_folder[folder][0]} ...)"
             infos = listing._retried(folder, "listing", tries, missing, lambda: fs.find(path, maxdepth=1, detail=True))
-            names = {fs._strip_protocol(name).rstrip("/"): int(info["size"]) for name, info in infos.items()}
+            names = {fs._strip_protocol(name).rstrip("/"): (int(info["size"]), _version_of(info))
+                     for name, info in infos.items()}
             for url in by_folder[folder]:
-                found = names.get(fs._strip_protocol(url).rstrip("/"))
-                if found is not None:
-                    size[url] = found
-    absent = [url for url in urls if url not in size]
+                entry = names.get(fs._strip_protocol(url).rstrip("/"))
+                if entry is not None:
+                    found[url] = entry
+    absent = [url for url in urls if url not in found]
     if absent:
         more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
         raise FileNotFoundError(f"{len(absent)} of {len(urls)} shards not found: {', '.join(absent[:3])}{more}")
-    return [size[url] for url in urls]
+    return [found[url] for url in urls]
 
 
 def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, timeout: float | None,
@@ -102,18 +113,22 @@ def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, t
     """The index of the shards ``urls``: the one kept at ``path`` if it still matches them, else
     learnt now (see the module) and kept there. Shard URLs in it are absolute."""
     urls = list(urls)
-    sizes = sizes_of(urls, storage_options, timeout, retries)
+    sizes_versions = listed(urls, storage_options, timeout, retries)
+    sizes = [size for size, _ in sizes_versions]
+    versions = [version for _, version in sizes_versions]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "a+") as lock:
         if not _try_lock(lock):
             _say(f"waiting for another process to learn the member table of {len(urls)} shards ({path})")
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            kept = _kept(path, urls, sizes)
+            kept = _kept(path, urls, sizes, versions)
             if kept is not None:
                 return kept
-            index = {"format": INDEX_FORMAT, "classes": [], "learnt": True,
-                     "shards": learn(urls, sizes, storage_options, timeout, retries)}
+            shards = learn(urls, sizes, storage_options, timeout, retries)
+            for shard, version in zip(shards, versions):
+                shard["version"] = version
+            index = {"format": INDEX_FORMAT, "classes": [], "learnt": True, "shards": shards}
             temporary = f"{path}.{os.getpid()}.tmp"
             with open(temporary, "w") as file:
                 json.dump(index, file)
@@ -161,13 +176,15 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
     return entries
 
 
-def _kept(path: str, urls: list[str], sizes: list[int]) -> dict[str, Any] | None:
-    """The index kept at ``path`` if it names exactly ``urls`` with ``sizes``, else None."""
+def _kept(path: str, urls: list[str], sizes: list[int], versions: list[str]) -> dict[str, Any] | None:
+    """The index kept at ``path`` if it names exactly ``urls`` with ``sizes`` and ``versions``
+    (a shard rewritten with the same size - tars are 10 KiB records - has another), else None."""
     try:
         with open(path) as file:
             index = json.load(file)
         shards = index["shards"]
-        if [shard["url"] for shard in shards] == urls and [shard["bytes"] for shard in shards] == sizes:
+        if [shard["url"] for shard in shards] == urls and [shard["bytes"] for shard in shards] == sizes \
+                and [shard.get("version") for shard in shards] == versions:
             return index
     except (OSError, ValueError, KeyError, TypeError):
         pass
