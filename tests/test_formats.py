@@ -192,6 +192,30 @@ def test_brace_patterns_expand_as_webdataset_writes_them():
     assert shard_learn.expand("{a,b}/{0..1}.tar") == ["a/0.tar", "a/1.tar", "b/0.tar", "b/1.tar"]
 
 
+BRACE_CASES = ["{0..3}", "{00..03}", "{1..010}", "{0..10}", "{a,{b,c}}", "x{a,b}{,.bak}", "{0..6..2}", "{a..c}",
+               "{a}", "{}", "{3..0}", "{-1..1}", "{09..11}", r"\{a,b\}", "{c..a}", "{a..e..2}", "p{2.{5..7},3.{2,3}}"]
+
+
+@pytest.mark.parametrize("pattern", BRACE_CASES)
+def test_brace_patterns_name_what_braceexpand_names(pattern):
+    braceexpand = pytest.importorskip("braceexpand").braceexpand
+    assert shard_learn.expand(pattern) == list(braceexpand(pattern))
+
+
+@pytest.mark.parametrize("urls", [f"{FIXTURES}/wds/{{000000,{{000000,000001}}}}.tar",
+                                  [f"{FIXTURES}/wds/000000.tar", f"{FIXTURES}/wds/000001.tar", f"{FIXTURES}/wds/000000.tar"]])
+def test_a_shard_named_twice_is_refused_naming_it(urls, tmp_path):
+    with pytest.raises(ValueError, match=r"1 shard URL\(s\) named more than once .*wds/000000.tar"):
+        tar_shards(urls, index_dir=str(tmp_path))
+
+
+def test_a_tar_whose_samples_interleave_is_refused_naming_the_shard_and_key(tmp_path):
+    shard = tmp_path / "000000.tar"
+    write_tar(shard, [("a.jpg", b"1"), ("b.jpg", b"2"), ("a.cls", b"1"), ("b.cls", b"2")])
+    with pytest.raises(ValueError, match=r"000000.tar: the members of sample 'a' are not consecutive .*'a.cls'"):
+        tar_shards(str(shard), index_dir=str(tmp_path / "indexes"))
+
+
 def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp_path, monkeypatch, capsys):
     folder = tmp_path / "wds"
     shutil.copytree(FIXTURES / "wds", folder)

@@ -33,31 +33,28 @@ from typing import Any, Sequence
 
 from ..io import object_store
 from ..io.reader import _version_of
+from .. import redact
 from . import listing
+from .brace import expand
 from .shards import INDEX_FORMAT
 
 LEARN_THREADS = 8  # shards read at once while learning (each a long streaming read)
 PROGRESS_EVERY_S = 5.0
-BRACE = re.compile(r"\{([^{}]*)\}")
-RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+BRACE = re.compile(r"\{[^{}]*\}")
 
 
-def expand(pattern: str) -> list[str]:
-    """The URLs a brace pattern names, in order, as WebDataset's ``braceexpand``: ``{000..009}``
-    (zero-padded to the first bound's width), ``{a,b,c}``, several groups (each combination)."""
-    match = BRACE.search(pattern)
-    if match is None:
-        return [pattern]
-    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end():]
-    numbers = RANGE.match(body)
-    if numbers:
-        first, last = numbers.group(1), numbers.group(2)
-        step = 1 if int(last) >= int(first) else -1
-        width = len(first) if first.startswith("0") else 0
-        choices = [str(n).zfill(width) for n in range(int(first), int(last) + step, step)]
-    else:
-        choices = body.split(",")
-    return [url for choice in choices for url in expand(head + choice + tail)]
+def expanded(patterns: str | Sequence[str]) -> list[str]:
+    """The shard URLs a pattern or a list of them names, in order (``brace.expand``: WebDataset's
+    ``braceexpand`` rules); ValueError naming any URL named twice, whose samples would otherwise
+    come several times an epoch (``{000000,{000000,000001}}``, a list with a repeat)."""
+    urls = [url for pattern in ([patterns] if isinstance(patterns, str) else patterns) for url in expand(pattern)]
+    seen: set[str] = set()
+    twice = [url for url in urls if url in seen or seen.add(url)]  # type: ignore[func-returns-value]
+    if twice:
+        names = ", ".join(dict.fromkeys(redact.shown(url, 120) for url in twice[:3]))
+        raise ValueError(f"tar_shards: {len(twice)} shard URL(s) named more than once after expanding the braces "
+                         f"(their samples would come several times an epoch): {names}")
+    return urls
 
 
 def is_pattern(url: str) -> bool:
@@ -150,15 +147,20 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
          "kept for the next runs)")
 
     def one(url: str) -> dict[str, Any]:
-        def read() -> dict[str, Any]:
+        def read() -> dict[str, Any] | ValueError:
             fs, path = object_store.url_to_fs(url, storage_options, listing=True, timeout=timeout)
             try:
                 with fs.open(path, "rb") as file:
                     return _index_shard(file, url)
+            except ValueError as error:  # what the shard holds (not a read that failed): as it is
+                return error
             finally:
                 object_store.release(fs)
 
-        return listing._retried(url, "reading", tries, f"shard {url} not found", read)
+        entry = listing._retried(url, "reading", tries, f"shard {url} not found", read)
+        if isinstance(entry, ValueError):
+            raise entry
+        return entry
 
     entries: list[dict[str, Any]] = []
     started = last = time.monotonic()

@@ -191,8 +191,7 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
     from . import shard_learn
 
     if not isinstance(url, str) or shard_learn.is_pattern(url):
-        urls = [found for one in ([url] if isinstance(url, str) else url) for found in shard_learn.expand(one)]
-        return _learnt(urls, storage_options, timeout, retries, index_dir, options)
+        return _learnt(shard_learn.expanded(url), storage_options, timeout, retries, index_dir, options)
     index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
     try:
         data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")

@@ -152,6 +152,7 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
     keys: list[str] = []
     members: list[list[list[Any]]] = []
     labels: list[int | None] = []
+    seen: set[str] = set()
     with tarfile.open(fileobj=file, mode="r|") as tar:
         for member in tar:
             if member.issparse():  # before isfile(): a sparse member is a file too
@@ -165,6 +166,11 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
             stem, ext = base.split(".", 1)
             key = posixpath.join(directory, stem)
             if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
+                if key in seen:
+                    raise ValueError(f"{url}: the members of sample {shown(key, 80)} are not consecutive in the "
+                                     f"shard ({shown(member.name, 80)} comes after another sample's): WebDataset "
+                                     "shards keep a sample's members together; rewrite the shard so")
+                seen.add(key)
                 keys.append(key)
                 members.append([])
                 labels.append(None)
