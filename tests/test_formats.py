@@ -169,6 +169,55 @@ def test_a_sample_whose_offsets_disagree_with_the_index_is_refused(tmp_path):
         mds(str(folder))
 
 
+def _set_samples(shard, value):
+    shard["samples"] = value
+
+
+def _set_bytes(shard, value):
+    shard["raw_data"]["bytes"] = value
+
+
+def _drop_last_encoding(shard, _):
+    shard["column_encodings"].pop()
+
+
+def _negative_size(shard, _):
+    shard["column_sizes"][1] = -4
+
+
+@pytest.mark.parametrize("edit, value, message", [
+    (_set_samples, 2**34, r"field 'samples' must be an integer in \[1, 756\] .* got 17179869184"),
+    (_set_samples, 0, r"field 'samples' must be an integer in \[1, 756\]"),
+    (_set_samples, -3, r"field 'samples' must be an integer in \[1, 756\]"),
+    (_set_samples, "4", r"field 'samples' must be an integer"),
+    (_set_bytes, 10**15, r"field 'raw_data.bytes' must be an integer in \[0, 2\*\*32\]"),
+    (_set_bytes, 3100, r"shard.00000.mds: its index says 3100 bytes, the storage holds 3034"),
+    (_drop_last_encoding, None, r"field 'column_names' column_names, column_encodings and column_sizes must be lists "
+                                r"of one entry per column"),
+    (_negative_size, None, r"field 'column_sizes' has an entry -4"),
+])
+def test_an_mds_index_with_impossible_values_is_refused_before_allocating(edit, value, message, tmp_path):
+    """A hostile or corrupt index: refused naming the shard and field (2**34 samples would have
+    asked NumPy for 128 GiB first)."""
+    folder = tmp_path / "mds"
+    shutil.copytree(FIXTURES / "mds", folder)
+    index = json.loads((folder / "index.json").read_text())
+    edit(index["shards"][0], value)
+    (folder / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=message):
+        mds(str(folder))
+
+
+def test_a_litdata_chunk_size_its_offset_table_cannot_hold_is_refused(tmp_path):
+    folder = tmp_path / "lit"
+    shutil.copytree(FIXTURES / "litdata", folder)
+    index = json.loads((folder / "index.json").read_text())
+    index["chunks"][2]["chunk_size"] = 2**34
+    (folder / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="chunk-0-2.bin: its index says 17179869184 samples, more than"):
+        litdata(str(folder))
+
+
 def test_litdata_chunks_indexed_by_older_versions_are_read_whole(tmp_path):
     """Older litdata writes ``chunk_bytes`` without the offset table: the sizes come from the
     listing, so every sample is still read."""

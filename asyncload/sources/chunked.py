@@ -73,6 +73,10 @@ class ChunkedSource(ShardSource):
         self.urls = [url for url, _, _ in shards]
         self.shard_bytes = self._listed_sizes([declared for _, declared, _ in shards], timeout, retries)
         counts = np.array([samples for _, _, samples in shards], dtype=np.int64)
+        for url, count, size in zip(self.urls, counts.tolist(), self.shard_bytes.tolist()):
+            if 4 * (count + 2) > size:  # before anything is allocated per sample
+                raise ValueError(f"{url}: its index says {count} samples, more than the offset table of a "
+                                 f"{size}-byte shard can hold")
         self.shard_of = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
         self.shard_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._read_offsets(counts, timeout, retries)
