@@ -12,6 +12,7 @@ import os
 import shutil
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 from asyncload import (AsyncLoader, ImageDecoder, Members, SampleError, StorageError, litdata, mds, mix, parquet,
                        tar_shards)
 from asyncload.decode.members import decode_member
+from asyncload.io import cache_files
 from asyncload.sources import shard_learn, writer
 from tests.conftest import setup_s3fs, make_bucket
 from tests.fixtures.make_formats import SAMPLES, level, old_litdata
@@ -336,6 +338,41 @@ def test_the_processes_of_a_node_learn_the_table_once(tmp_path, monkeypatch):
     gate.set()
     for thread in threads:
         thread.join(10)
+    assert found == [SAMPLES, SAMPLES] and calls == [1]
+
+
+def test_a_learner_that_stopped_is_waited_for_no_longer_than_the_timeout(tmp_path, capsys):
+    """A rank stopped while it holds the lock (SIGSTOP, a hung disk) keeps its flock but stops
+    beating: the others learn the table themselves after ``timeout``, not never."""
+    urls = shard_learn.expanded(f"{FIXTURES}/wds/{PATTERN}")
+    path = Path(shard_learn.index_path(urls, str(tmp_path / "indexes"), None) + ".lock")
+    path.parent.mkdir(parents=True)
+    holder = cache_files.try_lock(path)
+    try:
+        source = tar_shards(f"{FIXTURES}/wds/{PATTERN}", index_dir=str(tmp_path / "indexes"), timeout=0.3)
+    finally:
+        os.close(holder)
+    assert len(source) == SAMPLES
+    assert "showed no progress for 0.3 s: learning it here too" in capsys.readouterr().err
+
+
+def test_a_learner_slower_than_the_timeout_is_waited_for_while_it_beats(tmp_path, monkeypatch):
+    calls: list[int] = []
+    real = shard_learn.learn
+
+    def slow_learn(*args, **kwargs):
+        calls.append(1)
+        time.sleep(2.5)  # longer than the timeout: its heartbeat keeps the other waiting
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shard_learn, "learn", slow_learn)
+    found: list[int] = []
+    build = lambda: found.append(len(source_of("wds", FIXTURES / "wds", tmp_path, timeout=1.5)))  # noqa: E731
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
     assert found == [SAMPLES, SAMPLES] and calls == [1]
 
 

@@ -12,21 +12,21 @@ before they are known would have to be an epoch of another kind (unshuffled, une
 ranks, not resumable). Learning first keeps every epoch, the first included, the ordinary one.
 
 Shared by a node's ranks and processes: the first to come takes an ``flock`` on the index's lock
-file and learns; the others wait on that lock (a dead learner lets go of it) and then read what
-it wrote. A kept index is used only if it names the same shards with the same sizes and versions (ETag,
-else modification time: one listing of the shards' folders checks that each run); else it is
-learnt again.
+file and learns; the others wait on that lock (a dead learner lets go of it; one that stops
+beating for ``timeout`` is not waited for longer: ``learn_lock``) and then read what it wrote. A kept index is used only if it names the same
+shards with the same sizes and versions (ETag, else modification time: one listing of the
+shards' folders checks that each run); else it is learnt again.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import posixpath
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from ..io import object_store
 from ..io.reader import _version_of
 from .. import redact
-from . import listing
+from . import learn_lock, listing
 from .brace import expand
 from .shards import INDEX_FORMAT
 
@@ -114,25 +114,20 @@ def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, t
     sizes = [size for size, _ in sizes_versions]
     versions = [version for _, version in sizes_versions]
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "a+") as lock:
-        if not _try_lock(lock):
-            _say(f"waiting for another process to learn the member table of {len(urls)} shards ({path})")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            kept = _kept(path, urls, sizes, versions)
-            if kept is not None:
-                return kept
-            shards = learn(urls, sizes, storage_options, timeout, retries)
-            for shard, version in zip(shards, versions):
-                shard["version"] = version
-            index = {"format": INDEX_FORMAT, "classes": [], "learnt": True, "shards": shards}
-            temporary = f"{path}.{os.getpid()}.tmp"
-            with open(temporary, "w") as file:
-                json.dump(index, file)
-            os.replace(temporary, path)
-            return index
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    patience = timeout if timeout is not None else object_store.LISTING_TIMEOUT_S
+    with learn_lock.held(path + ".lock", patience, _say):
+        kept = _kept(path, urls, sizes, versions)
+        if kept is not None:
+            return kept
+        shards = learn(urls, sizes, storage_options, timeout, retries)
+        for shard, version in zip(shards, versions):
+            shard["version"] = version
+        index = {"format": INDEX_FORMAT, "classes": [], "learnt": True, "shards": shards}
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(temporary, "w") as file:
+            json.dump(index, file)
+        os.replace(temporary, path)
+        return index
 
 
 def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeout: float | None,
@@ -191,14 +186,6 @@ def _kept(path: str, urls: list[str], sizes: list[int], versions: list[str]) -> 
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
-
-
-def _try_lock(lock: Any) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 def _say(message: str) -> None:
