@@ -313,6 +313,18 @@ def test_a_folder_of_tars_without_index_is_learnt_too(tmp_path):
     assert len(source) == SAMPLES and source.labels.tolist() == list(range(SAMPLES))
 
 
+def test_a_folder_of_tars_is_read_at_its_own_level_only(tmp_path):
+    """A ``val/`` or an old copy below the folder does not join the shard set unasked."""
+    folder = tmp_path / "train"
+    (folder / "old").mkdir(parents=True)
+    shutil.copy(FIXTURES / "wds" / "000000.tar", folder)
+    shutil.copy(FIXTURES / "wds" / "000001.tar", folder / "old")
+    source = tar_shards(str(folder), index_dir=str(tmp_path / "indexes"))
+    assert [Path(url).name for url in source.urls] == ["000000.tar"] and source.labels.tolist() == [0, 1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="no .tar shard directly in .* subfolders are not searched"):
+        tar_shards(str(tmp_path), index_dir=str(tmp_path / "indexes"))
+
+
 def test_a_shard_the_pattern_names_but_storage_lacks_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"1 of 4 shards not found: .*000003\.tar"):
         tar_shards(f"{FIXTURES / 'wds'}/{{000000..000003}}.tar", index_dir=str(tmp_path))

@@ -200,7 +200,8 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
             raise
         urls = _tars_in(url, storage_options, timeout, retries)
         if not urls:
-            raise FileNotFoundError(f"{missing}, and no .tar shard under {url} to learn one from") from None
+            raise FileNotFoundError(f"{missing}, and no .tar shard directly in {url} to learn one from (its "
+                                    "subfolders are not searched: name their shards with a pattern)") from None
         return _learnt(urls, storage_options, timeout, retries, index_dir, options)
     index = json.loads(data)
     other = _other_format(index)
@@ -234,10 +235,15 @@ def _learnt(urls: list[str], storage_options: dict | None, timeout: float | None
 
 
 def _tars_in(url: str, storage_options: dict | None, timeout: float | None, retries: int | None) -> list[str]:
-    """The ``.tar`` files under the folder or prefix ``url``, sorted (empty: none, or no folder)."""
-    try:
-        fs, root, paths = listing.find(url, storage_options, timeout=timeout, retries=retries, looked_for=".tar shards")
-    except FileNotFoundError:
-        return []
-    prefix = url.rstrip("/")
-    return [prefix + path[len(root):] for path in paths if path.endswith(".tar")]
+    """The ``.tar`` files directly in the folder or prefix ``url``, sorted (empty: none, or no
+    folder). Not its subfolders: tars found at several levels (a ``val/`` beside ``train/``,
+    an old copy) would join one shard set unasked; a pattern names them when they belong."""
+    tries = listing.retries_for(retries, storage_options)
+    with listing.opened(url, storage_options, timeout) as (fs, root):
+        try:
+            paths = listing._retried(url, "listing", tries, f"{url}: no such folder or prefix",
+                                     lambda: fs.find(root, maxdepth=1))
+        except FileNotFoundError:
+            return []
+    root, prefix = root.rstrip("/"), url.rstrip("/")
+    return sorted(prefix + path[len(root):] for path in paths if path.endswith(".tar"))
