@@ -325,6 +325,13 @@ def test_a_folder_of_tars_is_read_at_its_own_level_only(tmp_path):
         tar_shards(str(tmp_path), index_dir=str(tmp_path / "indexes"))
 
 
+def test_a_missing_shard_is_named_without_its_signature(tmp_path):
+    url = f"{FIXTURES}/wds/000009.tar?X-Amz-Signature=0123456789abcdef"
+    with pytest.raises(FileNotFoundError, match=r"1 of 2 shards not found: .*wds/000009.tar\?X-Amz-Signature=\*\*\*") as caught:
+        tar_shards([f"{FIXTURES}/wds/000000.tar", url], index_dir=str(tmp_path))
+    assert "0123456789abcdef" not in str(caught.value)
+
+
 def test_a_shard_the_pattern_names_but_storage_lacks_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"1 of 4 shards not found: .*000003\.tar"):
         tar_shards(f"{FIXTURES / 'wds'}/{{000000..000003}}.tar", index_dir=str(tmp_path))

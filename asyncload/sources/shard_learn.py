@@ -90,7 +90,8 @@ def listed(urls: Sequence[str], storage_options: dict | None, timeout: float | N
     tries = listing.retries_for(retries, storage_options)
     for folder in by_folder:
         with listing.opened(folder, storage_options, timeout) as (fs, path):
-            missing = f"{folder}: no such folder or prefix (looked for the shards {by_folder[folder][0]} ...)"
+            missing = redact.bounded(f"{folder}: no such folder or prefix (looked for the shards "
+                                     f"{by_folder[folder][0]} ...)", 400)
             infos = listing._retried(folder, "listing", tries, missing, lambda: fs.find(path, maxdepth=1, detail=True))
             names = {fs._strip_protocol(name).rstrip("/"): (int(info["size"]), _version_of(info))
                      for name, info in infos.items()}
@@ -101,7 +102,8 @@ def listed(urls: Sequence[str], storage_options: dict | None, timeout: float | N
     absent = [url for url in urls if url not in found]
     if absent:
         more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-        raise FileNotFoundError(f"{len(absent)} of {len(urls)} shards not found: {', '.join(absent[:3])}{more}")
+        names = ", ".join(redact.bounded(url, 200) for url in absent[:3])  # a presigned URL's signature: hidden
+        raise FileNotFoundError(f"{len(absent)} of {len(urls)} shards not found: {names}{more}")
     return [found[url] for url in urls]
 
 
@@ -152,7 +154,7 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
             finally:
                 object_store.release(fs)
 
-        entry = listing._retried(url, "reading", tries, f"shard {url} not found", read)
+        entry = listing._retried(url, "reading", tries, redact.bounded(f"shard {url} not found", 400), read)
         if isinstance(entry, ValueError):
             raise entry
         return entry
