@@ -22,6 +22,7 @@ from asyncload import (AsyncLoader, ImageDecoder, Members, SampleError, StorageE
                        tar_shards)
 from asyncload.decode.members import decode_member
 from asyncload.io import cache_files
+from asyncload.sources import litdata as litdata_source
 from asyncload.sources import shard_learn, writer
 from tests.conftest import setup_s3fs, make_bucket
 from tests.fixtures.make_formats import SAMPLES, level, old_litdata
@@ -148,7 +149,10 @@ def test_mds_sources_mix_by_weight():
 
 
 @pytest.mark.parametrize("kind, field, encoding", [("mds", "column_encodings", "pkl"),
-                                                   ("litdata", "data_format", "pickle")])
+                                                   ("litdata", "data_format", "pickle"),
+                                                   ("litdata", "data_format", "no_header_numpy:14"),
+                                                   ("litdata", "data_format", "no_header_numpy:16"),
+                                                   ("litdata", "data_format", "no_header_numpy:99")])
 def test_an_unsupported_encoding_is_refused_at_construction_naming_the_column(kind, field, encoding, tmp_path):
     folder = tmp_path / kind
     shutil.copytree(FIXTURES / kind, folder)
@@ -159,6 +163,18 @@ def test_an_unsupported_encoding_is_refused_at_construction_naming_the_column(ki
     column = "caption" if kind == "mds" else "label"
     with pytest.raises(ValueError, match=f"column '{column}' has .*'{encoding}'"):
         source_of(kind, folder, tmp_path)
+
+
+def test_litdata_numpy_arrays_of_every_fixed_size_dtype_decode():
+    for number, name in enumerate(["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                                   "float16", "float32", "float64", "complex64", "complex128", "bool"]):
+        values = np.arange(6).astype(name).reshape(2, 3)
+        assert np.array_equal(litdata_source.column_decoder(f"no_header_numpy:{number}")(values.tobytes()), values.ravel())
+        header = np.array([number, 2, 2, 3], "<u4").tobytes()
+        got = litdata_source.column_decoder("numpy")(header + values.tobytes())
+        assert got.dtype == values.dtype and np.array_equal(got, values)
+    with pytest.raises(ValueError, match=r"numpy dtype number 14 \(object\)"):
+        litdata_source.column_decoder("numpy")(np.array([14, 1, 1], "<u4").tobytes() + bytes(8))
 
 
 def test_a_sample_whose_offsets_disagree_with_the_index_is_refused(tmp_path):
