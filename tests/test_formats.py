@@ -236,6 +236,25 @@ def test_a_litdata_chunk_size_its_offset_table_cannot_hold_is_refused(tmp_path):
         litdata(str(folder))
 
 
+@pytest.mark.parametrize("kind, name, why", [("mds", "simplecache::s3://b/x.mds", "another protocol or store"),
+                                            ("mds", "../../etc/x.mds", "climbs out of the index's folder"),
+                                            ("litdata", "/etc/x.bin", "another location")])
+def test_a_shard_file_outside_the_index_folder_is_refused(kind, name, why, tmp_path):
+    """The one path-safety rule of every index (shard_index.shard_url), ``::`` chains included."""
+    folder = tmp_path / kind
+    shutil.copytree(FIXTURES / kind, folder)
+    index = json.loads((folder / "index.json").read_text())
+    if kind == "mds":
+        index["shards"][1]["raw_data"]["basename"] = name
+    else:
+        index["chunks"][1]["filename"] = name
+    (folder / "index.json").write_text(json.dumps(index))
+    field = "raw_data.basename" if kind == "mds" else "filename"
+    with pytest.raises(ValueError, match=f"shard 1: field '{field}' .* points to|shard 1: field '{field}' .* climbs") as caught:
+        source_of(kind, folder, tmp_path)
+    assert why in str(caught.value) and "allow_external_shards" not in str(caught.value)
+
+
 def test_litdata_chunks_indexed_by_older_versions_are_read_whole(tmp_path):
     """Older litdata writes ``chunk_bytes`` without the offset table: the sizes come from the
     listing, so every sample is still read."""

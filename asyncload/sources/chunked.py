@@ -24,13 +24,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..decode.members import Members
+from ..decode.members import LABEL_NAMES, Members, is_image
 from .parquet_files import read_ranges
 from .shards import ShardSample, ShardSource
 from .items import checked_index
 
-IMAGE_ENCODINGS = ("jpeg", "png", "image")  # values left as encoded bytes, for an image decoder
-LABEL_NAMES = ("label", "labels", "cls", "class", "target", "y")
 
 
 @dataclass(frozen=True)
@@ -58,12 +56,7 @@ class ChunkedSource(ShardSource):
                  image: str | None = None, label: str | None = None, storage_options: dict | None = None,
                  shuffle_buffer: int = 1000, chunk_bytes: int = 16 << 20, cache_dir: str | None = None,
                  cache_bytes: int | None = None, timeout: float | None = None, retries: int | None = None) -> None:
-        self.storage_options = storage_options
-        self.members = "all"
-        self.shuffle_buffer = max(1, shuffle_buffer)
-        self.chunk_bytes = chunk_bytes
-        self.cache_dir = cache_dir
-        self.cache_bytes = cache_bytes
+        self._settings(storage_options, "all", shuffle_buffer, chunk_bytes, cache_dir, cache_bytes)
         self.classes: list[str] = []
         self.labels = None
         self.columns_read = list(columns)
@@ -87,7 +80,7 @@ class ChunkedSource(ShardSource):
             if name is not None and name not in names:
                 raise ValueError(f"{self.format_name}: no column {name!r} (columns: {', '.join(names)})")
         if image is None:
-            image = next((c.name for c in self.columns_read if c.encoding.split(":")[0] in IMAGE_ENCODINGS), None)
+            image = next((c.name for c in self.columns_read if is_image(c.encoding.split(":")[0])), None)
         if label is None:
             label = next((name for name in LABEL_NAMES if name in names), None)
         return image, label

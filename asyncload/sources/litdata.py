@@ -21,9 +21,8 @@ import numpy as np
 
 from . import listing
 from .chunked import ChunkedSource, Column, array, pil_raw, raw, scalar, text
-from .mds import listing_safe_join
+from . import shard_index
 
-INDEX_NAME = "index.json"
 # litdata's _NUMPY_DTYPES_MAPPING (constants._NUMPY_SCTYPES): the dtype numbers of its numpy
 # serializers, in full; the last four (objects, variable-size bytes and text, void) hold no
 # fixed-size values to read and are refused by name (REFUSED_DTYPES)
@@ -138,7 +137,7 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
         **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
             ``cache_bytes``.
     """
-    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+    index_url = shard_index.index_url(url)
     index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries,
                                           what="litdata index"))
     if not isinstance(index, dict) or not isinstance(index.get("chunks"), list) or not isinstance(index.get("config"), dict):
@@ -146,7 +145,7 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
     columns = columns_of(index["config"], index_url)
     base = posixpath.dirname(index_url)
     # chunk_bytes is not the file's size in every litdata version: ChunkedSource lists the sizes
-    shards = [(listing_safe_join(base, chunk.get("filename"), index_url), None, int(chunk["chunk_size"]))
-              for chunk in index["chunks"]]
+    shards = [(shard_index.shard_url(base, chunk.get("filename"), number, False, "filename"), None,
+               int(chunk["chunk_size"])) for number, chunk in enumerate(index["chunks"])]
     return LitdataSource(shards, columns, image=image, label=label, storage_options=storage_options,
                          timeout=timeout, retries=retries, **options)

@@ -19,10 +19,10 @@ import numpy as np
 
 from ..redact import shown
 from . import listing
+from . import shard_index
 from .shard_index import MAX_SHARD_BYTES, _bad, _is_int
 from .chunked import ChunkedSource, Column, pil_raw, raw, scalar, text
 
-INDEX_NAME = "index.json"
 SCALARS = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
 # MDS's ndarray dtype codes (encodings.NDArray._int2value_dtype) and shape-size codes
 NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
@@ -150,7 +150,7 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
         **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
             ``cache_bytes``.
     """
-    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+    index_url = shard_index.index_url(url)
     index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="MDS index"))
     base = posixpath.dirname(index_url)
     shards, columns = [], None
@@ -166,16 +166,9 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
         if columns is not None and [(c.name, c.encoding, c.size) for c in found] != [(c.name, c.encoding, c.size) for c in columns]:
             raise ValueError(f"{index_url}: shard {number}'s columns differ from shard 0's")
         columns = found
-        shard_url = listing_safe_join(base, shard["raw_data"]["basename"], index_url)
-        shards.append((shard_url, declared, samples))
+        url_of_shard = shard_index.shard_url(base, shard["raw_data"].get("basename"), number, False, "raw_data.basename")
+        shards.append((url_of_shard, declared, samples))
     if columns is None:
         raise ValueError(f"{index_url}: an MDS index with no shards")
     return MDSSource(shards, columns, image=image, label=label, storage_options=storage_options,
                      timeout=timeout, retries=retries, **options)
-
-
-def listing_safe_join(base: str, name: Any, index_url: str) -> str:
-    """A shard file named by an index: a plain relative path within the index's folder."""
-    if not isinstance(name, str) or not name or "://" in name or name.startswith("/") or ".." in name.split("/"):
-        raise ValueError(f"{index_url}: shard file {str(name)[:80]!r} is not a path inside the index's folder")
-    return posixpath.join(base, name)
