@@ -137,6 +137,23 @@ def test_two_ranks_share_the_epoch_in_equal_batch_counts(kind, processes, tmp_pa
     assert_each_once_with_its_image(got[0] + got[1])
 
 
+@pytest.mark.parametrize("kind", ["mds", "wds"])
+def test_ranks_that_do_not_divide_the_count_are_padded_as_distributed_sampler(kind, tmp_path):
+    """12 samples over 5 ranks: 3 each (DistributedSampler's padding repeats 3 samples), so every
+    rank runs the same number of batches and DDP's collectives stay in step."""
+    source = source_of(kind, FIXTURES / kind, tmp_path)
+    got = []
+    for rank in range(5):
+        with AsyncLoader(source, batch_size=2, decode=decode_of(kind), rank=rank, world_size=5, processes=0,
+                         seed=3) as loader:
+            batches = list(loader)
+            assert len(batches) == len(loader) == 2
+        got.append([int(label) for _, labels in batches for label in labels])
+    labels = [label for part in got for label in part]
+    assert [len(part) for part in got] == [3] * 5
+    assert sorted(set(labels)) == list(range(SAMPLES)) and len(labels) - len(set(labels)) == 3
+
+
 def test_mds_sources_mix_by_weight():
     both = mix({"a": mds(str(FIXTURES / "mds")), "b": mds(str(FIXTURES / "mds"))}, weights={"a": 0.5, "b": 0.5})
     with AsyncLoader(both, batch_size=6, decode=decode_of("mds"), processes=0) as loader:
