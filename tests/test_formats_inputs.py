@@ -238,3 +238,24 @@ def test_a_learner_slower_than_the_timeout_is_waited_for_while_it_beats(tmp_path
     for thread in threads:
         thread.join(30)
     assert found == [SAMPLES, SAMPLES] and calls == [1]
+
+
+def test_on_s3_a_folder_is_read_at_its_level_and_a_rewritten_shard_learnt_again(s3_server, s3_options, tmp_path):
+    """The listing rules on a real bucket: the prefix's own tars only; ETags tell a rewrite."""
+    from tests.conftest import make_bucket, setup_s3fs
+
+    prefix = "asyncload-test/formats-inputs/train"
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        fs.pipe_file(f"{prefix}/000000.tar", (FIXTURES / "wds" / "000000.tar").read_bytes())
+        fs.pipe_file(f"{prefix}/old/000001.tar", (FIXTURES / "wds" / "000001.tar").read_bytes())
+    build = lambda: tar_shards(f"s3://{prefix}", storage_options=s3_options, index_dir=str(tmp_path))  # noqa: E731
+    first = build()
+    assert [url.rsplit("/", 1)[1] for url in first.urls] == ["000000.tar"] and first.labels.tolist() == [0, 1, 2, 3]
+    shard = tmp_path / "rewritten.tar"
+    write_tar(shard, [("s0000.jpg", b"x"), ("s0000.cls", b"9")])
+    data = shard.read_bytes()
+    with setup_s3fs(s3_options) as fs:
+        fs.pipe_file(f"{prefix}/000000.tar", data + bytes(51200 - len(data)))  # the same size, new contents
+    again = build()
+    assert again.labels.tolist() == [9]
