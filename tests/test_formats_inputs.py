@@ -93,13 +93,16 @@ def test_an_mds_index_with_impossible_values_is_refused_before_allocating(edit, 
         mds(str(folder))
 
 
-def test_a_litdata_chunk_size_its_offset_table_cannot_hold_is_refused(tmp_path):
+@pytest.mark.parametrize("items, message", [(2**34, "chunk-0-2.bin: its index says 17179869184 samples, more than"),
+                                            (-1, "shard 2: field 'chunk_size' must be an integer >= 0, got -1"),
+                                            (4.5, "shard 2: field 'chunk_size' must be an integer >= 0, got 4.5")])
+def test_a_litdata_chunk_size_its_offset_table_cannot_hold_is_refused(items, message, tmp_path):
     folder = tmp_path / "lit"
     shutil.copytree(FIXTURES / "litdata", folder)
     index = json.loads((folder / "index.json").read_text())
-    index["chunks"][2]["chunk_size"] = 2**34
+    index["chunks"][2]["chunk_size"] = items
     (folder / "index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="chunk-0-2.bin: its index says 17179869184 samples, more than"):
+    with pytest.raises(ValueError, match=message):
         litdata(str(folder))
 
 

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import listing
+from ..redact import shown
+from . import listing, shard_index
 from .chunked import ChunkedSource, Column, array, pil_raw, raw, scalar, text
-from . import shard_index
 
 # litdata's _NUMPY_DTYPES_MAPPING (constants._NUMPY_SCTYPES): the dtype numbers of its numpy
 # serializers, in full; the last four (objects, variable-size bytes and text, void) hold no
@@ -111,6 +111,15 @@ def columns_of(config: dict[str, Any], index_url: str) -> list[Column]:
     return columns
 
 
+def _items(chunk: Any, number: int, index_url: str) -> int:
+    """Chunk ``number``'s ``chunk_size`` (its item count): an integer >= 0, or ValueError
+    naming the chunk (``ChunkedSource`` checks it against the chunk's listed size)."""
+    items = chunk.get("chunk_size") if isinstance(chunk, dict) else None
+    if not shard_index._is_int(items) or items < 0:
+        raise shard_index._bad(index_url, number, None, "chunk_size", f"must be an integer >= 0, got {shown(items, 80)}")
+    return items
+
+
 def litdata(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
             timeout: float | None = None, retries: int | None = None, **options: Any) -> LitdataSource:
     """The samples of the litdata dataset at ``url`` (its ``index.json``, or the folder or bucket
@@ -145,7 +154,8 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
     columns = columns_of(index["config"], index_url)
     base = posixpath.dirname(index_url)
     # chunk_bytes is not the file's size in every litdata version: ChunkedSource lists the sizes
-    shards = [(shard_index.shard_url(base, chunk.get("filename"), number, False, "filename"), None,
-               int(chunk["chunk_size"])) for number, chunk in enumerate(index["chunks"])]
+    shards = [(shard_index.shard_url(base, chunk.get("filename") if isinstance(chunk, dict) else None, number, False,
+                                     "filename"), None, _items(chunk, number, index_url))
+              for number, chunk in enumerate(index["chunks"])]
     return LitdataSource(shards, columns, image=image, label=label, storage_options=storage_options,
                          timeout=timeout, retries=retries, **options)
