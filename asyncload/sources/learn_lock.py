@@ -32,7 +32,8 @@ def held(path: str, patience: float, say: Callable[[str], None]) -> Iterator[boo
         yield False
         return
     stop = threading.Event()
-    beater = threading.Thread(target=_beat, args=(lock, max(patience / 3, POLL_S), stop), name="asyncload-learn-beat", daemon=True)
+    beater = threading.Thread(target=_beat, args=(lock, max(patience / 3, POLL_S), stop), name="asyncload-learn-beat",
+                              daemon=True)
     beater.start()
     try:
         yield True
