@@ -143,7 +143,10 @@ def test_mds_sources_mix_by_weight():
 
 
 @pytest.mark.parametrize("kind, field, encoding", [("mds", "column_encodings", "pkl"),
-                                                   ("litdata", "data_format", "pickle")])
+                                                   ("litdata", "data_format", "pickle"),
+                                                   ("litdata", "data_format", "no_header_numpy:14"),
+                                                   ("litdata", "data_format", "no_header_numpy:16"),
+                                                   ("litdata", "data_format", "no_header_numpy:99")])
 def test_an_unsupported_encoding_is_refused_at_construction_naming_the_column(kind, field, encoding, tmp_path):
     folder = tmp_path / kind
     shutil.copytree(FIXTURES / kind, folder)

@@ -16,10 +16,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
-INT_EXTENSIONS = ("cls", "cls2", "index", "label", "id")
-TEXT_EXTENSIONS = ("txt", "text", "caption")
+# The names that say what a member or column holds, for every source that reads samples of
+# several members (tar shards, MDS, litdata, Parquet): here only.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")  # also MDS's jpeg/png encodings
 IMAGE_NAMES = ("image", "img")  # columns of that name (MDS, litdata, Parquet) hold encoded images
+LABEL_MEMBER = "cls"  # a WebDataset sample's class number (write_shards writes it, tar_shards reads it)
+LABEL_NAMES = ("label", "labels", LABEL_MEMBER, "class", "target", "y")  # a column taken as the label
+INT_EXTENSIONS = (LABEL_MEMBER, "cls2", "index", "label", "id")
+TEXT_EXTENSIONS = ("txt", "text", "caption")
+
+
+def is_image(name: str) -> bool:
+    """Whether a member or column ``name`` (or an encoding's name) holds an encoded image."""
+    return name.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS or name in IMAGE_NAMES
 
 
 def decode_member(name: str, value: Any, image: Callable[[bytes], Any] | None = None,
@@ -33,7 +42,7 @@ def decode_member(name: str, value: Any, image: Callable[[bytes], Any] | None = 
     if not isinstance(value, (bytes, bytearray, memoryview)):
         return value
     extension = name.rsplit(".", 1)[-1].lower()
-    if extension in IMAGE_EXTENSIONS or name in images or name in IMAGE_NAMES:
+    if is_image(name) or name in images:
         if image is None:
             from .image import ImageDecoder
 

@@ -24,13 +24,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..decode.members import Members
+from ..decode.members import LABEL_NAMES, Members, is_image
 from .parquet_files import read_ranges
 from .shards import ShardSample, ShardSource
 from .items import checked_index
 
-IMAGE_ENCODINGS = ("jpeg", "png", "image")  # values left as encoded bytes, for an image decoder
-LABEL_NAMES = ("label", "labels", "cls", "class", "target", "y")
 
 
 @dataclass(frozen=True)
@@ -54,16 +52,11 @@ class ChunkedSource(ShardSource):
 
     format_name = "chunked"
 
-    def __init__(self, shards: Sequence[tuple[str, int, int]], columns: Sequence[Column], *,
+    def __init__(self, shards: Sequence[tuple[str, int | None, int]], columns: Sequence[Column], *,
                  image: str | None = None, label: str | None = None, storage_options: dict | None = None,
                  shuffle_buffer: int = 1000, chunk_bytes: int = 16 << 20, cache_dir: str | None = None,
                  cache_bytes: int | None = None, timeout: float | None = None, retries: int | None = None) -> None:
-        self.storage_options = storage_options
-        self.members = "all"
-        self.shuffle_buffer = max(1, shuffle_buffer)
-        self.chunk_bytes = chunk_bytes
-        self.cache_dir = cache_dir
-        self.cache_bytes = cache_bytes
+        self._settings(storage_options, "all", shuffle_buffer, chunk_bytes, cache_dir, cache_bytes)
         self.classes: list[str] = []
         self.labels = None
         self.columns_read = list(columns)
@@ -71,8 +64,12 @@ class ChunkedSource(ShardSource):
         self.image, self.label = self._pick(image, label)
         shards = [shard for shard in shards if shard[2] > 0]
         self.urls = [url for url, _, _ in shards]
-        self.shard_bytes = np.array([size for _, size, _ in shards], dtype=np.int64)
+        self.shard_bytes = self._listed_sizes([declared for _, declared, _ in shards], timeout, retries)
         counts = np.array([samples for _, _, samples in shards], dtype=np.int64)
+        for url, count, size in zip(self.urls, counts.tolist(), self.shard_bytes.tolist()):
+            if 4 * (count + 2) > size:  # before anything is allocated per sample
+                raise ValueError(f"{url}: its index says {count} samples, more than the offset table of a "
+                                 f"{size}-byte shard can hold")
         self.shard_of = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
         self.shard_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._read_offsets(counts, timeout, retries)
@@ -83,10 +80,22 @@ class ChunkedSource(ShardSource):
             if name is not None and name not in names:
                 raise ValueError(f"{self.format_name}: no column {name!r} (columns: {', '.join(names)})")
         if image is None:
-            image = next((c.name for c in self.columns_read if c.encoding.split(":")[0] in IMAGE_ENCODINGS), None)
+            image = next((c.name for c in self.columns_read if is_image(c.encoding.split(":")[0])), None)
         if label is None:
             label = next((name for name in LABEL_NAMES if name in names), None)
         return image, label
+
+    def _listed_sizes(self, declared: list[int | None], timeout: float | None, retries: int | None) -> np.ndarray:
+        """Each shard's size from one listing of its folder, not from the index: litdata's
+        ``chunk_bytes`` is the file's size in some versions and its items' bytes (without the
+        offset table) in others. A size the index declares (MDS) may not exceed the listed one."""
+        from .shard_learn import sizes_of
+
+        listed = sizes_of(self.urls, self.storage_options, timeout, retries) if self.urls else []
+        for url, size, found in zip(self.urls, declared, listed):
+            if size is not None and size > found:
+                raise ValueError(f"{url}: its index says {size} bytes, the storage holds {found}")
+        return np.array(listed, dtype=np.int64)
 
     def _read_offsets(self, counts: np.ndarray, timeout: float | None, retries: int | None) -> None:
         """Every sample's byte range, from each shard's offset table (one ranged read a shard)."""

@@ -19,20 +19,32 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import listing
+from ..redact import shown
+from . import listing, shard_index
 from .chunked import ChunkedSource, Column, array, pil_raw, raw, scalar, text
-from .mds import listing_safe_join
 
-INDEX_NAME = "index.json"
-# litdata's _NUMPY_DTYPES_MAPPING: dtype numbers of the numpy serializers
-NUMPY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"]
+# litdata's _NUMPY_DTYPES_MAPPING (constants._NUMPY_SCTYPES): the dtype numbers of its numpy
+# serializers, in full; the last four (objects, variable-size bytes and text, void) hold no
+# fixed-size values to read and are refused by name (REFUSED_DTYPES)
+NUMPY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+                "float64", "complex64", "complex128", "bool", "object", "bytes", "str", "void"]
+REFUSED_DTYPES = ("object", "bytes", "str", "void")
+
+
+def numpy_dtype(number: int) -> np.dtype:
+    """The little-endian dtype of litdata's dtype ``number``; ValueError naming one not read."""
+    name = NUMPY_DTYPES[number] if 0 <= number < len(NUMPY_DTYPES) else None
+    if name is None or name in REFUSED_DTYPES:
+        raise ValueError(f"numpy dtype number {number} ({name or 'unknown'}): asyncload reads arrays of "
+                         f"{', '.join(n for n in NUMPY_DTYPES if n not in REFUSED_DTYPES)}")
+    return np.dtype(name).newbyteorder("<")
 
 
 def numpy_with_header(data: bytes) -> np.ndarray:
     """litdata's ``numpy``: ``uint32`` dtype number, ``uint32`` ndim, the shape, the values."""
     number, ndim = struct.unpack_from("<2I", data)
     shape = struct.unpack_from(f"<{ndim}I", data, 8)
-    return np.frombuffer(data, np.dtype(NUMPY_DTYPES[number]).newbyteorder("<"), offset=8 + 4 * ndim).reshape(shape)
+    return np.frombuffer(data, numpy_dtype(number), offset=8 + 4 * ndim).reshape(shape)
 
 
 def _bool(data: bytes) -> bool:
@@ -48,8 +60,8 @@ def column_decoder(data_format: str) -> Callable[[bytes], Any] | None:
     }
     if name in simple:
         return simple[name]
-    if name == "no_header_numpy" and argument.isdigit() and int(argument) < len(NUMPY_DTYPES):
-        return array(NUMPY_DTYPES[int(argument)])
+    if name == "no_header_numpy" and argument.isdigit():
+        return array(numpy_dtype(int(argument)).str)  # ValueError naming a dtype not read
     return None
 
 
@@ -88,12 +100,24 @@ def columns_of(config: dict[str, Any], index_url: str) -> list[Column]:
         raise ValueError(f"{index_url}: data_spec has {len(names)} leaves, data_format {len(formats)}")
     columns = []
     for name, data_format in zip(names, formats):
-        decode = column_decoder(data_format)
+        try:
+            decode = column_decoder(data_format)
+        except ValueError as error:
+            raise ValueError(f"{index_url}: column {name!r} has data format {data_format!r}: {error}") from None
         if decode is None:
             raise ValueError(f"{index_url}: column {name!r} has data format {data_format!r}, which asyncload does not "
                              "read; supported: str, int, float, bool, bytes, jpeg, image, pil, numpy, no_header_numpy")
         columns.append(Column(name, data_format, decode, None))
     return columns
+
+
+def _items(chunk: Any, number: int, index_url: str) -> int:
+    """Chunk ``number``'s ``chunk_size`` (its item count): an integer >= 0, or ValueError
+    naming the chunk (``ChunkedSource`` checks it against the chunk's listed size)."""
+    items = chunk.get("chunk_size") if isinstance(chunk, dict) else None
+    if not shard_index._is_int(items) or items < 0:
+        raise shard_index._bad(index_url, number, None, "chunk_size", f"must be an integer >= 0, got {shown(items, 80)}")
+    return items
 
 
 def litdata(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
@@ -122,14 +146,16 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
         **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
             ``cache_bytes``.
     """
-    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+    index_url = shard_index.index_url(url)
     index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries,
                                           what="litdata index"))
     if not isinstance(index, dict) or not isinstance(index.get("chunks"), list) or not isinstance(index.get("config"), dict):
         raise ValueError(f"{index_url}: not a litdata index (no 'chunks' and 'config')")
     columns = columns_of(index["config"], index_url)
     base = posixpath.dirname(index_url)
-    shards = [(listing_safe_join(base, chunk.get("filename"), index_url), int(chunk["chunk_bytes"]),
-               int(chunk["chunk_size"])) for chunk in index["chunks"]]
+    # chunk_bytes is not the file's size in every litdata version: ChunkedSource lists the sizes
+    shards = [(shard_index.shard_url(base, chunk.get("filename") if isinstance(chunk, dict) else None, number, False,
+                                     "filename"), None, _items(chunk, number, index_url))
+              for number, chunk in enumerate(index["chunks"])]
     return LitdataSource(shards, columns, image=image, label=label, storage_options=storage_options,
                          timeout=timeout, retries=retries, **options)

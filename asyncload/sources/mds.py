@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..redact import shown
 from . import listing
+from . import shard_index
+from .shard_index import MAX_SHARD_BYTES, _bad, _is_int
 from .chunked import ChunkedSource, Column, pil_raw, raw, scalar, text
 
-INDEX_NAME = "index.json"
 SCALARS = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
 # MDS's ndarray dtype codes (encodings.NDArray._int2value_dtype) and shape-size codes
 NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
@@ -81,9 +83,36 @@ class MDSSource(ChunkedSource):
     format_name = "mds"
 
 
-def columns_of(shard: dict[str, Any], url: str) -> list[Column]:
-    """A shard's columns, each with its decoder; ValueError naming a column not supported."""
-    names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
+MAX_MDS_BYTES = 1 << 32  # the offset table's entries are uint32: no MDS shard is larger
+
+
+def checked_counts(shard: dict[str, Any], number: int, index_url: str) -> tuple[int, int]:
+    """Shard ``number``'s ``(bytes, samples)``, checked before anything is allocated from them
+    (a hostile or corrupt index may say 2**34 samples): ValueError naming the shard and field.
+    ``ChunkedSource`` then checks ``bytes`` against the listed size."""
+    size, samples = shard["raw_data"].get("bytes"), shard.get("samples")
+    if not _is_int(size) or not 0 <= size <= min(MAX_MDS_BYTES, MAX_SHARD_BYTES):
+        raise _bad(index_url, number, None, "raw_data.bytes", f"must be an integer in [0, 2**32], got {shown(size, 80)}")
+    if not _is_int(samples) or not 0 < samples <= (size - 8) // 4:
+        raise _bad(index_url, number, None, "samples", f"must be an integer in [1, {max(0, (size - 8) // 4)}] "
+                   f"(its offset table fits its {size} bytes), got {shown(samples, 80)}")
+    return size, samples
+
+
+def columns_of(shard: dict[str, Any], number: int, url: str) -> list[Column]:
+    """A shard's columns, each with its decoder; ValueError naming a column not supported, or
+    column lists that do not match."""
+    names, encodings, sizes = shard.get("column_names"), shard.get("column_encodings"), shard.get("column_sizes")
+    if not all(isinstance(field, list) for field in (names, encodings, sizes)) or not len(names) == len(encodings) == len(sizes):
+        raise _bad(url, number, None, "column_names", "column_names, column_encodings and column_sizes must be lists "
+                   f"of one entry per column, got {shown(names, 60)}, {shown(encodings, 60)}, {shown(sizes, 60)}")
+    for field, values, valid in (("column_names", names, lambda v: isinstance(v, str)),
+                                 ("column_encodings", encodings, lambda v: isinstance(v, str)),
+                                 ("column_sizes", sizes, lambda v: v is None or (_is_int(v) and v >= 0))):
+        wrong = [value for value in values if not valid(value)]
+        if wrong:
+            raise _bad(url, number, None, field, f"has an entry {shown(wrong[0], 80)}: names and encodings are "
+                       "strings, sizes null or integers >= 0")
     columns = []
     for name, encoding, size in zip(names, encodings, sizes):
         decode = column_decoder(encoding)
@@ -121,7 +150,7 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
         **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
             ``cache_bytes``.
     """
-    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+    index_url = shard_index.index_url(url)
     index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="MDS index"))
     base = posixpath.dirname(index_url)
     shards, columns = [], None
@@ -129,23 +158,17 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
         if not isinstance(shard, dict) or shard.get("format") != "mds":
             raise ValueError(f"{index_url}: shard {number} is not an MDS shard (format {str(shard.get('format'))[:40]!r})"
                              if isinstance(shard, dict) else f"{index_url}: shard {number} is not an object")
-        if shard.get("compression") or not shard.get("raw_data"):
+        if shard.get("compression") or not isinstance(shard.get("raw_data"), dict):
             raise ValueError(f"{index_url}: shard {number} is compressed ({shard.get('compression')}): "
                              "asyncload reads uncompressed MDS shards (MDSWriter(compression=None))")
-        found = columns_of(shard, index_url)
+        declared, samples = checked_counts(shard, number, index_url)
+        found = columns_of(shard, number, index_url)
         if columns is not None and [(c.name, c.encoding, c.size) for c in found] != [(c.name, c.encoding, c.size) for c in columns]:
             raise ValueError(f"{index_url}: shard {number}'s columns differ from shard 0's")
         columns = found
-        shard_url = listing_safe_join(base, shard["raw_data"]["basename"], index_url)
-        shards.append((shard_url, int(shard["raw_data"]["bytes"]), int(shard["samples"])))
+        url_of_shard = shard_index.shard_url(base, shard["raw_data"].get("basename"), number, False, "raw_data.basename")
+        shards.append((url_of_shard, declared, samples))
     if columns is None:
         raise ValueError(f"{index_url}: an MDS index with no shards")
     return MDSSource(shards, columns, image=image, label=label, storage_options=storage_options,
                      timeout=timeout, retries=retries, **options)
-
-
-def listing_safe_join(base: str, name: Any, index_url: str) -> str:
-    """A shard file named by an index: a plain relative path within the index's folder."""
-    if not isinstance(name, str) or not name or "://" in name or name.startswith("/") or ".." in name.split("/"):
-        raise ValueError(f"{index_url}: shard file {str(name)[:80]!r} is not a path inside the index's folder")
-    return posixpath.join(base, name)

@@ -17,27 +17,33 @@ import numpy as np
 
 from ..redact import shown
 
+INDEX_NAME = "index.json"  # the index beside a shard set's shards (asyncload's, MDS's, litdata's)
 TAR_HEADER = 512  # every tar member's data follows a header of this size
 MAX_SHARD_BYTES = 1 << 40  # 1 TiB: no shard is larger; a larger "bytes" is a corrupt or hostile index
 
 
-def shard_url(base_url: str, url: Any, number: int, allow_external: bool) -> str:
-    """Shard ``number``'s URL from the index: a path relative to the index's folder ``base_url``,
-    within it; another protocol, an absolute path or ``..`` out of the folder only with
-    ``allow_external``."""
+def index_url(url: str) -> str:
+    """The index a source's ``url`` names: itself when it ends in ``.json``, else the
+    ``index.json`` in that folder or bucket prefix."""
+    return url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+
+
+def shard_url(base_url: str, url: Any, number: int, allow_external: bool, field: str = "url") -> str:
+    """Shard ``number``'s URL from the index (its ``field``): a path relative to the index's
+    folder ``base_url``, within it; another protocol, an absolute path or ``..`` out of the
+    folder only with ``allow_external`` (``tar_shards``'s; MDS and litdata indexes never)."""
+    trust = "; pass tar_shards(..., allow_external_shards=True) if you trust this index" if field == "url" else ""
     if not isinstance(url, str) or not url:
-        raise _bad(base_url, number, None, "url", f"must be a non-empty string, got {shown(url, 80)}")
+        raise _bad(base_url, number, None, field, f"must be a non-empty string, got {shown(url, 80)}")
     if "://" in url or "::" in url or url.startswith("/"):
         if allow_external:
             return url
         why = "another location" if url.startswith("/") else "another protocol or store"
-        raise _bad(base_url, number, None, "url", f"{shown(url, 80)} points to {why}, outside the index's folder; "
-                   "pass tar_shards(..., allow_external_shards=True) if you trust this index")
+        raise _bad(base_url, number, None, field, f"{shown(url, 80)} points to {why}, outside the index's folder{trust}")
     relative = posixpath.normpath(url)
     if relative == ".." or relative.startswith("../"):
         if not allow_external:
-            raise _bad(base_url, number, None, "url", f"{shown(url, 80)} climbs out of the index's folder; pass "
-                       "tar_shards(..., allow_external_shards=True) if you trust this index")
+            raise _bad(base_url, number, None, field, f"{shown(url, 80)} climbs out of the index's folder{trust}")
     return posixpath.join(base_url, url)
 
 

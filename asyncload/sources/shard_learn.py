@@ -12,50 +12,49 @@ before they are known would have to be an epoch of another kind (unshuffled, une
 ranks, not resumable). Learning first keeps every epoch, the first included, the ordinary one.
 
 Shared by a node's ranks and processes: the first to come takes an ``flock`` on the index's lock
-file and learns; the others wait on that lock (a dead learner lets go of it) and then read what
-it wrote. A kept index is used only if it names the same shards with the same sizes (one listing
-of the shards' folders checks that each run); else it is learnt again.
+file and learns; the others wait on that lock (a dead learner lets go of it; one that stops
+beating for ``timeout`` is not waited for longer: ``learn_lock``) and then read what it wrote. A kept index is used only if it names the same
+shards with the same sizes and versions (ETag, else modification time: one listing of the
+shards' folders checks that each run); else it is learnt again.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import posixpath
 import re
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from ..io import object_store
-from . import listing
+from ..io.reader import _version_of
+from .. import redact
+from . import learn_lock, listing
+from .brace import expand
 from .shards import INDEX_FORMAT
 
 LEARN_THREADS = 8  # shards read at once while learning (each a long streaming read)
 PROGRESS_EVERY_S = 5.0
-BRACE = re.compile(r"\{([^{}]*)\}")
-RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+BRACE = re.compile(r"\{[^{}]*\}")
 
 
-def expand(pattern: str) -> list[str]:
-    """The URLs a brace pattern names, in order, as WebDataset's ``braceexpand``: ``{000..009}``
-    (zero-padded to the first bound's width), ``{a,b,c}``, several groups (each combination)."""
-    match = BRACE.search(pattern)
-    if match is None:
-        return [pattern]
-    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end():]
-    numbers = RANGE.match(body)
-    if numbers:
-        first, last = numbers.group(1), numbers.group(2)
-        step = 1 if int(last) >= int(first) else -1
-        width = len(first) if first.startswith("0") else 0
-        choices = [str(n).zfill(width) for n in range(int(first), int(last) + step, step)]
-    else:
-        choices = body.split(",")
-    return [url for choice in choices for url in expand(head + choice + tail)]
+def expanded(patterns: str | Sequence[str]) -> list[str]:
+    """The shard URLs a pattern or a list of them names, in order (``brace.expand``: WebDataset's
+    ``braceexpand`` rules); ValueError naming any URL named twice, whose samples would otherwise
+    come several times an epoch (``{000000,{000000,000001}}``, a list with a repeat)."""
+    urls = [url for pattern in ([patterns] if isinstance(patterns, str) else patterns) for url in expand(pattern)]
+    seen: set[str] = set()
+    twice = [url for url in urls if url in seen or seen.add(url)]  # type: ignore[func-returns-value]
+    if twice:
+        names = ", ".join(dict.fromkeys(redact.shown(url, 120) for url in twice[:3]))
+        raise ValueError(f"tar_shards: {len(twice)} shard URL(s) named more than once after expanding the braces "
+                         f"(their samples would come several times an epoch): {names}")
+    return urls
 
 
 def is_pattern(url: str) -> bool:
@@ -74,27 +73,38 @@ def index_path(urls: Sequence[str], index_dir: str | None, cache_dir: str | None
 
 def sizes_of(urls: Sequence[str], storage_options: dict | None, timeout: float | None,
              retries: int | None) -> list[int]:
-    """Each shard's size, from one listing of each folder the shards are in; FileNotFoundError
-    naming the shards that are not there (a brace range past the last shard, a typo)."""
+    """Each shard's size, from one listing of each folder the shards are in (see ``listed``)."""
+    return [size for size, _ in listed(urls, storage_options, timeout, retries)]
+
+
+def listed(urls: Sequence[str], storage_options: dict | None, timeout: float | None,
+           retries: int | None) -> list[tuple[int, str]]:
+    """Each shard's ``(size, version)`` (version: its ETag, else its modification time, as the
+    shard cache compares them), from one listing of each folder the shards are in;
+    FileNotFoundError naming the shards that are not there (a brace range past the last shard,
+    a typo)."""
     by_folder: dict[str, list[str]] = {}
     for url in urls:
         by_folder.setdefault(posixpath.dirname(url), []).append(url)
-    size: dict[str, int] = {}
+    found: dict[str, tuple[int, str]] = {}
     tries = listing.retries_for(retries, storage_options)
     for folder in by_folder:
         with listing.opened(folder, storage_options, timeout) as (fs, path):
-            missing = f"{folder}: no such folder or prefix (looked for the shards {by_folder[folder][0]} ...)"
+            missing = redact.bounded(f"{folder}: no such folder or prefix (looked for the shards "
+                                     f"{by_folder[folder][0]} ...)", 400)
             infos = listing._retried(folder, "listing", tries, missing, lambda: fs.find(path, maxdepth=1, detail=True))
-            names = {fs._strip_protocol(name).rstrip("/"): int(info["size"]) for name, info in infos.items()}
+            names = {fs._strip_protocol(name).rstrip("/"): (int(info["size"]), _version_of(info))
+                     for name, info in infos.items()}
             for url in by_folder[folder]:
-                found = names.get(fs._strip_protocol(url).rstrip("/"))
-                if found is not None:
-                    size[url] = found
-    absent = [url for url in urls if url not in size]
+                entry = names.get(fs._strip_protocol(url).rstrip("/"))
+                if entry is not None:
+                    found[url] = entry
+    absent = [url for url in urls if url not in found]
     if absent:
         more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-        raise FileNotFoundError(f"{len(absent)} of {len(urls)} shards not found: {', '.join(absent[:3])}{more}")
-    return [size[url] for url in urls]
+        names = ", ".join(redact.bounded(url, 200) for url in absent[:3])  # a presigned URL's signature: hidden
+        raise FileNotFoundError(f"{len(absent)} of {len(urls)} shards not found: {names}{more}")
+    return [found[url] for url in urls]
 
 
 def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, timeout: float | None,
@@ -102,25 +112,24 @@ def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, t
     """The index of the shards ``urls``: the one kept at ``path`` if it still matches them, else
     learnt now (see the module) and kept there. Shard URLs in it are absolute."""
     urls = list(urls)
-    sizes = sizes_of(urls, storage_options, timeout, retries)
+    sizes_versions = listed(urls, storage_options, timeout, retries)
+    sizes = [size for size, _ in sizes_versions]
+    versions = [version for _, version in sizes_versions]
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "a+") as lock:
-        if not _try_lock(lock):
-            _say(f"waiting for another process to learn the member table of {len(urls)} shards ({path})")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            kept = _kept(path, urls, sizes)
-            if kept is not None:
-                return kept
-            index = {"format": INDEX_FORMAT, "classes": [], "learnt": True,
-                     "shards": learn(urls, sizes, storage_options, timeout, retries)}
-            temporary = f"{path}.{os.getpid()}.tmp"
-            with open(temporary, "w") as file:
-                json.dump(index, file)
-            os.replace(temporary, path)
-            return index
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    patience = timeout if timeout is not None else object_store.LISTING_TIMEOUT_S
+    with learn_lock.held(path + ".lock", patience, _say):
+        kept = _kept(path, urls, sizes, versions)
+        if kept is not None:
+            return kept
+        shards = learn(urls, sizes, storage_options, timeout, retries)
+        for shard, version in zip(shards, versions):
+            shard["version"] = version
+        index = {"format": INDEX_FORMAT, "classes": [], "learnt": True, "shards": shards}
+        temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(temporary, "w") as file:
+            json.dump(index, file)
+        os.replace(temporary, path)
+        return index
 
 
 def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeout: float | None,
@@ -135,15 +144,20 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
          "kept for the next runs)")
 
     def one(url: str) -> dict[str, Any]:
-        def read() -> dict[str, Any]:
+        def read() -> dict[str, Any] | ValueError:
             fs, path = object_store.url_to_fs(url, storage_options, listing=True, timeout=timeout)
             try:
                 with fs.open(path, "rb") as file:
                     return _index_shard(file, url)
+            except ValueError as error:  # what the shard holds (not a read that failed): as it is
+                return error
             finally:
                 object_store.release(fs)
 
-        return listing._retried(url, "reading", tries, f"shard {url} not found", read)
+        entry = listing._retried(url, "reading", tries, redact.bounded(f"shard {url} not found", 400), read)
+        if isinstance(entry, ValueError):
+            raise entry
+        return entry
 
     entries: list[dict[str, Any]] = []
     started = last = time.monotonic()
@@ -161,25 +175,19 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
     return entries
 
 
-def _kept(path: str, urls: list[str], sizes: list[int]) -> dict[str, Any] | None:
-    """The index kept at ``path`` if it names exactly ``urls`` with ``sizes``, else None."""
+def _kept(path: str, urls: list[str], sizes: list[int], versions: list[str]) -> dict[str, Any] | None:
+    """The index kept at ``path`` if it names exactly ``urls`` with ``sizes`` and ``versions``
+    (a shard rewritten with the same size - tars are 10 KiB records - has another), else None."""
     try:
         with open(path) as file:
             index = json.load(file)
         shards = index["shards"]
-        if [shard["url"] for shard in shards] == urls and [shard["bytes"] for shard in shards] == sizes:
+        if [shard["url"] for shard in shards] == urls and [shard["bytes"] for shard in shards] == sizes \
+                and [shard.get("version") for shard in shards] == versions:
             return index
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
-
-
-def _try_lock(lock: Any) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 def _say(message: str) -> None:

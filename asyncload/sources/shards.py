@@ -28,13 +28,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..decode.members import IMAGE_EXTENSIONS
 from . import listing, shard_index
+from .shard_index import INDEX_NAME  # noqa: F401 (writer's, here before shard_index held it)
 from .items import Source, checked_index
 
-INDEX_NAME = "index.json"
 INDEX_FORMAT = "asyncload-shards/1"
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
-LABEL_MEMBER = "cls"
 
 
 def buffer_shuffle(stream: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -104,6 +103,13 @@ class ShardSource(Sequence):
         if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
             found = index.get("format") if isinstance(index, dict) else type(index).__name__
             raise ValueError(f"{base_url}: not an asyncload shard index (format {str(found)[:80]!r})")
+        self._settings(storage_options, members, shuffle_buffer, chunk_bytes, cache_dir, cache_bytes)
+        self.classes = list(index.get("classes", []))
+        self._read_index(index["shards"], base_url, allow_external_shards)
+
+    def _settings(self, storage_options: dict | None, members: str, shuffle_buffer: int, chunk_bytes: int,
+                  cache_dir: str | None, cache_bytes: int | None) -> None:
+        """The reading settings every shard source has (this one's, ``ChunkedSource``'s)."""
         if members not in ("image", "all"):
             raise ValueError(f"members must be 'image' or 'all', got {members!r}")
         self.storage_options = storage_options
@@ -112,8 +118,6 @@ class ShardSource(Sequence):
         self.chunk_bytes = chunk_bytes
         self.cache_dir = cache_dir
         self.cache_bytes = cache_bytes
-        self.classes = list(index.get("classes", []))
-        self._read_index(index["shards"], base_url, allow_external_shards)
 
     def _read_index(self, shards: list[dict[str, Any]], base_url: str, allow_external: bool = False) -> None:
         """Flattens the index into arrays, checked (``shard_index``): a million samples cost tens
@@ -169,9 +173,9 @@ class ShardSource(Sequence):
     def image_member(self, index: int) -> tuple[int, int]:
         """``(offset, size)`` of sample ``index``'s image member."""
         for ext, offset, size in self.sample_members(index):
-            if ext in IMAGE_MEMBERS:
+            if ext in IMAGE_EXTENSIONS:
                 return offset, size
-        raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_MEMBERS)})")
+        raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_EXTENSIONS)})")
 
 
 def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *, timeout: float | None = None,
@@ -191,9 +195,8 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
     from . import shard_learn
 
     if not isinstance(url, str) or shard_learn.is_pattern(url):
-        urls = [found for one in ([url] if isinstance(url, str) else url) for found in shard_learn.expand(one)]
-        return _learnt(urls, storage_options, timeout, retries, index_dir, options)
-    index_url = url if url.endswith(".json") else posixpath.join(url.rstrip("/"), INDEX_NAME)
+        return _learnt(shard_learn.expanded(url), storage_options, timeout, retries, index_dir, options)
+    index_url = shard_index.index_url(url)
     try:
         data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")
     except FileNotFoundError as missing:
@@ -201,7 +204,8 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
             raise
         urls = _tars_in(url, storage_options, timeout, retries)
         if not urls:
-            raise FileNotFoundError(f"{missing}, and no .tar shard under {url} to learn one from") from None
+            raise FileNotFoundError(f"{missing}, and no .tar shard directly in {url} to learn one from (its "
+                                    "subfolders are not searched: name their shards with a pattern)") from None
         return _learnt(urls, storage_options, timeout, retries, index_dir, options)
     index = json.loads(data)
     other = _other_format(index)
@@ -235,10 +239,15 @@ def _learnt(urls: list[str], storage_options: dict | None, timeout: float | None
 
 
 def _tars_in(url: str, storage_options: dict | None, timeout: float | None, retries: int | None) -> list[str]:
-    """The ``.tar`` files under the folder or prefix ``url``, sorted (empty: none, or no folder)."""
-    try:
-        fs, root, paths = listing.find(url, storage_options, timeout=timeout, retries=retries, looked_for=".tar shards")
-    except FileNotFoundError:
-        return []
-    prefix = url.rstrip("/")
-    return [prefix + path[len(root):] for path in paths if path.endswith(".tar")]
+    """The ``.tar`` files directly in the folder or prefix ``url``, sorted (empty: none, or no
+    folder). Not its subfolders: tars found at several levels (a ``val/`` beside ``train/``,
+    an old copy) would join one shard set unasked; a pattern names them when they belong."""
+    tries = listing.retries_for(retries, storage_options)
+    with listing.opened(url, storage_options, timeout) as (fs, root):
+        try:
+            paths = listing._retried(url, "listing", tries, f"{url}: no such folder or prefix",
+                                     lambda: fs.find(root, maxdepth=1))
+        except FileNotFoundError:
+            return []
+    root, prefix = root.rstrip("/"), url.rstrip("/")
+    return sorted(prefix + path[len(root):] for path in paths if path.endswith(".tar"))

@@ -17,9 +17,10 @@ from typing import Any, Iterator, Sequence
 
 from fsspec.core import split_protocol
 
+from ..decode.members import LABEL_MEMBER
 from ..io import object_store
 from ..redact import shown
-from .shards import INDEX_FORMAT, INDEX_NAME, LABEL_MEMBER
+from .shards import INDEX_FORMAT, INDEX_NAME
 
 READ_BATCH = 64  # files fetched at once while writing
 MAX_LABEL_BYTES = 64  # a .cls member holds a class number: read no more of it
@@ -152,6 +153,7 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
     keys: list[str] = []
     members: list[list[list[Any]]] = []
     labels: list[int | None] = []
+    seen: set[str] = set()
     with tarfile.open(fileobj=file, mode="r|") as tar:
         for member in tar:
             if member.issparse():  # before isfile(): a sparse member is a file too
@@ -165,6 +167,11 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
             stem, ext = base.split(".", 1)
             key = posixpath.join(directory, stem)
             if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
+                if key in seen:
+                    raise ValueError(f"{url}: the members of sample {shown(key, 80)} are not consecutive in the "
+                                     f"shard ({shown(member.name, 80)} comes after another sample's): WebDataset "
+                                     "shards keep a sample's members together; rewrite the shard so")
+                seen.add(key)
                 keys.append(key)
                 members.append([])
                 labels.append(None)
