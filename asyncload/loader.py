@@ -231,7 +231,7 @@ class AsyncLoader:
         stops the threads; a batch stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
-        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress)
+        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress, self)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its

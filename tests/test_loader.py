@@ -34,6 +34,18 @@ def test_every_sample_exactly_once_per_epoch(shuffle):
             assert sorted(delivered(batches)) == list(range(23))
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_loader_iterated_without_a_name_lives_until_its_pass_ends(processes):
+    """``for batch in AsyncLoader(...)`` keeps no reference to the loader but its pass: a
+    collection mid-pass must not close it (a collected loader closes itself)."""
+    seen = []
+    for batch in AsyncLoader(list(range(64)), batch_size=8, shuffle=False, read=False, decode=np.asarray,
+                             processes=processes):
+        gc.collect()
+        seen += batch.tolist()
+    assert seen == list(range(64))
+
+
 def test_rows_hold_the_sample_at_that_position_of_the_order():
     with index_loader(shuffle=True, seed=4) as loader:
         got = delivered(loader)

@@ -22,9 +22,12 @@ class Passes:
         self.epochs = epochs
         self.driver: EpochDriver | None = None
 
-    def start(self, backend: Backend, settings: Settings, sampler: Any, tuner: Any, bar: bool) -> Iterator[Any]:
+    def start(self, backend: Backend, settings: Settings, sampler: Any, tuner: Any, bar: bool,
+              owner: Any = None) -> Iterator[Any]:
         """A new pass (``AsyncLoader.__iter__``): the epoch ``epochs`` says, or the rest of one.
-        Its first batches are under way before the first ``next()``."""
+        Its first batches are under way before the first ``next()``. The pass holds ``owner`` (the
+        loader) while it runs: ``for batch in AsyncLoader(...)`` keeps no other reference, and a
+        collected loader closes itself."""
         self.stop()  # a new iteration replaces an unfinished one
         epoch, progress = self.epochs.start_pass(), self.epochs.progress
         order, size = self.epochs.plan(sampler, epoch)  # the epoch's, or an elastic rest
@@ -32,14 +35,14 @@ class Passes:
                              rank=sampler.rank if sampler.world_size > 1 else None)
         self.driver = driver
         iteration = self._iterate(driver, epoch, progress, sampler, tuner,
-                                  backend.stats if bar else None)
+                                  backend.stats if bar else None, owner)
         # The threads start now, but a generator dropped before its first next() never runs its
         # `finally`: stop them when it goes, whether it ran or not.
         weakref.finalize(iteration, stop_unless_stopped, driver)
         return iteration
 
     def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, tuner: Any,
-                 bar_stats: Any) -> Iterator[Any]:
+                 bar_stats: Any, owner: Any) -> Iterator[Any]:  # owner: kept alive by this frame
         bar = ProgressBar.for_pass(bar_stats, sampler, progress, epoch) if bar_stats is not None else None
         try:
             for positions, batch in driver:  # the driver records what was handed out in progress
