@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .batch.buffers import BatchBuffer
+from .batch.ragged import used_parts
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device | None:
@@ -97,7 +98,7 @@ class DeviceStage:
         Fields already on the device (a GPU decoder's images) are cloned after the decoder's
         events, a device-to-device copy: the user never holds the decode buffer, so it is
         recycled by the same rule as a host one (once ``copy_done`` has completed)."""
-        rows = [t[:size] for t in buffer.tensors]
+        rows = used_parts(buffer, size)
         writes, buffer.writes = buffer.writes, []
         with torch.cuda.stream(self.stream):
             for event in writes:

@@ -29,6 +29,8 @@ import numpy as np
 from .layout import Field, Leaf, SampleLayout, flatten_any, is_numeric, leaf_names
 
 FIRST_CAP = 8  # the least room a ragged row gets (values), so short ones rarely go aside
+ASIDE_SHARE = 1 / 16  # a ragged leaf's room grows once more of a batch's rows than this went aside
+RAGGED_BYTES = 32 << 20  # the most a ragged field's values take in one batch buffer (its rows' room)
 
 
 class FieldMismatch(ValueError):
@@ -104,13 +106,15 @@ def fixed_leaves(layout: SampleLayout) -> tuple[Leaf, ...]:
     return tuple(Leaf("fixed", number, f.dtype, f.shape) for number, f in enumerate(layout.fields))
 
 
-def grow(layout: SampleLayout, side: dict[tuple[int, int], Any]) -> SampleLayout:
+def grow(layout: SampleLayout, side: dict[tuple[int, int], Any], rows: int = 0) -> SampleLayout:
     """The layout that takes what went aside in place: a fixed leaf with values of other
-    lengths turns ragged (room for twice the longest), a ragged one too short for a value gets
-    twice its length, one whose other dimensions varied turns a list. ``layout`` itself when
-    nothing changes."""
+    lengths turns ragged, one whose other dimensions varied turns a list; a ragged leaf's room
+    (``cap``) grows by ``new_cap`` from the typical lengths of the batch's ``rows`` rows, not
+    from its longest value: a row longer than its room goes aside safely, so one huge sample
+    must not make every buffer of the run huge. ``layout`` itself when nothing changes."""
     leaves = list(layout.leaves if layout.leaves is not None else fixed_leaves(layout))
     caps = {number: layout.fields[leaf.storage].shape[0] for number, leaf in enumerate(leaves) if leaf.kind == "ragged"}
+    lengths: dict[int, list[int]] = {}
     changed = False
     for (_, number), value in side.items():
         leaf = leaves[number]
@@ -120,16 +124,36 @@ def grow(layout: SampleLayout, side: dict[tuple[int, int], Any]) -> SampleLayout
         if value.ndim == 0 or value.shape[1:] != trailing:
             leaves[number], changed = Leaf("list", -1, leaf.dtype, (-1,) * value.ndim), True
             caps.pop(number, None)
+            lengths.pop(number, None)
             continue
-        longest = max(len(value), leaf.shape[0] if leaf.kind == "fixed" else 0)
         if leaf.kind == "fixed":
-            leaves[number] = Leaf("ragged", -1, leaf.dtype, trailing)
-        if longest > caps.get(number, 0):
-            caps[number] = max(FIRST_CAP, 2 * longest)
-            changed = True
+            leaves[number], changed = Leaf("ragged", -1, leaf.dtype, trailing), True
+            caps[number] = 0
+            lengths[number] = []
+        if leaves[number].kind == "ragged":
+            lengths.setdefault(number, []).append(len(value))
+    for number, long in lengths.items():
+        old = caps[number]
+        was = layout.leaves[number] if layout.leaves is not None else fixed_leaves(layout)[number]
+        cap = new_cap(old, long, max(rows, len(long)), was.shape[0] if was.kind == "fixed" else old, leaves[number])
+        if cap != old:
+            caps[number], changed = cap, True
     if not changed:
         return layout
     return with_storage(layout, leaves, caps)
+
+
+def new_cap(cap: int, aside: list[int], rows: int, others: int, leaf: Leaf) -> int:
+    """A ragged leaf's room per row after ``aside`` (lengths longer than their room) went aside
+    out of a batch of ``rows``, the others at most ``others`` long: unchanged (``cap``) unless
+    more than ``ASIDE_SHARE`` of the rows went aside, else twice the lengths' 90th percentile,
+    within ``RAGGED_BYTES`` for the batch's field. A new ragged leaf (``cap`` 0) always gets room."""
+    if cap and len(aside) <= max(1, ASIDE_SHARE * rows):
+        return cap
+    typical = sorted(aside + [others] * (rows - len(aside)))[int(0.9 * (rows - 1))]
+    assert leaf.dtype is not None
+    row_bytes = max(1, leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64)) * max(rows, 1))
+    return max(cap, min(max(FIRST_CAP, 2 * typical), max(FIRST_CAP, RAGGED_BYTES // row_bytes)))
 
 
 def with_storage(layout: SampleLayout, leaves: list[Leaf], caps: dict[int, int]) -> SampleLayout:
@@ -149,6 +173,17 @@ def with_storage(layout: SampleLayout, leaves: list[Leaf], caps: dict[int, int])
     return SampleLayout(layout.tree, fields, tuple(placed))
 
 
+def used_parts(buffer: Any, size: int) -> list[Any]:
+    """The first ``size`` rows of each of ``buffer``'s tensors, a ragged field's values cut to
+    the longest row's length: what a copy to the GPU needs (not the whole ``[B, cap]`` room)."""
+    parts = [tensor[:size] for tensor in buffer.tensors]
+    for leaf in buffer.layout.leaves or ():
+        if leaf.kind == "ragged" and buffer.arrays[leaf.storage + 1] is not None:
+            longest = int(buffer.arrays[leaf.storage + 1][:size].max(initial=0))
+            parts[leaf.storage] = parts[leaf.storage][:, :longest]
+    return parts
+
+
 def take_aside(buffer: Any, rows: Any) -> dict[tuple[int, int], Any]:
     """Removes and returns what ``rows`` of ``buffer`` put aside (a fill's, for its answer)."""
     wanted = set(rows)
@@ -161,6 +196,6 @@ def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any]) -> None:
     grows to take them in place from now on (a field turned ragged, or longer): buffers taken
     from now on have it; those already taken keep theirs (``assemble`` converts them)."""
     buffer.side.update(side)
-    grown = grow(ring.layout, side)
+    grown = grow(ring.layout, side, ring.capacity)
     if grown is not ring.layout:
         ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))

@@ -1,0 +1,70 @@
+"""The limits of ragged fields (batch/ragged.py): the room a ragged field takes per row follows
+the batches' typical lengths, not one huge sample; values that cannot be stored exactly in a
+field's dtype, and samples whose fields change kind, are errors naming the sample and the field;
+``normalize=`` converts fixed image fields only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncload import AsyncLoader, SampleError
+from asyncload.batch.buffers import BufferRing
+from asyncload.batch.layout import SampleLayout
+from asyncload.batch import ragged
+from asyncload.batch.ragged import grow
+
+MODES = [0, 2]
+HUGE = 10**5
+
+
+def boxes_of(index: int) -> np.ndarray:
+    count = HUGE if index == 13 else index % 5
+    return np.full((count, 4), index, np.float32)
+
+
+def decode_one_huge(index: int) -> dict:
+    return {"id": np.int64(index), "boxes": boxes_of(index)}
+
+
+def loader_of(decode, processes: int, n: int = 24, **options) -> AsyncLoader:
+    return AsyncLoader(list(range(n)), batch_size=8, shuffle=False, read=False, decode=decode, processes=processes,
+                       **options)
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_one_huge_sample_arrives_but_does_not_make_every_buffer_huge(processes):
+    with loader_of(decode_one_huge, processes) as loader:
+        got = []
+        for batch in loader:
+            for index, boxes in zip(batch["id"].tolist(), batch["boxes"].unbind()):
+                assert torch.equal(boxes, torch.from_numpy(boxes_of(index)))
+                got.append(index)
+        room = loader._pipes.ring.layout.fields[1].shape[0]  # the run's buffers
+    assert got == list(range(24))
+    assert room < 100, room
+
+
+def test_room_grows_from_the_typical_lengths_within_a_byte_budget():
+    layout = SampleLayout.of({"x": np.zeros((3, 2), np.float32)})
+    turned = grow(layout, {(0, 0): np.zeros((5, 2), np.float32)}, rows=8)  # one of 8 longer: typical 3
+    assert turned.leaves[0].kind == "ragged" and turned.fields[0].shape == (8, 2)
+    same = grow(turned, {(1, 0): np.zeros((50, 2), np.float32)}, rows=8)  # one aside of 8: no growth
+    assert same is turned
+    many = {(row, 0): np.zeros((40 + row, 2), np.float32) for row in range(6)}  # most of the batch longer
+    assert grow(turned, many, rows=8).fields[0].shape == (88, 2)
+    wide = {(row, 0): np.zeros((10**7, 2), np.float32) for row in range(8)}  # capped by the byte budget
+    assert grow(turned, wide, rows=8).fields[0].shape == (ragged.RAGGED_BYTES // (8 * 8), 2)
+
+
+def test_a_copy_to_the_device_takes_the_used_part_of_a_ragged_field():
+    samples = [{"x": np.full((n, 2), n, np.float32)} for n in (3, 1, 5, 0)]
+    layout = grow(SampleLayout.of(samples[0]), {(1, 0): samples[1]["x"]}, rows=4)
+    ring = BufferRing(keep=1, pin_memory=False)
+    ring.configure(layout, 4)
+    buffer = ring.take()
+    for row, sample in enumerate(samples):
+        buffer.write(row, sample)
+    assert buffer.tensors[0].shape == (4, 8, 2)
+    assert [tuple(part.shape) for part in ragged.used_parts(buffer, 4)] == [(4, 5, 2), (4,)]
