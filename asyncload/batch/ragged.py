@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Field, Leaf, SampleLayout, flatten_any, is_numeric, leaf_names
+from .layout import (Field, Leaf, SampleLayout, first_difference, flatten_any, is_numeric, leaf_names,
+                     structure_words)
 
 FIRST_CAP = 8  # the least room a ragged row gets (values), so short ones rarely go aside
 ASIDE_SHARE = 1 / 16  # a ragged leaf's room grows once more of a batch's rows than this went aside
@@ -46,7 +47,9 @@ def write_any(buffer: Any, row: int, sample: Any) -> None:
     values: list[Any] = []
     tree = flatten_any(sample, values)
     if tree != layout.tree:
-        raise FieldMismatch(f"the sample's structure {tree!r} differs from the samples' before it {layout.tree!r}")
+        where, mine, theirs = first_difference(tree, layout.tree) or ("sample", tree, layout.tree)
+        raise FieldMismatch(f"the sample's structure differs from the samples' before it at {where!r}: "
+                            f"{structure_words(mine)} there, where they had {structure_words(theirs)}")
     leaves = layout.leaves if layout.leaves is not None else fixed_leaves(layout)
     arrays, side, aside = buffer.arrays, buffer.side, []
     writes = []
