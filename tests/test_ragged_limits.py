@@ -13,7 +13,9 @@ from asyncload import AsyncLoader, SampleError
 from asyncload.batch.buffers import BufferRing
 from asyncload.batch.layout import SampleLayout
 from asyncload.batch import ragged
+from asyncload.batch.assemble import assemble, host_part
 from asyncload.batch.ragged import grow
+from asyncload.device import Normalize, copy_rows, normalize_fixed
 
 MODES = [0, 2]
 HUGE = 10**5
@@ -68,3 +70,24 @@ def test_a_copy_to_the_device_takes_the_used_part_of_a_ragged_field():
         buffer.write(row, sample)
     assert buffer.tensors[0].shape == (4, 8, 2)
     assert [tuple(part.shape) for part in ragged.used_parts(buffer, 4)] == [(4, 5, 2), (4,)]
+
+
+def test_normalize_converts_fixed_image_fields_only_also_on_the_device_path():
+    """A ragged uint8 field's storage ``[B, cap, W, C]`` looks like an image batch: the device
+    copy (``copy_rows``, run here on the CPU) and both hand-outs (``normalize_fixed``) leave it
+    as it is and convert the fixed image field."""
+    def sample(index: int) -> dict:
+        return {"image": np.full((2, 2, 3), 10 * index, np.uint8), "crop": np.full((2 + index, 5, 3), index, np.uint8)}
+    layout = grow(SampleLayout.of(sample(0)), {(1, 1): sample(1)["crop"]}, rows=4)
+    ring = BufferRing(keep=1, pin_memory=False)
+    ring.configure(layout, 4)
+    buffer = ring.take()
+    for row in range(4):
+        buffer.write(row, sample(row))
+    normalize = Normalize([0.0] * 3, [1.0] * 3)
+    storage = copy_rows(buffer, 4, torch.device("cpu"), normalize)
+    image, crop = layout.unflatten(normalize_fixed(assemble(host_part(buffer, 4), storage, 4, layout), normalize)).values()
+    assert image.dtype == torch.float32 and image.shape == (4, 3, 2, 2)
+    assert torch.equal(image[:, 0, 0, 0], torch.tensor([0.0, 10.0, 20.0, 30.0]) / 255)
+    assert crop.is_nested and [tuple(rows.shape) for rows in crop.unbind()] == [(2 + row, 5, 3) for row in range(4)]
+    assert all(torch.equal(rows, torch.from_numpy(sample(row)["crop"])) for row, rows in enumerate(crop.unbind()))
