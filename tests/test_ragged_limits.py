@@ -91,3 +91,35 @@ def test_normalize_converts_fixed_image_fields_only_also_on_the_device_path():
     assert torch.equal(image[:, 0, 0, 0], torch.tensor([0.0, 10.0, 20.0, 30.0]) / 255)
     assert crop.is_nested and [tuple(rows.shape) for rows in crop.unbind()] == [(2 + row, 5, 3) for row in range(4)]
     assert all(torch.equal(rows, torch.from_numpy(sample(row)["crop"])) for row, rows in enumerate(crop.unbind()))
+
+
+def decode_labels_then_a_wide_one(index: int) -> dict:
+    """int32 labels of 1..3 values; sample 11's are int64 past int32's range."""
+    wide = index == 11
+    return {"id": np.int64(index), "labels": np.full(index % 3 + 1, 2**33 + 5 if wide else index,
+                                                     np.int64 if wide else np.int32)}
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_a_value_the_fields_dtype_cannot_hold_exactly_is_an_error_not_a_wrapped_number(processes):
+    with loader_of(decode_labels_then_a_wide_one, processes) as loader:
+        with pytest.raises(SampleError, match=r"^sample 11 failed at decode: FieldMismatch: field 'labels' is int64 "
+                                              r"array of shape \(3,\), but the samples before it had int32 arrays .*"
+                                              r"\(a int32 field cannot hold int64 values exactly"):
+            list(loader)
+
+
+@pytest.mark.parametrize(("value", "was", "got"), [
+    (None, "float64", "NoneType"),  # a missing number (a Parquet struct's null)
+    (1.5, "int64", "float64 array of shape ()"),  # an int field, later a float
+    (np.int64(10**9 + 1), "float32", "int64 array of shape ()"),  # would round to 1e9
+])
+def test_a_fixed_field_of_another_dtype_or_none_names_the_field_and_both_dtypes(value, was, got):
+    def decode(index: int) -> dict:
+        first = np.float32(index) if was == "float32" else (float(index) if was == "float64" else index)
+        return {"id": np.int64(index), "meta": {"score": value if index == 5 else first}}
+    with loader_of(decode, 0, n=8) as loader:
+        with pytest.raises(SampleError) as raised:
+            list(loader)
+    assert str(raised.value).startswith(f"sample 5 failed at decode: FieldMismatch: field 'meta.score' is {got}, "
+                                        f"but the samples before it had {was} arrays of shape ()"), str(raised.value)

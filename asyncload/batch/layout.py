@@ -70,8 +70,8 @@ class SampleLayout:
         tree = _flatten(sample, arrays)
         if tree != self.tree:
             return None
-        for array, field in zip(arrays, self.fields):
-            if array.shape != field.shape:
+        for array, field in zip(arrays, self.fields):  # another dtype: write_any says if it fits
+            if array.shape != field.shape or (array.dtype is not field.dtype and array.dtype != field.dtype):
                 return None
         return arrays
 

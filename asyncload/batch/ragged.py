@@ -16,8 +16,9 @@ merges them into its own buffer. A sample that does not fit its buffer's layout 
 fixed leaf of another length, a ragged one past ``cap``) also goes aside, so no sample is lost
 or reordered, and the driver ``grow``s the run's layout from what went aside: later buffers
 have the leaf ragged (or a bigger ``cap``, or a list) for the rest of the run. Anything else
-(another dtype, another number of dimensions, another structure, an array where there was an
-object) is a real mismatch: ``FieldMismatch``, naming the field and both shapes.
+(a dtype the field's cannot hold exactly, such as int64 into int32 or float64 into int64,
+another number of dimensions, another structure, an array where there was an object, or a
+missing value) is a real mismatch: ``FieldMismatch``, naming the field and both shapes.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def place(leaf: Leaf, value: Any, layout: SampleLayout, number: int) -> str:
     if not isinstance(value, np.ndarray) or not is_numeric(value.dtype):
         raise mismatch(layout, number, leaf, value)
     assert leaf.dtype is not None
-    if value.dtype.kind != leaf.dtype.kind or value.ndim != len(leaf.shape) + (leaf.kind == "ragged"):
+    if not np.can_cast(value.dtype, leaf.dtype, "safe") or value.ndim != len(leaf.shape) + (leaf.kind == "ragged"):
         raise mismatch(layout, number, leaf, value)
     if leaf.kind == "fixed":
         return "row" if value.shape == leaf.shape else "aside"
@@ -101,7 +102,10 @@ def mismatch(layout: SampleLayout, number: int, leaf: Leaf, value: Any) -> Field
     else:
         shape = leaf.shape if leaf.kind == "fixed" else ("N", *leaf.shape) if leaf.kind == "ragged" else "varying"
         was = f"{leaf.dtype} arrays of shape {shape}"
-    return FieldMismatch(f"field {name!r} is {got}, but the samples before it had {was}")
+    hint = ""
+    if isinstance(value, np.ndarray) and leaf.dtype is not None and not np.can_cast(value.dtype, leaf.dtype, "safe"):
+        hint = f" (a {leaf.dtype} field cannot hold {value.dtype} values exactly: give every sample one dtype)"
+    return FieldMismatch(f"field {name!r} is {got}, but the samples before it had {was}{hint}")
 
 
 def fixed_leaves(layout: SampleLayout) -> tuple[Leaf, ...]:
