@@ -123,3 +123,16 @@ def test_a_fixed_field_of_another_dtype_or_none_names_the_field_and_both_dtypes(
             list(loader)
     assert str(raised.value).startswith(f"sample 5 failed at decode: FieldMismatch: field 'meta.score' is {got}, "
                                         f"but the samples before it had {was} arrays of shape ()"), str(raised.value)
+
+
+def test_a_row_missing_its_value_aside_is_a_bug_not_a_none():
+    layout = SampleLayout.of({"id": np.int64(0), "caption": "a"})
+    ring = BufferRing(keep=1, pin_memory=False)
+    ring.configure(layout, 4)
+    buffer = ring.take()
+    for row in range(3):
+        buffer.write(row, {"id": np.int64(row), "caption": f"c{row}"})
+    assert assemble(host_part(buffer, 3), buffer.views(3), 3, layout)[1] == ["c0", "c1", "c2"]
+    del buffer.side[1, 1]
+    with pytest.raises(AssertionError, match=r"rows \[1\] have no value aside for leaf 1: the batch lost them"):
+        assemble(host_part(buffer, 3), buffer.views(3), 3, layout)

@@ -34,13 +34,21 @@ def assemble(buffer: Any, storage: list[torch.Tensor], size: int, target: Sample
     for number, (old, new) in enumerate(zip(have, want)):
         aside = {row: side[row, number] for row in range(size) if (row, number) in side} if side else {}
         if new.kind == "object":
-            out.append([aside.get(row) for row in range(size)])
+            out.append(every_row(aside, size, f"leaf {number}"))
         elif new.kind == "fixed":
             out.append(storage[old.storage])
         else:
             rows = _rows(old, storage, buffer, size, aside, new, device)
             out.append(rows if new.kind == "list" else _jagged(old, storage, buffer, size, aside, new, rows, device))
     return out
+
+
+def every_row(aside: dict[int, Any], size: int, leaf: str) -> list[Any]:
+    """The values of a leaf that lives aside (an object or a list leaf), one per row: every row
+    wrote one, so a missing one is a bug in the pipeline, not a ``None`` caption."""
+    missing = [row for row in range(size) if row not in aside]
+    assert not missing, f"rows {missing[:8]} have no value aside for {leaf}: the batch lost them"
+    return [aside[row] for row in range(size)]
 
 
 def host_part(buffer: Any, size: int) -> SimpleNamespace:
@@ -75,7 +83,7 @@ def _rows(old: Leaf, storage: list[torch.Tensor], buffer: Any, size: int, aside:
         values, lengths = storage[old.storage], _lengths(old, buffer, size)
         return [_tensor(aside[row], new, device) if row in aside else values[row, : lengths[row]]
                 for row in range(size)]
-    return [_tensor(aside[row], new, device) for row in range(size)]
+    return [_tensor(value, new, device) for value in every_row(aside, size, "a list leaf")]
 
 
 def _jagged(old: Leaf, storage: list[torch.Tensor], buffer: Any, size: int, aside: dict[int, Any], new: Leaf,
