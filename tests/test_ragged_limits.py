@@ -136,3 +136,18 @@ def test_a_row_missing_its_value_aside_is_a_bug_not_a_none():
     del buffer.side[1, 1]
     with pytest.raises(AssertionError, match=r"rows \[1\] have no value aside for leaf 1: the batch lost them"):
         assemble(host_part(buffer, 3), buffer.views(3), 3, layout)
+
+
+def decode_wider_images(index: int) -> dict:
+    return {"image": np.zeros((2, 1 + index, 3), np.uint8), "caption": "ab" * index}
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_the_stats_count_the_bytes_kept_aside(processes):
+    """Images of varying width (a list field) and a caption go aside: with ``processes=N``
+    pickled per sample, so the stats say how many bytes."""
+    with loader_of(decode_wider_images, processes, n=10) as loader:
+        widths = [tuple(image.shape) for batch in loader for image in batch["image"]]
+        aside = loader.stats.snapshot().aside_bytes
+    assert widths == [(2, 1 + index, 3) for index in range(10)]
+    assert aside == sum(6 * (1 + index) + 2 * index for index in range(1, 10))  # sample 0's went in the arrays

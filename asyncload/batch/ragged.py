@@ -198,11 +198,15 @@ def take_aside(buffer: Any, rows: Any) -> dict[tuple[int, int], Any]:
     return {key: side.pop(key) for key in [key for key in list(side) if key[0] in wanted]}
 
 
-def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any]) -> None:
+def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any], stats: Any = None) -> None:
     """On the driver: values a fill put aside join its batch's ``buffer``, and ``ring``'s layout
     grows to take them in place from now on (a field turned ragged, or longer): buffers taken
-    from now on have it; those already taken keep theirs (``assemble`` converts them)."""
+    from now on have it; those already taken keep theirs (``assemble`` converts them). ``stats``
+    counts their bytes (arrays' and text's; 8 for any other object)."""
     buffer.side.update(side)
+    if stats is not None:
+        stats.add_aside(sum(value.nbytes if isinstance(value, np.ndarray) else len(value) if isinstance(
+            value, (str, bytes)) else 8 for value in side.values()))
     grown = grow(ring.layout, side, ring.capacity)
     if grown is not ring.layout:
         ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))
