@@ -139,15 +139,32 @@ def test_a_row_missing_its_value_aside_is_a_bug_not_a_none():
 
 
 def decode_wider_images(index: int) -> dict:
-    return {"image": np.zeros((2, 1 + index, 3), np.uint8), "caption": "ab" * index}
+    return {"image": np.full((2, 1 + index, 3), index, np.uint8), "caption": "ab" * index}
 
 
 @pytest.mark.parametrize("processes", MODES)
 def test_the_stats_count_the_bytes_kept_aside(processes):
-    """Images of varying width (a list field) and a caption go aside: with ``processes=N``
-    pickled per sample, so the stats say how many bytes."""
+    """A caption goes aside (with ``processes=N`` pickled in the child's answer): the stats say
+    how many bytes. Images of varying width arrive whole, in their rows."""
     with loader_of(decode_wider_images, processes, n=10) as loader:
-        widths = [tuple(image.shape) for batch in loader for image in batch["image"]]
+        images = [image for batch in loader for image in batch["image"]]
         aside = loader.stats.snapshot().aside_bytes
-    assert widths == [(2, 1 + index, 3) for index in range(10)]
-    assert aside == sum(6 * (1 + index) + 2 * index for index in range(1, 10))  # sample 0's went in the arrays
+    assert [tuple(image.shape) for image in images] == [(2, 1 + index, 3) for index in range(10)]
+    assert all(bool((image == index).all()) for index, image in enumerate(images))
+    captions = sum(2 * index for index in range(10))
+    assert captions <= aside <= captions + sum(6 * (1 + index) for index in range(1, 10)), aside
+
+
+def test_arrays_whose_other_dimensions_vary_are_written_in_place_not_kept_aside():
+    samples = [{"image": np.full((2, 1 + index, 3), index, np.uint8)} for index in range(6)]
+    layout = grow(SampleLayout.of(samples[0]), {(1, 0): samples[1]["image"]}, rows=6)
+    assert layout.leaves[0].kind == "list" and [field.shape for field in layout.fields] == [(12,), (), (3,)]
+    ring = BufferRing(keep=1, pin_memory=False)
+    ring.configure(layout, 6)
+    buffer = ring.take()
+    for row, sample in enumerate(samples):
+        buffer.write(row, sample)
+    assert sorted(buffer.side) == [(2, 0), (3, 0), (4, 0), (5, 0)]  # 18 values and more: past the room (12)
+    images = assemble(host_part(buffer, 6), buffer.views(6), 6, layout)[0]
+    assert [tuple(image.shape) for image in images] == [(2, 1 + index, 3) for index in range(6)]
+    assert all(bool((image == index).all()) for index, image in enumerate(images))

@@ -53,9 +53,11 @@ def every_row(aside: dict[int, Any], size: int, leaf: str) -> list[Any]:
 
 def host_part(buffer: Any, size: int) -> SimpleNamespace:
     """What ``assemble`` reads from a buffer on the host besides its storage (the layout, what
-    went aside, each ragged row's length), copied: with a device stage the buffer may be reused
+    went aside, each ragged row's length, each list row's shape), copied: with a device stage the buffer may be reused
     once its copy is done, before the batch is handed out."""
-    arrays = [np.array(array[:size]) if array is not None and array.ndim == 1 else None for array in buffer.arrays]
+    shapes = {leaf.storage + 2 for leaf in buffer.layout.leaves or () if leaf.kind == "list" and leaf.storage >= 0}
+    arrays = [np.array(array[:size]) if array is not None and (array.ndim == 1 or index in shapes) else None
+              for index, array in enumerate(buffer.arrays)]
     return SimpleNamespace(layout=buffer.layout, side=dict(buffer.side), arrays=arrays)
 
 
@@ -82,6 +84,11 @@ def _rows(old: Leaf, storage: list[torch.Tensor], buffer: Any, size: int, aside:
     if old.kind == "ragged":
         values, lengths = storage[old.storage], _lengths(old, buffer, size)
         return [_tensor(aside[row], new, device) if row in aside else values[row, : lengths[row]]
+                for row in range(size)]
+    if old.storage >= 0:  # a list leaf in the buffer: each row's values, flat, and its shape
+        values, lengths = storage[old.storage], _lengths(old, buffer, size)
+        shapes = buffer.arrays[old.storage + 2][:size].tolist()
+        return [_tensor(aside[row], new, device) if row in aside else values[row, : lengths[row]].view(shapes[row])
                 for row in range(size)]
     return [_tensor(value, new, device) for value in every_row(aside, size, "a list leaf")]
 

@@ -6,9 +6,11 @@ A batch buffer holds fixed-shape fields only (that is what the fast path writes,
 - ``ragged``: its first dimension varies. Two fields hold it: ``[B, cap, *shape]`` values,
   each row's written at the start of its own slot by the decode thread, as a fixed field's row
   is (so also in a child's shared segment), and ``[B]`` lengths. A row longer than ``cap`` goes
-  aside (below), its length -1.
-- ``list``: its other dimensions vary; ``object``: not an array (str, bytes, None, objects).
-  Their values go aside.
+  aside (below), its length -1. ``cap`` follows the batches' typical lengths (``new_cap``).
+- ``list``: its other dimensions vary (images at their own size). Three fields: ``[B, cap]``
+  values (each row's, flat), ``[B]`` their count (-1: aside) and ``[B, ndim]`` its shape; so
+  these too are written in place, not pickled, unless past ``cap``.
+- ``object``: not an array (str, bytes, None, objects). Its values go aside.
 
 "Aside" is the buffer's ``side`` dict, ``(row, leaf) -> value``: a child sends the entries of
 a fill's rows in its ``Done`` answer (pickled once per batch, not per sample), this process
@@ -63,12 +65,16 @@ def write_any(buffer: Any, row: int, sample: Any) -> None:
     for leaf, value in writes:
         if leaf.kind == "fixed":
             np.copyto(arrays[leaf.storage][row, ...], value, casting="same_kind")
-        else:  # ragged, fits its slot
+        elif leaf.kind == "ragged":  # fits its slot
             np.copyto(arrays[leaf.storage][row, : len(value)], value, casting="same_kind")
             arrays[leaf.storage + 1][row] = len(value)
+        else:  # a list leaf's values, flat, and its shape
+            np.copyto(arrays[leaf.storage][row, : value.size], value.reshape(-1), casting="same_kind")
+            arrays[leaf.storage + 1][row] = value.size
+            arrays[leaf.storage + 2][row] = value.shape
     for number, value in aside:
         leaf = leaves[number]
-        if leaf.kind == "ragged":
+        if leaf.kind in ("ragged", "list") and leaf.storage >= 0:
             arrays[leaf.storage + 1][row] = -1
         side[row, number] = np.array(value) if isinstance(value, np.ndarray) else value
 
@@ -88,7 +94,9 @@ def place(leaf: Leaf, value: Any, layout: SampleLayout, number: int) -> str:
     if leaf.kind == "ragged":
         cap = layout.fields[leaf.storage].shape[0]
         return "row" if value.shape[1:] == leaf.shape and len(value) <= cap else "aside"
-    return "aside"  # list
+    if leaf.storage < 0:  # a list leaf of a layout from before it turned (no storage)
+        return "aside"
+    return "row" if value.size <= layout.fields[leaf.storage].shape[0] else "aside"
 
 
 def mismatch(layout: SampleLayout, number: int, leaf: Leaf, value: Any) -> FieldMismatch:
@@ -120,29 +128,33 @@ def grow(layout: SampleLayout, side: dict[tuple[int, int], Any], rows: int = 0) 
     from its longest value: a row longer than its room goes aside safely, so one huge sample
     must not make every buffer of the run huge. ``layout`` itself when nothing changes."""
     leaves = list(layout.leaves if layout.leaves is not None else fixed_leaves(layout))
-    caps = {number: layout.fields[leaf.storage].shape[0] for number, leaf in enumerate(leaves) if leaf.kind == "ragged"}
+    caps = {number: layout.fields[leaf.storage].shape[0] for number, leaf in enumerate(leaves)
+            if leaf.kind in ("ragged", "list") and leaf.storage >= 0}
     lengths: dict[int, list[int]] = {}
     changed = False
     for (_, number), value in side.items():
         leaf = leaves[number]
-        if leaf.kind in ("object", "list") or not isinstance(value, np.ndarray):
+        if leaf.kind == "object" or not isinstance(value, np.ndarray):
+            continue
+        if leaf.kind == "list":
+            lengths.setdefault(number, []).append(value.size)
             continue
         trailing = leaf.shape if leaf.kind == "ragged" else leaf.shape[1:]
         if value.ndim == 0 or value.shape[1:] != trailing:
             leaves[number], changed = Leaf("list", -1, leaf.dtype, (-1,) * value.ndim), True
-            caps.pop(number, None)
-            lengths.pop(number, None)
+            caps[number], lengths[number] = 0, [value.size]
             continue
         if leaf.kind == "fixed":
             leaves[number], changed = Leaf("ragged", -1, leaf.dtype, trailing), True
             caps[number] = 0
             lengths[number] = []
-        if leaves[number].kind == "ragged":
-            lengths.setdefault(number, []).append(len(value))
+        lengths.setdefault(number, []).append(len(value))
     for number, long in lengths.items():
         old = caps[number]
         was = layout.leaves[number] if layout.leaves is not None else fixed_leaves(layout)[number]
-        cap = new_cap(old, long, max(rows, len(long)), was.shape[0] if was.kind == "fixed" else old, leaves[number])
+        now = leaves[number]
+        others = old if was.kind != "fixed" else was.shape[0] if now.kind == "ragged" else int(np.prod(was.shape))
+        cap = new_cap(old, long, max(rows, len(long)), others, now)
         if cap != old:
             caps[number], changed = cap, True
     if not changed:
@@ -159,7 +171,8 @@ def new_cap(cap: int, aside: list[int], rows: int, others: int, leaf: Leaf) -> i
         return cap
     typical = sorted(aside + [others] * (rows - len(aside)))[int(0.9 * (rows - 1))]
     assert leaf.dtype is not None
-    row_bytes = max(1, leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64)) * max(rows, 1))
+    item = leaf.shape if leaf.kind == "ragged" else ()  # a list leaf's room counts its elements
+    row_bytes = max(1, leaf.dtype.itemsize * int(np.prod(item, dtype=np.int64)) * max(rows, 1))
     return max(cap, min(max(FIRST_CAP, 2 * typical), max(FIRST_CAP, RAGGED_BYTES // row_bytes)))
 
 
@@ -175,6 +188,10 @@ def with_storage(layout: SampleLayout, leaves: list[Leaf], caps: dict[int, int])
         elif leaf.kind == "ragged":
             placed.append(Leaf("ragged", len(fields), leaf.dtype, leaf.shape))
             fields += [Field((caps[number], *leaf.shape), leaf.dtype), Field((), np.dtype(np.int64))]  # type: ignore[arg-type]
+        elif leaf.kind == "list":  # its values flat, their count, its shape
+            placed.append(Leaf("list", len(fields), leaf.dtype, leaf.shape))
+            fields += [Field((caps[number],), leaf.dtype), Field((), np.dtype(np.int64)),  # type: ignore[arg-type]
+                       Field((len(leaf.shape),), np.dtype(np.int64))]
         else:
             placed.append(Leaf(leaf.kind, -1, leaf.dtype, leaf.shape))
     return SampleLayout(layout.tree, fields, tuple(placed))
@@ -185,7 +202,7 @@ def used_parts(buffer: Any, size: int) -> list[Any]:
     the longest row's length: what a copy to the GPU needs (not the whole ``[B, cap]`` room)."""
     parts = [tensor[:size] for tensor in buffer.tensors]
     for leaf in buffer.layout.leaves or ():
-        if leaf.kind == "ragged" and buffer.arrays[leaf.storage + 1] is not None:
+        if leaf.kind in ("ragged", "list") and leaf.storage >= 0 and buffer.arrays[leaf.storage + 1] is not None:
             longest = int(buffer.arrays[leaf.storage + 1][:size].max(initial=0))
             parts[leaf.storage] = parts[leaf.storage][:, :longest]
     return parts
