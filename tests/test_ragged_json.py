@@ -31,7 +31,8 @@ def test_json_members_of_a_webdataset_tar_come_as_each_rows_lists(processes, tmp
         for index in range(13):
             image = io.BytesIO()
             np.save(image, np.full((2, 2), index, np.uint8))
-            writer.write({"__key__": f"{index:06d}", "npy": image.getvalue(), "json": json.dumps(annotation(index)).encode()})
+            writer.write({"__key__": f"{index:06d}", "npy": image.getvalue(),
+                          "json": json.dumps(annotation(index)).encode()})
     with AsyncLoader(tar_shards(path, members="all"), batch_size=4, shuffle=False, decode=decode_image_and_json,
                      processes=processes) as loader:
         got = []

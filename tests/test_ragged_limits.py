@@ -86,7 +86,8 @@ def test_normalize_converts_fixed_image_fields_only_also_on_the_device_path():
         buffer.write(row, sample(row))
     normalize = Normalize([0.0] * 3, [1.0] * 3)
     storage = copy_rows(buffer, 4, torch.device("cpu"), normalize)
-    image, crop = layout.unflatten(normalize_fixed(assemble(host_part(buffer, 4), storage, 4, layout), normalize)).values()
+    leaves = normalize_fixed(assemble(host_part(buffer, 4), storage, 4, layout), normalize)
+    image, crop = layout.unflatten(leaves).values()
     assert image.dtype == torch.float32 and image.shape == (4, 3, 2, 2)
     assert torch.equal(image[:, 0, 0, 0], torch.tensor([0.0, 10.0, 20.0, 30.0]) / 255)
     assert crop.is_nested and [tuple(rows.shape) for rows in crop.unbind()] == [(2 + row, 5, 3) for row in range(4)]

@@ -2,7 +2,8 @@
 
 A ``list<float>``/``list<int>`` column gives each row a NumPy array of its own length, a
 ``list<list<float>>`` (or ``list<fixed_size_list<float, 4>>``) one of ``[N, width]`` (boxes
-N x 4: every inner list of the column one length): the loader makes that field ragged (a jagged ``torch.nested`` tensor per batch, ``batch/ragged.py``).
+N x 4: every inner list of the column one length): the loader makes that field ragged (a
+jagged ``torch.nested`` tensor per batch, ``batch/ragged.py``).
 A struct column gives each row a dict of its fields (numbers become tensors, strings lists,
 as any dict in a sample). They are read with the other small columns, once, and kept compact:
 a list column as one flat NumPy array and its offsets (a row's value is a slice, no Python
