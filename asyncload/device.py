@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .batch.buffers import BatchBuffer
+from .batch.ragged import used_parts
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device | None:
@@ -74,6 +75,36 @@ def convert_batch(leaves: list[torch.Tensor], normalize: tuple[Sequence[float], 
     return [convert(t) if is_image_batch(t) else t for t in leaves]
 
 
+def normalize_fixed(leaves: list[Any], normalize: tuple[Sequence[float], Sequence[float]] | Normalize | None
+                    ) -> list[Any]:
+    """``convert_batch`` on an assembled batch's leaves (``batch/assemble.py``): only its fixed
+    fields' tensors, never a jagged tensor or a list of them (a ragged uint8 field's storage
+    ``[B, cap, W, C]`` looks like an image batch, but is not one). The one rule of both the host
+    and the device hand-out for batches with more than fixed fields."""
+    if normalize is None:
+        return leaves
+    convert = normalize if isinstance(normalize, Normalize) else Normalize(*normalize)
+    return [convert(leaf) if isinstance(leaf, torch.Tensor) and not leaf.is_nested and is_image_batch(leaf) else leaf
+            for leaf in leaves]
+
+
+def copy_rows(buffer: BatchBuffer, size: int, device: torch.device, normalize: Normalize | None,
+              stream: Any = None) -> list[torch.Tensor]:
+    """The first ``size`` rows of ``buffer``'s fields on ``device`` (a ragged field's used part,
+    ``used_parts``), issued on the current stream; a batch of fixed fields also normalized here.
+    Fields already on the device are cloned (``stream``: the one that reads them)."""
+    leaves = []
+    for tensor, part in zip(buffer.tensors, used_parts(buffer, size)):
+        if tensor.is_cuda:
+            tensor.record_stream(stream)  # its memory outlives this clone's reads
+            leaves.append(part.clone())
+        else:
+            leaves.append(part.to(device, non_blocking=True))
+    if buffer.layout.leaves is None:  # else normalize_fixed, once assembled
+        leaves = convert_batch(leaves, normalize)
+    return leaves
+
+
 @dataclass
 class PendingCopy:
     """A batch whose copy to the GPU has been issued on the side stream."""
@@ -97,19 +128,11 @@ class DeviceStage:
         Fields already on the device (a GPU decoder's images) are cloned after the decoder's
         events, a device-to-device copy: the user never holds the decode buffer, so it is
         recycled by the same rule as a host one (once ``copy_done`` has completed)."""
-        rows = [t[:size] for t in buffer.tensors]
         writes, buffer.writes = buffer.writes, []
         with torch.cuda.stream(self.stream):
             for event in writes:
                 self.stream.wait_event(event)
-            leaves = []
-            for tensor, part in zip(buffer.tensors, rows):
-                if tensor.is_cuda:
-                    tensor.record_stream(self.stream)  # its memory outlives this clone's reads
-                    leaves.append(part.clone())
-                else:
-                    leaves.append(part.to(self.device, non_blocking=True))
-            leaves = convert_batch(leaves, self.normalize)
+            leaves = copy_rows(buffer, size, self.device, self.normalize, self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         # The event first, the release last: the ring (on the loop thread) may look at the buffer

@@ -210,9 +210,10 @@ def test_error_in_first_sample_of_a_user_decode(tmp_path):
 def test_decoded_shape_that_changes_turns_ragged_and_a_dtype_that_changes_is_an_error():
     with AsyncLoader(list(range(6)), batch_size=3, shuffle=False, read=False, decode=lambda i: np.zeros(1 + (i == 4))) as loader:
         assert [[len(row) for row in batch.unbind()] for batch in loader] == [[1, 1, 1], [1, 2, 1]]
-    decode = lambda i: np.zeros(1 + (i == 4), np.int32 if i == 4 else np.float64)  # noqa: E731
+    decode = lambda i: np.zeros(1 + (i == 4), np.float64 if i == 4 else np.int32)  # noqa: E731  (int32 cannot hold it)
     with AsyncLoader(list(range(6)), batch_size=3, shuffle=False, read=False, decode=decode) as loader:
-        with pytest.raises(SampleError, match=r"sample 4 failed at decode: FieldMismatch: .*int32 array of shape \(2,\)"):
+        with pytest.raises(SampleError, match=r"sample 4 failed at decode: FieldMismatch: .*float64 array of "
+                                              r"shape \(2,\)"):
             list(loader)
 
 

@@ -34,7 +34,7 @@ def assemble(buffer: Any, storage: list[torch.Tensor], size: int, target: Sample
     for number, (old, new) in enumerate(zip(have, want)):
         aside = {row: side[row, number] for row in range(size) if (row, number) in side} if side else {}
         if new.kind == "object":
-            out.append([aside.get(row) for row in range(size)])
+            out.append(every_row(aside, size, f"leaf {number}"))
         elif new.kind == "fixed":
             out.append(storage[old.storage])
         else:
@@ -43,11 +43,21 @@ def assemble(buffer: Any, storage: list[torch.Tensor], size: int, target: Sample
     return out
 
 
+def every_row(aside: dict[int, Any], size: int, leaf: str) -> list[Any]:
+    """The values of a leaf that lives aside (an object or a list leaf), one per row: every row
+    wrote one, so a missing one is a bug in the pipeline, not a ``None`` caption."""
+    missing = [row for row in range(size) if row not in aside]
+    assert not missing, f"rows {missing[:8]} have no value aside for {leaf}: the batch lost them"
+    return [aside[row] for row in range(size)]
+
+
 def host_part(buffer: Any, size: int) -> SimpleNamespace:
     """What ``assemble`` reads from a buffer on the host besides its storage (the layout, what
-    went aside, each ragged row's length), copied: with a device stage the buffer may be reused
+    went aside, each ragged row's length, each list row's shape), copied: with a device stage the buffer may be reused
     once its copy is done, before the batch is handed out."""
-    arrays = [np.array(array[:size]) if array is not None and array.ndim == 1 else None for array in buffer.arrays]
+    shapes = {leaf.storage + 2 for leaf in buffer.layout.leaves or () if leaf.kind == "list" and leaf.storage >= 0}
+    arrays = [np.array(array[:size]) if array is not None and (array.ndim == 1 or index in shapes) else None
+              for index, array in enumerate(buffer.arrays)]
     return SimpleNamespace(layout=buffer.layout, side=dict(buffer.side), arrays=arrays)
 
 
@@ -75,7 +85,12 @@ def _rows(old: Leaf, storage: list[torch.Tensor], buffer: Any, size: int, aside:
         values, lengths = storage[old.storage], _lengths(old, buffer, size)
         return [_tensor(aside[row], new, device) if row in aside else values[row, : lengths[row]]
                 for row in range(size)]
-    return [_tensor(aside[row], new, device) for row in range(size)]
+    if old.storage >= 0:  # a list leaf in the buffer: each row's values, flat, and its shape
+        values, lengths = storage[old.storage], _lengths(old, buffer, size)
+        shapes = buffer.arrays[old.storage + 2][:size].tolist()
+        return [_tensor(aside[row], new, device) if row in aside else values[row, : lengths[row]].view(shapes[row])
+                for row in range(size)]
+    return [_tensor(value, new, device) for value in every_row(aside, size, "a list leaf")]
 
 
 def _jagged(old: Leaf, storage: list[torch.Tensor], buffer: Any, size: int, aside: dict[int, Any], new: Leaf,

@@ -70,8 +70,8 @@ class SampleLayout:
         tree = _flatten(sample, arrays)
         if tree != self.tree:
             return None
-        for array, field in zip(arrays, self.fields):
-            if array.shape != field.shape:
+        for array, field in zip(arrays, self.fields):  # another dtype: write_any says if it fits
+            if array.shape != field.shape or (array.dtype is not field.dtype and array.dtype != field.dtype):
                 return None
         return arrays
 
@@ -99,13 +99,16 @@ def is_numeric(dtype: np.dtype) -> bool:
 
 def flatten_any(sample: Any, out: list[Any]) -> Any:
     """``_flatten`` that keeps a leaf that is not an array or a number as it is (str, bytes, None,
-    any object), rather than make a NumPy array of it."""
+    any object), rather than make a NumPy array of it. A list that holds no array is one such
+    leaf too (each row's list, in a list): parsed JSON (tags, COCO-style annotations) varies in
+    its lists' lengths from sample to sample, and as structure every length would be a
+    mismatch."""
     if type(sample) is np.ndarray:  # the most common leaf first: this runs per sample
         out.append(sample)
         return None
     if isinstance(sample, dict):
         return {key: flatten_any(value, out) for key, value in sample.items()}
-    if isinstance(sample, (tuple, list)):
+    if isinstance(sample, tuple) or (isinstance(sample, list) and holds_arrays(sample)):
         return tuple(flatten_any(value, out) for value in sample)
     if isinstance(sample, torch.Tensor):
         sample = sample.numpy()
@@ -114,6 +117,57 @@ def flatten_any(sample: Any, out: list[Any]) -> Any:
     else:
         out.append(sample)
     return None
+
+
+def holds_arrays(values: list[Any]) -> bool:
+    """Whether a list holds an array or a tensor (at any depth): then it is structure, as a
+    tuple is (``[image, label]``); else one Python value (``flatten_any``)."""
+    for value in values:
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            return True
+        if isinstance(value, (list, tuple, dict)) and holds_arrays(list(value.values()) if isinstance(value, dict)
+                                                                   else list(value)):
+            return True
+    return False
+
+
+MISSING = object()  # what ``first_difference`` gives for a side that has nothing at the place
+
+
+def first_difference(tree: Any, other: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    """The first place where two structures differ (``leaf_names``' spelling) and what each has
+    there: what a structure mismatch names, rather than both whole trees. None when equal."""
+    if tree is None and other is None:
+        return None
+    if tree is None or other is None or type(tree) is not type(other):
+        return prefix or "sample", tree, other
+    if isinstance(tree, dict):
+        for key in list(tree) + [key for key in other if key not in tree]:
+            name = f"{prefix}.{key}" if prefix else str(key)
+            found = first_difference(tree.get(key, MISSING), other.get(key, MISSING), name) if (
+                key in tree and key in other) else (name, tree.get(key, MISSING), other.get(key, MISSING))
+            if found:
+                return found
+        return None
+    for key in range(max(len(tree), len(other))):
+        mine = tree[key] if key < len(tree) else MISSING
+        theirs = other[key] if key < len(other) else MISSING
+        found = (first_difference(mine, theirs, f"{prefix}[{key}]") if MISSING not in (mine, theirs)
+                 else (f"{prefix}[{key}]", mine, theirs))
+        if found:
+            return found
+    return None
+
+
+def structure_words(tree: Any) -> str:
+    """A structure (or part of one) in words, for a mismatch's message."""
+    if tree is MISSING:
+        return "nothing"
+    if tree is None:
+        return "a value"
+    if isinstance(tree, dict):
+        return f"a dict of {sorted(map(str, tree))}"
+    return f"a sequence of {len(tree)}"
 
 
 def leaf_names(tree: Any, prefix: str = "") -> list[str]:

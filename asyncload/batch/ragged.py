@@ -6,9 +6,11 @@ A batch buffer holds fixed-shape fields only (that is what the fast path writes,
 - ``ragged``: its first dimension varies. Two fields hold it: ``[B, cap, *shape]`` values,
   each row's written at the start of its own slot by the decode thread, as a fixed field's row
   is (so also in a child's shared segment), and ``[B]`` lengths. A row longer than ``cap`` goes
-  aside (below), its length -1.
-- ``list``: its other dimensions vary; ``object``: not an array (str, bytes, None, objects).
-  Their values go aside.
+  aside (below), its length -1. ``cap`` follows the batches' typical lengths (``new_cap``).
+- ``list``: its other dimensions vary (images at their own size). Three fields: ``[B, cap]``
+  values (each row's, flat), ``[B]`` their count (-1: aside) and ``[B, ndim]`` its shape; so
+  these too are written in place, not pickled, unless past ``cap``.
+- ``object``: not an array (str, bytes, None, objects). Its values go aside.
 
 "Aside" is the buffer's ``side`` dict, ``(row, leaf) -> value``: a child sends the entries of
 a fill's rows in its ``Done`` answer (pickled once per batch, not per sample), this process
@@ -16,8 +18,9 @@ merges them into its own buffer. A sample that does not fit its buffer's layout 
 fixed leaf of another length, a ragged one past ``cap``) also goes aside, so no sample is lost
 or reordered, and the driver ``grow``s the run's layout from what went aside: later buffers
 have the leaf ragged (or a bigger ``cap``, or a list) for the rest of the run. Anything else
-(another dtype, another number of dimensions, another structure, an array where there was an
-object) is a real mismatch: ``FieldMismatch``, naming the field and both shapes.
+(a dtype the field's cannot hold exactly, such as int64 into int32 or float64 into int64,
+another number of dimensions, another structure, an array where there was an object, or a
+missing value) is a real mismatch: ``FieldMismatch``, naming the field and both shapes.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Field, Leaf, SampleLayout, flatten_any, is_numeric, leaf_names
+from .layout import (Field, Leaf, SampleLayout, first_difference, flatten_any, is_numeric, leaf_names,
+                     structure_words)
 
 FIRST_CAP = 8  # the least room a ragged row gets (values), so short ones rarely go aside
+ASIDE_SHARE = 1 / 16  # a ragged leaf's room grows once more of a batch's rows than this went aside
+RAGGED_BYTES = 32 << 20  # the most a ragged field's values take in one batch buffer (its rows' room)
 
 
 class FieldMismatch(ValueError):
@@ -44,7 +50,9 @@ def write_any(buffer: Any, row: int, sample: Any) -> None:
     values: list[Any] = []
     tree = flatten_any(sample, values)
     if tree != layout.tree:
-        raise FieldMismatch(f"the sample's structure {tree!r} differs from the samples' before it {layout.tree!r}")
+        where, mine, theirs = first_difference(tree, layout.tree) or ("sample", tree, layout.tree)
+        raise FieldMismatch(f"the sample's structure differs from the samples' before it at {where!r}: "
+                            f"{structure_words(mine)} there, where they had {structure_words(theirs)}")
     leaves = layout.leaves if layout.leaves is not None else fixed_leaves(layout)
     arrays, side, aside = buffer.arrays, buffer.side, []
     writes = []
@@ -57,12 +65,16 @@ def write_any(buffer: Any, row: int, sample: Any) -> None:
     for leaf, value in writes:
         if leaf.kind == "fixed":
             np.copyto(arrays[leaf.storage][row, ...], value, casting="same_kind")
-        else:  # ragged, fits its slot
+        elif leaf.kind == "ragged":  # fits its slot
             np.copyto(arrays[leaf.storage][row, : len(value)], value, casting="same_kind")
             arrays[leaf.storage + 1][row] = len(value)
+        else:  # a list leaf's values, flat, and its shape
+            np.copyto(arrays[leaf.storage][row, : value.size], value.reshape(-1), casting="same_kind")
+            arrays[leaf.storage + 1][row] = value.size
+            arrays[leaf.storage + 2][row] = value.shape
     for number, value in aside:
         leaf = leaves[number]
-        if leaf.kind == "ragged":
+        if leaf.kind in ("ragged", "list") and leaf.storage >= 0:
             arrays[leaf.storage + 1][row] = -1
         side[row, number] = np.array(value) if isinstance(value, np.ndarray) else value
 
@@ -75,14 +87,16 @@ def place(leaf: Leaf, value: Any, layout: SampleLayout, number: int) -> str:
     if not isinstance(value, np.ndarray) or not is_numeric(value.dtype):
         raise mismatch(layout, number, leaf, value)
     assert leaf.dtype is not None
-    if value.dtype.kind != leaf.dtype.kind or value.ndim != len(leaf.shape) + (leaf.kind == "ragged"):
+    if not np.can_cast(value.dtype, leaf.dtype, "safe") or value.ndim != len(leaf.shape) + (leaf.kind == "ragged"):
         raise mismatch(layout, number, leaf, value)
     if leaf.kind == "fixed":
         return "row" if value.shape == leaf.shape else "aside"
     if leaf.kind == "ragged":
         cap = layout.fields[leaf.storage].shape[0]
         return "row" if value.shape[1:] == leaf.shape and len(value) <= cap else "aside"
-    return "aside"  # list
+    if leaf.storage < 0:  # a list leaf of a layout from before it turned (no storage)
+        return "aside"
+    return "row" if value.size <= layout.fields[leaf.storage].shape[0] else "aside"
 
 
 def mismatch(layout: SampleLayout, number: int, leaf: Leaf, value: Any) -> FieldMismatch:
@@ -96,7 +110,10 @@ def mismatch(layout: SampleLayout, number: int, leaf: Leaf, value: Any) -> Field
     else:
         shape = leaf.shape if leaf.kind == "fixed" else ("N", *leaf.shape) if leaf.kind == "ragged" else "varying"
         was = f"{leaf.dtype} arrays of shape {shape}"
-    return FieldMismatch(f"field {name!r} is {got}, but the samples before it had {was}")
+    hint = ""
+    if isinstance(value, np.ndarray) and leaf.dtype is not None and not np.can_cast(value.dtype, leaf.dtype, "safe"):
+        hint = f" (a {leaf.dtype} field cannot hold {value.dtype} values exactly: give every sample one dtype)"
+    return FieldMismatch(f"field {name!r} is {got}, but the samples before it had {was}{hint}")
 
 
 def fixed_leaves(layout: SampleLayout) -> tuple[Leaf, ...]:
@@ -104,32 +121,59 @@ def fixed_leaves(layout: SampleLayout) -> tuple[Leaf, ...]:
     return tuple(Leaf("fixed", number, f.dtype, f.shape) for number, f in enumerate(layout.fields))
 
 
-def grow(layout: SampleLayout, side: dict[tuple[int, int], Any]) -> SampleLayout:
+def grow(layout: SampleLayout, side: dict[tuple[int, int], Any], rows: int = 0) -> SampleLayout:
     """The layout that takes what went aside in place: a fixed leaf with values of other
-    lengths turns ragged (room for twice the longest), a ragged one too short for a value gets
-    twice its length, one whose other dimensions varied turns a list. ``layout`` itself when
-    nothing changes."""
+    lengths turns ragged, one whose other dimensions varied turns a list; a ragged leaf's room
+    (``cap``) grows by ``new_cap`` from the typical lengths of the batch's ``rows`` rows, not
+    from its longest value: a row longer than its room goes aside safely, so one huge sample
+    must not make every buffer of the run huge. ``layout`` itself when nothing changes."""
     leaves = list(layout.leaves if layout.leaves is not None else fixed_leaves(layout))
-    caps = {number: layout.fields[leaf.storage].shape[0] for number, leaf in enumerate(leaves) if leaf.kind == "ragged"}
+    caps = {number: layout.fields[leaf.storage].shape[0] for number, leaf in enumerate(leaves)
+            if leaf.kind in ("ragged", "list") and leaf.storage >= 0}
+    lengths: dict[int, list[int]] = {}
     changed = False
     for (_, number), value in side.items():
         leaf = leaves[number]
-        if leaf.kind in ("object", "list") or not isinstance(value, np.ndarray):
+        if leaf.kind == "object" or not isinstance(value, np.ndarray):
+            continue
+        if leaf.kind == "list":
+            lengths.setdefault(number, []).append(value.size)
             continue
         trailing = leaf.shape if leaf.kind == "ragged" else leaf.shape[1:]
         if value.ndim == 0 or value.shape[1:] != trailing:
             leaves[number], changed = Leaf("list", -1, leaf.dtype, (-1,) * value.ndim), True
-            caps.pop(number, None)
+            caps[number], lengths[number] = 0, [value.size]
             continue
-        longest = max(len(value), leaf.shape[0] if leaf.kind == "fixed" else 0)
         if leaf.kind == "fixed":
-            leaves[number] = Leaf("ragged", -1, leaf.dtype, trailing)
-        if longest > caps.get(number, 0):
-            caps[number] = max(FIRST_CAP, 2 * longest)
-            changed = True
+            leaves[number], changed = Leaf("ragged", -1, leaf.dtype, trailing), True
+            caps[number] = 0
+            lengths[number] = []
+        lengths.setdefault(number, []).append(len(value))
+    for number, long in lengths.items():
+        old = caps[number]
+        was = layout.leaves[number] if layout.leaves is not None else fixed_leaves(layout)[number]
+        now = leaves[number]
+        others = old if was.kind != "fixed" else was.shape[0] if now.kind == "ragged" else int(np.prod(was.shape))
+        cap = new_cap(old, long, max(rows, len(long)), others, now)
+        if cap != old:
+            caps[number], changed = cap, True
     if not changed:
         return layout
     return with_storage(layout, leaves, caps)
+
+
+def new_cap(cap: int, aside: list[int], rows: int, others: int, leaf: Leaf) -> int:
+    """A ragged leaf's room per row after ``aside`` (lengths longer than their room) went aside
+    out of a batch of ``rows``, the others at most ``others`` long: unchanged (``cap``) unless
+    more than ``ASIDE_SHARE`` of the rows went aside, else twice the lengths' 90th percentile,
+    within ``RAGGED_BYTES`` for the batch's field. A new ragged leaf (``cap`` 0) always gets room."""
+    if cap and len(aside) <= max(1, ASIDE_SHARE * rows):
+        return cap
+    typical = sorted(aside + [others] * (rows - len(aside)))[int(0.9 * (rows - 1))]
+    assert leaf.dtype is not None
+    item = leaf.shape if leaf.kind == "ragged" else ()  # a list leaf's room counts its elements
+    row_bytes = max(1, leaf.dtype.itemsize * int(np.prod(item, dtype=np.int64)) * max(rows, 1))
+    return max(cap, min(max(FIRST_CAP, 2 * typical), max(FIRST_CAP, RAGGED_BYTES // row_bytes)))
 
 
 def with_storage(layout: SampleLayout, leaves: list[Leaf], caps: dict[int, int]) -> SampleLayout:
@@ -144,9 +188,24 @@ def with_storage(layout: SampleLayout, leaves: list[Leaf], caps: dict[int, int])
         elif leaf.kind == "ragged":
             placed.append(Leaf("ragged", len(fields), leaf.dtype, leaf.shape))
             fields += [Field((caps[number], *leaf.shape), leaf.dtype), Field((), np.dtype(np.int64))]  # type: ignore[arg-type]
+        elif leaf.kind == "list":  # its values flat, their count, its shape
+            placed.append(Leaf("list", len(fields), leaf.dtype, leaf.shape))
+            fields += [Field((caps[number],), leaf.dtype), Field((), np.dtype(np.int64)),  # type: ignore[arg-type]
+                       Field((len(leaf.shape),), np.dtype(np.int64))]
         else:
             placed.append(Leaf(leaf.kind, -1, leaf.dtype, leaf.shape))
     return SampleLayout(layout.tree, fields, tuple(placed))
+
+
+def used_parts(buffer: Any, size: int) -> list[Any]:
+    """The first ``size`` rows of each of ``buffer``'s tensors, a ragged field's values cut to
+    the longest row's length: what a copy to the GPU needs (not the whole ``[B, cap]`` room)."""
+    parts = [tensor[:size] for tensor in buffer.tensors]
+    for leaf in buffer.layout.leaves or ():
+        if leaf.kind in ("ragged", "list") and leaf.storage >= 0 and buffer.arrays[leaf.storage + 1] is not None:
+            longest = int(buffer.arrays[leaf.storage + 1][:size].max(initial=0))
+            parts[leaf.storage] = parts[leaf.storage][:, :longest]
+    return parts
 
 
 def take_aside(buffer: Any, rows: Any) -> dict[tuple[int, int], Any]:
@@ -156,11 +215,15 @@ def take_aside(buffer: Any, rows: Any) -> dict[tuple[int, int], Any]:
     return {key: side.pop(key) for key in [key for key in list(side) if key[0] in wanted]}
 
 
-def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any]) -> None:
+def take_in(ring: Any, buffer: Any, side: dict[tuple[int, int], Any], stats: Any = None) -> None:
     """On the driver: values a fill put aside join its batch's ``buffer``, and ``ring``'s layout
     grows to take them in place from now on (a field turned ragged, or longer): buffers taken
-    from now on have it; those already taken keep theirs (``assemble`` converts them)."""
+    from now on have it; those already taken keep theirs (``assemble`` converts them). ``stats``
+    counts their bytes (arrays' and text's; 8 for any other object)."""
     buffer.side.update(side)
-    grown = grow(ring.layout, side)
+    if stats is not None:
+        stats.add_aside(sum(value.nbytes if isinstance(value, np.ndarray) else len(value) if isinstance(
+            value, (str, bytes)) else 8 for value in side.values()))
+    grown = grow(ring.layout, side, ring.capacity)
     if grown is not ring.layout:
         ring.configure(grown, ring.capacity, *([ring.on_device] if hasattr(ring, "on_device") else []))

@@ -19,12 +19,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-import torch
 
 from ..batch.assemble import assemble, host_part
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..batch.layout import SampleLayout
-from ..device import PendingCopy, convert_batch
+from ..device import PendingCopy, convert_batch, normalize_fixed
 from ..stats.figures import LoaderStats
 from .in_flight import InFlight
 from .settings import Settings
@@ -81,11 +80,9 @@ class HandOut:
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
             host = getattr(pending, "host", buffer)  # see start_copy
-            return target.unflatten(assemble(host, stage.hand_over(pending), size, target, stage.device))
-        leaves = assemble(buffer, buffer.views(size), size, target)
-        if self.s.normalize is not None:
-            leaves = [convert_batch([leaf], self.s.normalize)[0] if isinstance(leaf, torch.Tensor) and not leaf.is_nested
-                      else leaf for leaf in leaves]
+            leaves = assemble(host, stage.hand_over(pending), size, target, stage.device)
+            return target.unflatten(normalize_fixed(leaves, stage.normalize))
+        leaves = normalize_fixed(assemble(buffer, buffer.views(size), size, target), self.s.normalize)
         self._handed = buffer
         return target.unflatten(leaves)
 

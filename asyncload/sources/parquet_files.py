@@ -161,7 +161,8 @@ def is_number(kind: Any) -> bool:
 
 def refuse_kind(name: str, kind: Any) -> TypeError:
     """The error for a label or ``columns=`` column of a type that cannot be one."""
-    return TypeError(f"column {name!r} is {kind}: a label must be numbers, a batch field numbers or strings")
+    return TypeError(f"column {name!r} is {kind}: a label must be numbers, a batch field numbers, strings, a "
+                     f"list of numbers, a list of equal-length lists of numbers, or a struct")
 
 
 def is_text(kind: Any) -> bool:

@@ -1,7 +1,9 @@
 """Parquet columns that are not one number a row: lists of numbers and structs.
 
-A ``list<float>``/``list<int>`` column gives each row a NumPy array of its own length: the
-loader makes that field ragged (a jagged ``torch.nested`` tensor per batch, ``batch/ragged.py``).
+A ``list<float>``/``list<int>`` column gives each row a NumPy array of its own length, a
+``list<list<float>>`` (or ``list<fixed_size_list<float, 4>>``) one of ``[N, width]`` (boxes
+N x 4: every inner list of the column one length): the loader makes that field ragged (a
+jagged ``torch.nested`` tensor per batch, ``batch/ragged.py``).
 A struct column gives each row a dict of its fields (numbers become tensors, strings lists,
 as any dict in a sample). They are read with the other small columns, once, and kept compact:
 a list column as one flat NumPy array and its offsets (a row's value is a slice, no Python
@@ -21,9 +23,16 @@ def is_nested(kind: Any) -> bool:
 
     from .parquet_files import is_number
 
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return is_number(kind.value_type)
+    if is_list(kind):
+        inner = kind.value_type
+        return is_number(inner) or (is_list(inner) and is_number(inner.value_type))
     return pa.types.is_struct(kind)
+
+
+def is_list(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
 
 def column_leaves(group: Any, names: Sequence[str]) -> list[str]:
@@ -45,15 +54,40 @@ class NestedColumn:
         self.name = name
         self.nulls = np.asarray(column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
         self.rows: list[Any] | None = None
+        self.width: int | None = None
         if pa.types.is_struct(column.type):
             self.rows = column.to_pylist()
             return
         lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))
         flat = pc.list_flatten(column)
-        self.values = np.asarray(flat.to_numpy(zero_copy_only=False))
         if flat.null_count:
             raise TypeError(f"column {name!r} has a null inside a list: a list field must be numbers")
+        if is_list(flat.type):  # list<list<number>>: each row N x width (boxes N x 4)
+            flat = self._rows_of_width(flat)
+        self.values = np.asarray(flat.to_numpy(zero_copy_only=False))
+        if self.width is not None:
+            self.values = self.values.reshape(int(self.offsets[-1]), self.width)
+
+    def _rows_of_width(self, inner: Any) -> Any:
+        """The numbers of a ``list<list<number>>`` column's inner lists, which must all have one
+        length (the field's width, as a ragged field's trailing dimension); sets ``width``."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if pa.types.is_fixed_size_list(inner.type):
+            self.width = inner.type.list_size
+        else:
+            lengths = np.unique(pc.list_value_length(inner).to_numpy(zero_copy_only=False))
+            if len(lengths) > 1:
+                raise TypeError(f"column {self.name!r} is a list of lists of {len(lengths)} lengths "
+                                f"({', '.join(map(str, lengths[:4]))}...): each inner list must have one length "
+                                f"(a ragged [N, width] field)")
+            self.width = int(lengths[0]) if len(lengths) else 0
+        flat = pc.list_flatten(inner)
+        if flat.null_count:
+            raise TypeError(f"column {self.name!r} has a null inside a list: a list field must be numbers")
+        return flat
 
     def value(self, index: int) -> Any:
         if self.rows is not None:

@@ -91,6 +91,7 @@ class LoaderStats:
         self.retries = 0
         self.retry_wait_seconds = 0.0  # time reads waited between their tries (the retry budget spent)
         self.decoded_on_cpu = 0  # samples a batched GPU decoder sent to its CPU path
+        self.aside_bytes = 0  # values kept aside (batch/ragged.py): pickled per sample with processes=N
         self.failures: list[Failure] = []
         self._active_seconds = 0.0
         self._active_cpu = 0.0
@@ -135,6 +136,10 @@ class LoaderStats:
         with self._lock:
             self.retries += 1
             self.retry_wait_seconds += wait
+
+    def add_aside(self, nbytes: int) -> None:
+        with self._lock:
+            self.aside_bytes += nbytes
 
     def add_decoded_on_cpu(self, count: int) -> None:
         with self._lock:
@@ -226,7 +231,8 @@ class LoaderStats:
                 consumer_wait_seconds=self.consumer_wait_seconds, retries=self.retries,
                 retry_wait_seconds=self.retry_wait_seconds, failures=len(self.failures),
                 active_seconds=active, cpu_seconds=cpu, other_processes_cpu_seconds=max(0.0, system_cpu - cpu),
-                cpu_cores=usable_cores(), decoded_on_cpu=self.decoded_on_cpu, **self.limits,
+                cpu_cores=usable_cores(), decoded_on_cpu=self.decoded_on_cpu, aside_bytes=self.aside_bytes,
+                **self.limits,
             )
         return with_verdict(snapshot)
 

@@ -96,6 +96,10 @@ class StatsSnapshot:
     decoded_on_cpu: int = 0
     """Samples a batched GPU decoder (``GpuImageDecoder``) sent to its CPU path: formats and files
     nvJPEG does not decode (CMYK JPEGs, PNG, ...). Near ``decode.items``, the GPU path idles."""
+    aside_bytes: int = 0
+    """Bytes of sample values kept aside rather than in the batch's arrays (``batch/ragged.py``):
+    text, objects, list fields (arrays whose other dimensions vary), rows past a ragged field's
+    room. With ``processes=N`` these travel pickled in the child's answer, per sample."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers (and the bottleneck's name), for training logs or TensorBoard: keys
