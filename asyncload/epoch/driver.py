@@ -166,7 +166,7 @@ class EpochDriver:
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
             if message.side:  # values its rows put aside (batch/ragged.py)
-                take_in(self.pipes.ring, batch.buffer, message.side, self.s.stats)
+                take_in(self.pipes.ring, batch.buffer, message.side, self.stats)
             batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
