@@ -43,7 +43,7 @@ def test_one_huge_sample_arrives_but_does_not_make_every_buffer_huge(processes):
             for index, boxes in zip(batch["id"].tolist(), batch["boxes"].unbind()):
                 assert torch.equal(boxes, torch.from_numpy(boxes_of(index)))
                 got.append(index)
-        room = loader._pipes.ring.layout.fields[1].shape[0]  # the run's buffers
+        room = loader._backend.ring.layout.fields[1].shape[0]  # the run's buffers
     assert got == list(range(24))
     assert room < 100, room
 
