@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -41,16 +42,24 @@ def epochs(source: Any, options: dict, batch_size: int, processes: int, count: i
                      storage_options=options) as loader:
         before = loader.stats.as_dict()
         for _ in range(2):
-            started, seen = time.perf_counter(), 0
+            started, cpu, seen = time.perf_counter(), _cpu(), 0
             for _, labels in loader:
                 seen += len(labels)
             elapsed = time.perf_counter() - started
             after = loader.stats.as_dict()
-            rows.append({"rate": seen / elapsed, "bytes": after["read/bytes"] - before["read/bytes"],
+            rows.append({"rate": seen / elapsed, "cpu_ms": 1000 * (_cpu() - cpu) / max(seen, 1),
+                         "bytes": after["read/bytes"] - before["read/bytes"],
                          "requests": after["read/items"] - before["read/items"], "samples": seen})
             before = after
     assert all(row["samples"] == count for row in rows), rows
     return rows
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (processes=N): less moved by a busy
+    box than wall time (SeaweedFS is not counted)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,10 +94,13 @@ def main(argv: list[str] | None = None) -> None:
                 for name, rows in (("no cache", plain), ("cache_dir", cached)):
                     for which, row in zip(("cold", "warm"), rows):
                         print(f"round {number} {kind:6s} {name:9s} {which}: {row['rate']:7.0f} img/s, "
+                              f"{row['cpu_ms']:5.2f} CPU ms/img, "
                               f"{row['bytes'] / 1e6:7.1f} MB, {row['requests']:5d} requests", flush=True)
                 ratios.setdefault(f"{kind}: cache cold / no cache cold", []).append(cached[0]["rate"] / plain[0]["rate"])
                 ratios.setdefault(f"{kind}: cache warm / cache cold", []).append(cached[1]["rate"] / cached[0]["rate"])
                 ratios.setdefault(f"{kind}: cache warm / no cache warm", []).append(cached[1]["rate"] / plain[1]["rate"])
+                ratios.setdefault(f"{kind}: CPU/img cache cold / no cache cold", []).append(
+                    cached[0]["cpu_ms"] / plain[0]["cpu_ms"])
         for name, values in ratios.items():
             print(f"{name}: {', '.join(f'{v:.2f}' for v in values)} (median {statistics.median(values):.2f})")
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -123,8 +123,11 @@ class ShardCache:
             for _ in range(3):  # evicted by another process between download and read: again
                 if not await self.ensure(url, size):
                     break
+                fresh = self._just_downloaded(url, start, end)
+                if fresh is not None:
+                    return fresh, None
                 try:
-                    return await self.run_blocking(files.read_copy_range, path, start, end, size)
+                    return await self._from_copy(url, start, end, size)
                 except FileNotFoundError:
                     self._checked.pop(url, None)
         finally:
@@ -136,6 +139,15 @@ class ShardCache:
         # Bypassed, or evicted by others between download and read three times (the cache is
         # too small for the processes sharing it): serve the read from storage, never fail it.
         return await self.download(url, start, end), None
+
+    async def _from_copy(self, url: str, start: int, end: int, size: int) -> tuple[bytes, files.CopyId]:
+        """Bytes ``[start, end)`` of the kept copy of ``url``; FileNotFoundError if it is gone."""
+        return await self.run_blocking(files.read_copy_range, self.path(url), start, end, size)
+
+    def _just_downloaded(self, url: str, start: int, end: int) -> bytes | None:
+        """The bytes a download of this process has just fetched, if it kept them (the item
+        cache does, for the read that asked: no read back from the disk); None here."""
+        return None
 
     async def damaged(self, url: str, size: int, copy: files.CopyId) -> bool:
         """Whether bytes that failed to decode (or parse), read from ``copy`` of ``url``, may
@@ -233,6 +245,7 @@ class ShardCache:
         disk's are ``CacheWriteError``."""
         fd = await self._on_disk(files.new_file, partial, undo=os.close)
         try:
+            await self._on_disk(files.reserve, fd, size)
             crc = 0
             for start in range(0, size, self.chunk_bytes):
                 data = await self.download(url, start, min(size, start + self.chunk_bytes))
