@@ -50,6 +50,7 @@ from ..errors import describe
 from ..redact import shown
 from . import cache_files as files
 from .cache_evict import evict, owned_bytes
+from .cache_progress import Downloads
 from .cache_lock import PeerLocks
 from .retries import is_transient
 
@@ -79,6 +80,7 @@ class ShardCache:
         self.run_blocking = run_blocking  # runs file work off the event loop
         self.version = version  # async url -> the remote object's version (ETag or mtime), if known
         self.locks = PeerLocks(timeout)
+        self.streaming: Downloads | None = Downloads()  # reads served from this process's downloads under way
         self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
@@ -121,7 +123,18 @@ class ShardCache:
         self._in_use[path] += 1
         try:
             for _ in range(3):  # evicted by another process between download and read: again
-                if not await self.ensure(url, size):
+                ensuring = asyncio.ensure_future(self.ensure(url, size))
+                try:
+                    if self.streaming is not None:
+                        served = await self.streaming.serve(url, start, end, ensuring, self._finish)
+                        if served is not None:
+                            return served, None
+                    kept = await ensuring
+                finally:
+                    if not ensuring.done():  # served from the download (or cancelled): its wait ends
+                        ensuring.cancel()
+                        ensuring.add_done_callback(_retrieved)
+                if not kept:
                     break
                 fresh = self._just_downloaded(url, start, end)
                 if fresh is not None:
@@ -244,14 +257,22 @@ class ShardCache:
         """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
         disk's are ``CacheWriteError``."""
         fd = await self._on_disk(files.new_file, partial, undo=os.close)
+        progress = None
         try:
             await self._on_disk(files.reserve, fd, size)
+            if self.streaming is not None:  # our own new file, open for the reads served from it
+                progress = self.streaming.start(url, os.open(partial, files.READ_FLAGS))
             crc = 0
             for start in range(0, size, self.chunk_bytes):
-                data = await self.download(url, start, min(size, start + self.chunk_bytes))
+                end = min(size, start + self.chunk_bytes)
+                data = await self.download(url, start, end)
                 crc = await self._on_disk(files.write_all, fd, data, crc)
+                if progress is not None:
+                    self.streaming.advance(progress, end)  # type: ignore[union-attr]
             return crc
         finally:
+            if progress is not None:
+                self.streaming.end(url, progress)  # type: ignore[union-attr]
             os.close(fd)
 
     async def _on_disk(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
@@ -296,6 +317,12 @@ class ShardCache:
         if (str(self.directory), reason) not in _warned:
             _warned.add((str(self.directory), reason))
             warnings.warn(f"asyncload shard cache {self.directory}: {message}", RuntimeWarning, stacklevel=2)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Takes a cancelled wait's outcome, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def default_budget(directory: Path) -> int:

@@ -265,6 +265,15 @@ def write_all(fd: int, data: bytes, crc: int) -> int:
     return zlib.crc32(data, crc)
 
 
+def write_new(path: Path, data: bytes) -> int:
+    """``data`` as the new file ``path``; returns its checksum."""
+    fd = new_file(path)
+    try:
+        return write_all(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
 def install(files: ShardFiles, partial: Path, meta: dict[str, Any]) -> None:
     """Renames the downloaded ``partial`` into place, then its meta file (written whole, then
     renamed: a reader sees an old or a new one, never half; one that does not match the copy
