@@ -80,3 +80,42 @@ def test_a_cold_epoch_with_a_cache_reads_what_one_without_does(shards, s3_option
             counts.append((stats["read/items"], stats["read/bytes"]))
     assert counts[1][0] == counts[0][0]
     assert counts[1][1] >= counts[0][1]  # whole shards: their headers and padding too
+
+
+def test_a_chunk_is_served_before_its_shard_is_downloaded_whole(tmp_path):
+    """A read of a shard's first bytes waited for its last chunk: a cold epoch decoded nothing of
+    a shard until all of it had come. Now it is served once its own bytes are written; the
+    download goes on, and the copy is installed whole, with its meta."""
+    import asyncio
+    import zlib
+
+    from asyncload.io.cache import ShardCache
+    from asyncload.io.cache_files import read_meta, shard_files
+
+    url, blob, chunk = "s3://b/shard.tar", bytes(range(256)) * 16, 1024
+
+    async def main():
+        last_chunk = asyncio.Event()
+
+        async def download(url, start, end):
+            if end == len(blob):
+                await last_chunk.wait()
+            return blob[start:end]
+
+        async def run_blocking(function, *args):
+            return await asyncio.to_thread(function, *args)
+
+        async def version(url):
+            return "v1"
+
+        cache = ShardCache(tmp_path, 1 << 20, download, chunk, run_blocking, version=version, timeout=5)
+        first = await asyncio.wait_for(cache.read_range(url, 10, 20, len(blob)), 5)
+        assert first == blob[10:20] and not cache.path(url).exists()
+        last_chunk.set()
+        assert await asyncio.wait_for(cache.read_range(url, len(blob) - 10, len(blob), len(blob)), 5) == blob[-10:]
+        await cache.aclose()
+        return cache
+
+    cache = asyncio.run(main())
+    assert cache.path(url).read_bytes() == blob
+    assert read_meta(shard_files(tmp_path, url).meta)["crc32"] == zlib.crc32(blob)
