@@ -218,12 +218,16 @@ class ShardCache:
                                   f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
             return None
 
+    async def _try_lock(self, path: Path) -> int | None:
+        """``cache_files.try_lock`` on the loop: a shard's lock is taken once per download."""
+        return files.try_lock(path)
+
     async def _ask_version(self, url: str) -> str:
         return "" if self.version is None else await self.version(url)
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
         try:
-            lock = await self.locks.take(url, shard)
+            lock = await self.locks.take(url, shard, self._try_lock)
         except OSError as error:
             return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
         if lock is None:
@@ -235,11 +239,12 @@ class ShardCache:
             if await self._finish(files.current, shard, url, size, version):
                 return True  # another process has just downloaded this version
             await self._evict(size)
-            partial = shard.new_part()
+            partial, installed = shard.new_part(), False
             try:
                 crc = await self._fetch_to(url, size, partial)
                 meta = {"url": url, "size": size, "version": version, "crc32": crc}
                 await self._on_disk(files.install, shard, partial, meta)
+                installed = True
             except CacheWriteError as error:
                 files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
                 files.unlink(partial)
@@ -249,7 +254,8 @@ class ShardCache:
                     return self._skip(url, "full", f"the disk is full ({cause}); cache_bytes is now {self.max_bytes}")
                 return self._skip(url, "unwritable", f"cannot write {partial}: {cause}")
             finally:
-                files.unlink(partial)
+                if not installed:  # renamed into place: no name to free (an unlink on the loop waits for the folder)
+                    files.unlink(partial)
             await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
             return True
         finally:
