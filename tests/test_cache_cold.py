@@ -113,9 +113,47 @@ def test_a_chunk_is_served_before_its_shard_is_downloaded_whole(tmp_path):
         assert first == blob[10:20] and not cache.path(url).exists()
         last_chunk.set()
         assert await asyncio.wait_for(cache.read_range(url, len(blob) - 10, len(blob), len(blob)), 5) == blob[-10:]
+        assert await cache.ensure(url, len(blob))  # the copy, installed whole
         await cache.aclose()
         return cache
 
     cache = asyncio.run(main())
     assert cache.path(url).read_bytes() == blob
     assert read_meta(shard_files(tmp_path, url).meta)["crc32"] == zlib.crc32(blob)
+
+
+def test_a_chunk_is_served_before_its_bytes_reach_the_disk(tmp_path):
+    """A busy disk took seconds to write a 16 MB chunk, and the reads within it waited for the
+    write; now they are served from the downloaded bytes while they are written."""
+    import asyncio
+    import threading
+
+    from asyncload.io import cache_files
+    from asyncload.io.cache import ShardCache
+
+    url, blob, chunk = "s3://b/shard.tar", bytes(range(256)) * 16, 1024
+    writing = threading.Event()
+
+    async def main():
+        async def download(url, start, end):
+            return blob[start:end]
+
+        async def run_blocking(function, *args):
+            if function is cache_files.write_all:
+                return await asyncio.to_thread(lambda: writing.wait(10) and function(*args))
+            return await asyncio.to_thread(function, *args)
+
+        async def version(url):
+            return "v1"
+
+        cache = ShardCache(tmp_path, 1 << 20, download, chunk, run_blocking, version=version, timeout=5)
+        try:
+            assert await asyncio.wait_for(cache.read_range(url, 10, 20, len(blob)), 5) == blob[10:20]
+        finally:
+            writing.set()
+        assert await cache.read_range(url, len(blob) - 10, len(blob), len(blob)) == blob[-10:]
+        assert await cache.ensure(url, len(blob))
+        await cache.aclose()
+
+    asyncio.run(main())
+    assert (tmp_path / next(p for p in os.listdir(tmp_path) if p.endswith("-shard.tar"))).read_bytes() == blob

@@ -275,6 +275,8 @@ class ShardCache:
             for start in range(0, size, self.chunk_bytes):
                 end = min(size, start + self.chunk_bytes)
                 data = await self.download(url, start, end)
+                if progress is not None:
+                    self.streaming.hold(progress, start, data)  # type: ignore[union-attr]
                 crc = await self._on_disk(files.write_all, fd, data, crc)
                 if progress is not None:
                     self.streaming.advance(progress, end)  # type: ignore[union-attr]
