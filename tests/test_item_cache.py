@@ -41,11 +41,11 @@ def make_source(kind: str, url: str, options: dict, cache: Path, tmp_path: Path,
     return manifest(str(tmp_path / "train.tsv"), cache_dir=str(cache), **kwargs)
 
 
-def epochs(source, options, processes=0, count=2) -> tuple[list, list]:
+def epochs(source, options, processes=0, count=2, **kwargs) -> tuple[list, list]:
     """Each epoch's samples in order (shuffle off) and the bytes and reads it took from storage."""
     samples, reads = [], []
     with AsyncLoader(source, batch_size=5, decode=DECODE, storage_options=options, processes=processes,
-                     shuffle=False) as loader:
+                     shuffle=False, **kwargs) as loader:
         before = loader.stats.as_dict()
         for _ in range(count):
             if source.labels is not None:
@@ -144,8 +144,7 @@ def test_storage_down_serves_the_kept_copies(bucket, s3_options, tmp_path):
     source = make_source("manifest", url, s3_options, tmp_path / "cache", tmp_path)
     epochs(source, s3_options, count=1)
     with pytest.warns(RuntimeWarning, match="could not be asked"):
-        samples, reads = epochs(source, {**closed_port_options(), "config_kwargs": {"retries": {"max_attempts": 1}}},
-                                count=1)
+        samples, reads = epochs(source, closed_port_options(), count=1, read_retries=0)
     assert samples == [ALL] and reads == [(0, 0)]
 
 

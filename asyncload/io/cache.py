@@ -60,6 +60,7 @@ from .retries import is_transient
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
 
+FINISH_S = 10.0  # how long the end of a run waits for its downloads under way before cancelling them
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 DEFAULT_CAP = 64 << 30
 FREE_FRACTION = 0.5
@@ -103,12 +104,18 @@ class ShardCache:
             self._usable = True
 
     async def aclose(self) -> None:
-        """Cancels this process's downloads (their partial files are removed), before the
-        reader they use closes."""
+        """Lets this process's downloads end (their reads may all have been served before: the
+        copy must still be kept for the next epoch) for up to ``FINISH_S``, then cancels those
+        left (their partial files are removed), before the reader they use closes; then evicts
+        what they added past ``max_bytes``."""
         pending = list(self._downloads.values())
+        if pending:
+            await asyncio.wait(pending, timeout=min(FINISH_S, self.locks.timeout))
         for download in pending:
             download.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        if pending and self._usable:
+            await self._evict(0)
 
     def path(self, url: str) -> Path:
         """Where ``url``'s copy is kept."""
