@@ -57,7 +57,9 @@ def slow_downloader(folder, started, done) -> None:
     slow = Storage(slow_chunk_s=1.5)
 
     async def main():
-        first = asyncio.create_task(new_cache(folder, slow, 0.5).read_range(URL, 0, 10, len(BLOB)))
+        # the whole copy: a read is served as soon as its own bytes came (cache_progress), and this
+        # peer must stay until its download ends
+        first = asyncio.create_task(new_cache(folder, slow, 0.5).ensure(URL, len(BLOB)))
         while slow.reads == 0:
             await asyncio.sleep(0.01)
         started.set()
@@ -114,7 +116,7 @@ def test_a_stalled_peer_costs_only_the_reads_it_stalls(tmp_path):
             assert await cache.read_range(URL, 0, 10, len(BLOB)) == BLOB[:10]
         assert storage.reads == 2 and not cache.path(URL).exists()
         os.close(stalled)  # the peer let go (or died)
-        assert await cache.read_range(URL, 0, 10, len(BLOB)) == BLOB[:10]
+        assert await cache.ensure(URL, len(BLOB))  # the whole copy (a read is served before)
         assert cache.path(URL).read_bytes() == BLOB, "the shard was not cached once the peer let go"
         downloaded = storage.reads
         assert await cache.read_range(URL, 10, 20, len(BLOB)) == BLOB[10:20]
@@ -223,7 +225,8 @@ def test_concurrent_downloads_keep_every_copys_meta(tmp_path):
 
     async def main(folder):
         cache = ShardCache(folder, 1 << 30, download, 4096, in_thread, version, timeout=5)
-        await asyncio.gather(*(cache.read_range(url, 0, 10, 20480) for url in urls))
+        # the whole copies (a read is served before its download ends: cache_progress)
+        await asyncio.gather(*(cache.ensure(url, 20480) for url in urls))
 
     for run in range(3):
         folder = tmp_path / str(run)

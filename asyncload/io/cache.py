@@ -2,8 +2,11 @@
 of one machine (the ranks of a node, several jobs), which never stops an epoch that storage alone
 could serve.
 
-A shard is downloaded whole (large sequential ranged reads) into a temporary file and renamed
-into place, so no process ever sees half a shard. A per-shard lock file (``flock``) lets one
+A shard is downloaded whole (large sequential ranged reads) into a temporary file, reserved at
+its full size first (``cache_files.reserve``: cheaper writes, and a full disk found before the
+download), and renamed into place, so no process ever sees half a shard; this process's own reads
+of it are served from that file as soon as their bytes are written (``cache_progress``), so the
+cold epoch decodes a shard's first chunk while the rest still downloads. A per-shard lock file (``flock``) lets one
 process download while the others wait for its file instead of downloading it again. Before each
 download the least recently used shards are deleted until the cache has room for it within
 ``max_bytes``, except those this process is reading (the cache exceeds its size by those until
@@ -50,12 +53,14 @@ from ..errors import describe
 from ..redact import shown
 from . import cache_files as files
 from .cache_evict import evict, owned_bytes
+from .cache_progress import Downloads
 from .cache_lock import PeerLocks
 from .retries import is_transient
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
 
+FINISH_S = 10.0  # how long the end of a run waits for its downloads under way before cancelling them
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 DEFAULT_CAP = 64 << 30
 FREE_FRACTION = 0.5
@@ -79,6 +84,7 @@ class ShardCache:
         self.run_blocking = run_blocking  # runs file work off the event loop
         self.version = version  # async url -> the remote object's version (ETag or mtime), if known
         self.locks = PeerLocks(timeout)
+        self.streaming: Downloads | None = Downloads()  # reads served from this process's downloads under way
         self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
@@ -98,12 +104,18 @@ class ShardCache:
             self._usable = True
 
     async def aclose(self) -> None:
-        """Cancels this process's downloads (their partial files are removed), before the
-        reader they use closes."""
+        """Lets this process's downloads end (their reads may all have been served before: the
+        copy must still be kept for the next epoch) for up to ``FINISH_S``, then cancels those
+        left (their partial files are removed), before the reader they use closes; then evicts
+        what they added past ``max_bytes``."""
         pending = list(self._downloads.values())
+        if pending:
+            await asyncio.wait(pending, timeout=min(FINISH_S, self.locks.timeout))
         for download in pending:
             download.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        if pending and self._usable:
+            await self._evict(0)
 
     def path(self, url: str) -> Path:
         """Where ``url``'s copy is kept."""
@@ -121,10 +133,24 @@ class ShardCache:
         self._in_use[path] += 1
         try:
             for _ in range(3):  # evicted by another process between download and read: again
-                if not await self.ensure(url, size):
-                    break
+                ensuring = asyncio.ensure_future(self.ensure(url, size))
                 try:
-                    return await self.run_blocking(files.read_copy_range, path, start, end, size)
+                    if self.streaming is not None:
+                        served = await self.streaming.serve(url, start, end, ensuring, self._finish)
+                        if served is not None:
+                            return served, None
+                    kept = await ensuring
+                finally:
+                    if not ensuring.done():  # served from the download (or cancelled): its wait ends
+                        ensuring.cancel()
+                        ensuring.add_done_callback(_retrieved)
+                if not kept:
+                    break
+                fresh = self._just_downloaded(url, start, end)
+                if fresh is not None:
+                    return fresh, None
+                try:
+                    return await self._from_copy(url, start, end, size)
                 except FileNotFoundError:
                     self._checked.pop(url, None)
         finally:
@@ -136,6 +162,15 @@ class ShardCache:
         # Bypassed, or evicted by others between download and read three times (the cache is
         # too small for the processes sharing it): serve the read from storage, never fail it.
         return await self.download(url, start, end), None
+
+    async def _from_copy(self, url: str, start: int, end: int, size: int) -> tuple[bytes, files.CopyId]:
+        """Bytes ``[start, end)`` of the kept copy of ``url``; FileNotFoundError if it is gone."""
+        return await self.run_blocking(files.read_copy_range, self.path(url), start, end, size)
+
+    def _just_downloaded(self, url: str, start: int, end: int) -> bytes | None:
+        """The bytes a download of this process has just fetched, if it kept them (the item
+        cache does, for the read that asked: no read back from the disk); None here."""
+        return None
 
     async def damaged(self, url: str, size: int, copy: files.CopyId) -> bool:
         """Whether bytes that failed to decode (or parse), read from ``copy`` of ``url``, may
@@ -190,12 +225,16 @@ class ShardCache:
                                   f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
             return None
 
+    async def _try_lock(self, path: Path) -> int | None:
+        """``cache_files.try_lock`` on the loop: a shard's lock is taken once per download."""
+        return files.try_lock(path)
+
     async def _ask_version(self, url: str) -> str:
         return "" if self.version is None else await self.version(url)
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
         try:
-            lock = await self.locks.take(url, shard)
+            lock = await self.locks.take(url, shard, self._try_lock)
         except OSError as error:
             return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
         if lock is None:
@@ -207,11 +246,12 @@ class ShardCache:
             if await self._finish(files.current, shard, url, size, version):
                 return True  # another process has just downloaded this version
             await self._evict(size)
-            partial = shard.new_part()
+            partial, installed = shard.new_part(), False
             try:
                 crc = await self._fetch_to(url, size, partial)
                 meta = {"url": url, "size": size, "version": version, "crc32": crc}
                 await self._on_disk(files.install, shard, partial, meta)
+                installed = True
             except CacheWriteError as error:
                 files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
                 files.unlink(partial)
@@ -221,7 +261,8 @@ class ShardCache:
                     return self._skip(url, "full", f"the disk is full ({cause}); cache_bytes is now {self.max_bytes}")
                 return self._skip(url, "unwritable", f"cannot write {partial}: {cause}")
             finally:
-                files.unlink(partial)
+                if not installed:  # renamed into place: no name to free (an unlink on the loop waits for the folder)
+                    files.unlink(partial)
             await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
             return True
         finally:
@@ -232,13 +273,24 @@ class ShardCache:
         """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
         disk's are ``CacheWriteError``."""
         fd = await self._on_disk(files.new_file, partial, undo=os.close)
+        progress = None
         try:
+            await self._on_disk(files.reserve, fd, size)
+            if self.streaming is not None:  # our own new file, open for the reads served from it
+                progress = self.streaming.start(url, os.open(partial, files.READ_FLAGS))
             crc = 0
             for start in range(0, size, self.chunk_bytes):
-                data = await self.download(url, start, min(size, start + self.chunk_bytes))
+                end = min(size, start + self.chunk_bytes)
+                data = await self.download(url, start, end)
+                if progress is not None:
+                    self.streaming.hold(progress, start, data)  # type: ignore[union-attr]
                 crc = await self._on_disk(files.write_all, fd, data, crc)
+                if progress is not None:
+                    self.streaming.advance(progress, end)  # type: ignore[union-attr]
             return crc
         finally:
+            if progress is not None:
+                self.streaming.end(url, progress)  # type: ignore[union-attr]
             os.close(fd)
 
     async def _on_disk(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
@@ -283,6 +335,12 @@ class ShardCache:
         if (str(self.directory), reason) not in _warned:
             _warned.add((str(self.directory), reason))
             warnings.warn(f"asyncload shard cache {self.directory}: {message}", RuntimeWarning, stacklevel=2)
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Takes a cancelled wait's outcome, so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def default_budget(directory: Path) -> int:

@@ -53,6 +53,12 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
     and the downloads under way there fit ``max_bytes``, and the files of ours no process needs:
     a killed process's ``.part`` files, meta and lock files of shards no longer kept. Returns
     whether the folder still does not fit."""
+    return evict_to(directory, max_bytes, max_bytes, keep)[1]
+
+
+def evict_to(directory: Path, target: int, max_bytes: int, keep: set[Path]) -> tuple[int, bool]:
+    """``evict``, down to ``target`` bytes; returns the bytes left and whether they pass
+    ``max_bytes`` (the item cache frees more than it must, to scan less often)."""
     copies, parts, others = [], [], set()
     for entry in os.scandir(directory):
         match = OURS.match(entry.name)
@@ -73,14 +79,14 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
     total += sum(copy[1] for copy in copies)
     kept = set()
     for _, size, path, names, inode in sorted(copies, key=lambda copy: copy[:2]):
-        if total > max_bytes and path not in keep and _unlink_if_free(
+        if total > target and path not in keep and _unlink_if_free(
                 names, path, names.meta, still=lambda: _inode(path) == inode):
             total -= size
         else:
             kept.add(names)
     for names in others - kept:  # a shard no longer kept: its meta, then its lock
         _unlink_if_free(names, names.meta, names.lock, still=lambda: not _copy_of(names))
-    return total > max_bytes
+    return total, total > max_bytes
 
 
 def owned_bytes(directory: Path) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
+from typing import Awaitable, Callable
 
 from . import cache_files as files
 
@@ -41,12 +43,13 @@ class PeerLocks:
         del self._stalled[url]  # it moved, or let go: wait on it, or download, as for any shard
         return False
 
-    async def take(self, url: str, shard: files.ShardFiles) -> int | None:
-        """Takes the shard's lock (a descriptor); None if a peer holds it and its heartbeat
-        stood still for ``timeout`` (remembered: ``still_stalled``)."""
+    async def take(self, url: str, shard: files.ShardFiles, try_lock: Callable[[Path], Awaitable[int | None]]) -> int | None:
+        """Takes the shard's lock (a descriptor) with ``try_lock`` (one non-blocking attempt that
+        a cancel never loses); None if a peer holds it and its heartbeat stood still for
+        ``timeout`` (remembered: ``still_stalled``)."""
         beat, deadline = None, time.monotonic() + self.timeout
         while True:
-            lock = files.try_lock(shard.lock)  # a non-blocking flock: on the loop, never lost to a cancel
+            lock = await try_lock(shard.lock)
             if lock is not None:
                 self._stalled.pop(url, None)
                 files.heartbeat(lock)

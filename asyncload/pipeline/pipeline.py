@@ -21,6 +21,7 @@ from ..batch.buffers import BatchBuffer
 from ..batch.layout import SampleLayout
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
+from ..io import cache_items
 from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
 from ..batch.ragged import take_aside
@@ -57,6 +58,7 @@ class Pipeline:
         self.loop_thread = LoopThread()
         self.loop, self.thread = self.loop_thread.loop, self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(settings.reader(self.loop, stats), self.loop).result()
+        self.cached_read = None if settings.read is not None else cache_items.item_cache(settings.source, self.reader)
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
     # ----- the driver's thread (or a child's control thread) -----
@@ -184,13 +186,14 @@ class Pipeline:
             return False
         return local_path(key) is not None or self.reader.is_local(key)
 
-    async def _fetch(self, state: RunState, key: Any) -> Any:
+    async def _fetch(self, state: RunState, key: Any, index: int) -> Any:
         if self.s.read is False:
             return key
         try:
             if state.stream is not None:
                 return await state.stream.get(key)
-            return await self.reader.read(key)
+            cached = None if self.cached_read is None else self.cached_read(key, index)
+            return await (cached if cached is not None else self.reader.read(key))
         except Exception as error:
             raise SampleError(key, "read", error) from error
 
@@ -199,7 +202,7 @@ class Pipeline:
         a cancelled one ends its row, so the row always ends once."""
         try:
             try:
-                row.data = await self._fetch(state, row.key)
+                row.data = await self._fetch(state, row.key, row.index)
             finally:
                 self.read_slots.release()
         except asyncio.CancelledError:
@@ -220,7 +223,7 @@ class Pipeline:
         key: Any = f"source[{message.index}]"
         try:
             key, label = split(self.s.source, self.s.labelled, message.index)
-            data = await self._fetch(state, key)
+            data = await self._fetch(state, key, message.index)
             try:
                 sample = await self.workers.run_async(self.loop, state.filler.timed_decode, data)
                 sample = labelled(sample, label)
@@ -244,6 +247,7 @@ class Pipeline:
         try:
             for run in list(self.runs):
                 await self._stop(run)
+            await cache_items.close(self.cached_read)
             await self.reader.aclose()
         finally:  # whatever closing raised, the loop ends: close() waits for its thread
             self.loop.stop()

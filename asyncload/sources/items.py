@@ -7,11 +7,13 @@ offset array, and labels one int64 array. The requests to storage go through ``l
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from ..io.reader import _version_of
 from ..redact import shown
 from . import listing
 
@@ -55,12 +57,22 @@ class Source(Sequence):
             ``(url, label)``. Default: ``None`` (items are bare URLs).
         classes (sequence of str, optional): the class names, ``classes[label]`` naming a
             label (``image_folder`` fills it). Default: ``()``.
+        cache_dir (str, optional): a local folder where objects read from a bucket are kept
+            whole, so later epochs read them from disk (``docs/guides/caching.md``).
+            Default: ``None`` (no cache).
+        cache_bytes (int, optional): the most the cache keeps, least recently used first out.
+            Default: ``None``, the smaller of 64 GiB and half the disk's free space.
+        listing (sequence of dict, optional): each URL's ``info()`` from the listing (size and
+            ETag: a kept copy is checked against them with no request). Default: ``None``
+            (each object is asked about once per process).
 
     Raises:
         ValueError: if ``labels`` is given and does not hold one label per URL.
     """
 
-    def __init__(self, urls: Iterable[str], labels: Iterable[int] | None = None, classes: Sequence[str] = ()) -> None:
+    def __init__(self, urls: Iterable[str], labels: Iterable[int] | None = None, classes: Sequence[str] = (), *,
+                 cache_dir: str | None = None, cache_bytes: int | None = None,
+                 listing: Sequence[dict] | None = None) -> None:
         encoded = [url.encode() for url in urls]
         self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=self._offsets[1:])
@@ -69,6 +81,18 @@ class Source(Sequence):
         if self.labels is not None and len(self.labels) != len(encoded):
             raise ValueError(f"{len(encoded)} URLs but {len(self.labels)} labels")
         self.classes = list(classes)
+        self.cache_dir = None if cache_dir is None else str(cache_dir)
+        self.cache_bytes = cache_bytes
+        self.has_listing = listing is not None
+        if listing is not None and len(listing) != len(encoded):
+            raise ValueError(f"{len(encoded)} URLs but {len(listing)} listing entries")
+        # what the item cache checks a kept copy against: sizes, and a 64-bit hash of each version
+        self._sizes = np.array([int(info.get("size") or 0) for info in listing or ()], dtype=np.int64)
+        self._versions = np.array([_hash64(_version_of(info)) for info in listing or ()], dtype=np.uint64)
+
+    def listed(self, index: int) -> tuple[int, str]:
+        """Item ``index``'s size and version as listed (with ``listing``; see ``io/cache_items``)."""
+        return int(self._sizes[index]), f"listed {int(self._versions[index]):016x}"
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -85,6 +109,10 @@ class Source(Sequence):
 
     def __repr__(self) -> str:
         return f"Source({len(self)} items, {len(self.classes)} classes)"
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 # What the docstrings of image_folder, list_files and manifest say of what they share
@@ -108,6 +136,13 @@ _TIMEOUT_AND_RETRIES = """timeout (float, optional): seconds each request to obj
             ``config_kwargs={"retries": {"max_attempts": ...}}``, obstore's
             ``retry_config["max_retries"]``) and else 6, as ``AsyncLoader``'s
             ``read_retries``. Set 0 to fail at the first error."""
+_CACHE = """cache_dir (str, optional): a local folder where the objects read from a bucket are kept
+            whole after their first read, so later epochs (and runs) read them from local disk and
+            send no request: least recently used out first, shared safely by the processes of a
+            node (see ``docs/guides/caching.md``). Local files are never cached. Default:
+            ``None`` (every epoch reads the bucket).
+        cache_bytes (int, optional): the most ``cache_dir`` keeps. Default: ``None``, the
+            smaller of 64 GiB and half the disk's free space at the start of a run."""
 _STORAGE_ERROR = """StorageError: (an ``OSError``) if storage still fails after ``retries`` retries (an
             endpoint that does not answer, throttling, a server error) or at once where
             another try cannot help (access denied). It names the URL and the attempts made;
@@ -117,7 +152,7 @@ _STORAGE_ERROR = """StorageError: (an ``OSError``) if storage still fails after 
 def _shared_docs(function: Callable[..., Source]) -> Callable[..., Source]:
     """``function`` with the shared parts of its docstring in place, so ``help()`` shows them."""
     for marker, text in (("{storage_options}", _STORAGE_OPTIONS), ("{timeout and retries}", _TIMEOUT_AND_RETRIES),
-                         ("{storage errors}", _STORAGE_ERROR)):
+                         ("{cache}", _CACHE), ("{storage errors}", _STORAGE_ERROR)):
         function.__doc__ = (function.__doc__ or "").replace(marker, text)
     return function
 
@@ -128,7 +163,8 @@ def _extensions(extensions: Sequence[str]) -> str:
 
 @_shared_docs
 def image_folder(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS, *,
-                 timeout: float | None = None, retries: int | None = None) -> Source:
+                 timeout: float | None = None, retries: int | None = None, cache_dir: str | None = None,
+                 cache_bytes: int | None = None) -> Source:
     """The images under ``url/<class>/.../<file>`` as ``(url, label)`` items, as torchvision's
     ``ImageFolder`` finds them: the label is the index of the class folder in sorted order,
     ``source.classes`` holds the class names, and the items are sorted by path.
@@ -145,6 +181,7 @@ def image_folder(url: str, storage_options: dict | None = None, extensions: Sequ
             it to leave other files (e.g. masks) out, widen it for other formats your
             ``decode`` reads.
         {timeout and retries}
+        {cache}
 
     Raises:
         FileNotFoundError: if ``url`` is no folder: a missing local folder, a bucket prefix
@@ -154,7 +191,8 @@ def image_folder(url: str, storage_options: dict | None = None, extensions: Sequ
         {storage errors}
     """
     looked_for = f"class folders holding files ending in {_extensions(extensions)}"
-    fs, root, paths = _find(url, storage_options, extensions, timeout, retries, looked_for)
+    infos: dict[str, dict] | None = None if cache_dir is None else {}
+    fs, root, paths = _find(url, storage_options, extensions, timeout, retries, looked_for, infos)
     relative = [posixpath.relpath(p, root) for p in paths]
     in_class = [(p, r.split("/", 1)[0]) for p, r in zip(paths, relative) if "/" in r]
     if not in_class:
@@ -162,12 +200,14 @@ def image_folder(url: str, storage_options: dict | None = None, extensions: Sequ
         raise ValueError(f"{url}: looked for {looked_for} (<class>/<file>), found {found}")
     classes = sorted({cls for _, cls in in_class})
     index = {cls: i for i, cls in enumerate(classes)}
-    return Source((_to_url(fs, p) for p, _ in in_class), (index[c] for _, c in in_class), classes)
+    return Source((_to_url(fs, p) for p, _ in in_class), (index[c] for _, c in in_class), classes, cache_dir=cache_dir,
+                  cache_bytes=cache_bytes, listing=None if infos is None else [infos[p] for p, _ in in_class])
 
 
 @_shared_docs
 def list_files(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS, *,
-               timeout: float | None = None, retries: int | None = None) -> Source:
+               timeout: float | None = None, retries: int | None = None, cache_dir: str | None = None,
+               cache_bytes: int | None = None) -> Source:
     """Every file under ``url`` (at any depth) with one of ``extensions``, sorted by path, as
     bare URLs without labels. The folder is listed once, when this is called.
 
@@ -178,6 +218,7 @@ def list_files(url: str, storage_options: dict | None = None, extensions: Sequen
             case-insensitively. Default: ``.jpg .jpeg .png .webp .bmp .tif .tiff``. Change it
             for other file types (e.g. ``(".npy",)`` with a ``decode`` that reads them).
         {timeout and retries}
+        {cache}
 
     Raises:
         FileNotFoundError: if ``url`` is no folder: a missing local folder, a bucket prefix
@@ -186,15 +227,17 @@ def list_files(url: str, storage_options: dict | None = None, extensions: Sequen
         {storage errors}
     """
     looked_for = f"files ending in {_extensions(extensions)}"
-    fs, _, paths = _find(url, storage_options, extensions, timeout, retries, looked_for)
+    infos: dict[str, dict] | None = None if cache_dir is None else {}
+    fs, _, paths = _find(url, storage_options, extensions, timeout, retries, looked_for, infos)
     if not paths:
         raise ValueError(f"{url}: looked for {looked_for}, found none")
-    return Source(_to_url(fs, p) for p in paths)
+    return Source((_to_url(fs, p) for p in paths), cache_dir=cache_dir, cache_bytes=cache_bytes,
+                  listing=None if infos is None else [infos[p] for p in paths])
 
 
 @_shared_docs
 def manifest(url: str, storage_options: dict | None = None, *, timeout: float | None = None,
-             retries: int | None = None) -> Source:
+             retries: int | None = None, cache_dir: str | None = None, cache_bytes: int | None = None) -> Source:
     """The items a text file lists, one a line: ``url``, or ``url<TAB>label`` (or
     ``url,label``) with an integer label. Either every line has a label or none does; blank
     lines are skipped. The file is read once, when this is called; the URLs in it are not
@@ -205,6 +248,7 @@ def manifest(url: str, storage_options: dict | None = None, *, timeout: float | 
             ``"s3://bucket/train.tsv"``.
         {storage_options}
         {timeout and retries}
+        {cache}
 
     Raises:
         FileNotFoundError: if there is no file at ``url`` (or its bucket does not exist).
@@ -217,15 +261,16 @@ def manifest(url: str, storage_options: dict | None = None, *, timeout: float | 
     if not rows:
         raise ValueError(f"manifest {url} lists no item (expected one 'url' or 'url<TAB>label' a line)")
     split = [row.split("\t") if "\t" in row else row.rsplit(",", 1) if "," in row else [row] for _, row in rows]
+    cache = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
     if all(len(parts) == 1 for parts in split):
-        return Source(parts[0] for parts in split)
+        return Source((parts[0] for parts in split), **cache)
     bad = [(number, row) for (number, row), parts in zip(rows, split)
            if len(parts) != 2 or not parts[1].strip().lstrip("-").isdigit()]
     if bad:
         number, row = bad[0]
         raise ValueError(f"{url}: expected 'url<TAB>label' with an integer label on every line, "
                          f"got {shown(row, 80)} on line {number}")
-    return Source((parts[0] for parts in split), (int(parts[1]) for parts in split))
+    return Source((parts[0] for parts in split), (int(parts[1]) for parts in split), **cache)
 
 
 def _manifest_lines(data: bytes, url: str) -> list[tuple[int, str]]:
@@ -242,10 +287,11 @@ def _manifest_lines(data: bytes, url: str) -> list[tuple[int, str]]:
 
 
 def _find(url: str, storage_options: dict | None, extensions: Sequence[str], timeout: float | None,
-          retries: int | None, looked_for: str) -> tuple[Any, str, list[str]]:
+          retries: int | None, looked_for: str, infos: dict[str, dict] | None = None) -> tuple[Any, str, list[str]]:
     """The filesystem, the root path and the sorted paths (without protocol) of every file
-    under ``url`` with one of ``extensions`` (see ``listing.find``)."""
-    fs, root, paths = listing.find(url, storage_options, timeout=timeout, retries=retries, looked_for=looked_for)
+    under ``url`` with one of ``extensions`` (see ``listing.find``; ``infos`` gets their info)."""
+    fs, root, paths = listing.find(url, storage_options, timeout=timeout, retries=retries, looked_for=looked_for,
+                                   infos=infos)
     wanted = tuple(e.lower() for e in extensions)
     return fs, root, [p for p in paths if p.lower().endswith(wanted)]
 

@@ -44,16 +44,20 @@ def opened(url: str, storage_options: dict | None, timeout: float | None) -> Ite
 
 
 def find(url: str, storage_options: dict | None, *, timeout: float | None, retries: int | None,
-         looked_for: str) -> tuple[Any, str, list[str]]:
+         looked_for: str, infos: dict[str, dict] | None = None) -> tuple[Any, str, list[str]]:
     """Every file under ``url``, sorted: the filesystem (closed; it still strips and unstrips
     paths), the root path and the file paths without protocol. Raises FileNotFoundError where
     ``url`` is no folder (no object under the prefix, no such bucket), saying it looked for
-    ``looked_for``; a folder that holds no file is the caller's to judge."""
+    ``looked_for``; a folder that holds no file is the caller's to judge. ``infos``, if given,
+    gets each path's ``info()`` as the listing returned it (size, ETag: the item cache's check)."""
     retries = retries_for(retries, storage_options)
     with opened(url, storage_options, timeout) as (fs, root):
         where = "folder" if is_local(fs) else "bucket, or no object under that prefix"
         missing = f"{url}: no such {where} (looked for {looked_for})"
-        paths = sorted(_retried(url, "listing", retries, missing, lambda: fs.find(root)))
+        found = _retried(url, "listing", retries, missing, lambda: fs.find(root, detail=infos is not None))
+        paths = sorted(found)
+        if infos is not None:
+            infos.update(found)
         if not paths and not _retried(url, "listing", retries, missing, lambda: fs.isdir(root)):
             raise FileNotFoundError(missing)
     return fs, root.rstrip("/"), paths

@@ -1,0 +1,162 @@
+"""The disk cache of item sources (io/cache_items.py): image_folder, list_files and manifest on the
+real S3 server keep each object read once in cache_dir, so epoch 2 reads no byte from the bucket;
+and the shard cache's safety rules hold for item objects (a damaged copy, a full disk, a planted
+symlink, storage down)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from asyncload import AsyncLoader, ImageDecoder, image_folder, list_files, manifest
+from asyncload.io.cache_files import shard_files
+from tests.conftest import CLASSES, PER_CLASS, delivered, flat, identify, make_bucket, setup_s3fs
+from tests.test_cache import closed_port_options, small_disk  # noqa: F401 (a fixture)
+
+ALL = [(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)]  # the sorted listing's order
+DECODE = ImageDecoder(32)
+
+
+@pytest.fixture()
+def bucket(s3_options, jpeg_folder, request):
+    """``(url, s3fs, prefix)``: the test JPEGs under a prefix of this test's own."""
+    prefix = f"asyncload-test/item-cache/{request.node.name.replace('[', '-').strip(']')}"
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        fs.pipe({f"{prefix}/{p.relative_to(jpeg_folder).as_posix()}": p.read_bytes()
+                 for p in sorted(jpeg_folder.rglob("*.jpg"))})
+        yield f"s3://{prefix}", fs, prefix
+
+
+def make_source(kind: str, url: str, options: dict, cache: Path, tmp_path: Path, **kwargs):
+    if kind == "image_folder":
+        return image_folder(url, storage_options=options, cache_dir=str(cache), **kwargs)
+    if kind == "list_files":
+        return list_files(url, storage_options=options, cache_dir=str(cache), **kwargs)
+    lines = [f"{url}/{CLASSES[label]}/{index}.jpg\t{label}" for label, index in ALL]
+    (tmp_path / "train.tsv").write_text("\n".join(lines) + "\n")
+    return manifest(str(tmp_path / "train.tsv"), cache_dir=str(cache), **kwargs)
+
+
+def epochs(source, options, processes=0, count=2, **kwargs) -> tuple[list, list]:
+    """Each epoch's samples in order (shuffle off) and the bytes and reads it took from storage."""
+    samples, reads = [], []
+    with AsyncLoader(source, batch_size=5, decode=DECODE, storage_options=options, processes=processes,
+                     shuffle=False, **kwargs) as loader:
+        before = loader.stats.as_dict()
+        for _ in range(count):
+            if source.labels is not None:
+                samples.append(flat(delivered(loader)))
+            else:
+                samples.append([identify(image.numpy()) for images in loader for image in images])
+            after = loader.stats.as_dict()
+            reads.append((after["read/bytes"] - before["read/bytes"], after["read/items"] - before["read/items"]))
+            before = after
+    return samples, reads
+
+
+def copies(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if p.name.startswith("asyncload-") and p.name.endswith(".jpg")
+                  and p.is_file() and not p.is_symlink())
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("kind", ["image_folder", "list_files", "manifest"])
+def test_epoch_two_reads_no_byte_from_the_bucket(bucket, s3_options, tmp_path, kind, processes):
+    url, _, _ = bucket
+    source = make_source(kind, url, s3_options, tmp_path / "cache", tmp_path)
+    samples, reads = epochs(source, s3_options, processes)
+    assert samples == [ALL, ALL]  # every sample once, in order, each epoch
+    assert reads[0][1] == len(ALL) and reads[0][0] > 0
+    assert reads[1] == (0, 0)
+    assert len(copies(tmp_path / "cache")) == len(ALL)
+
+
+def test_a_new_run_reads_the_copies_and_a_rewritten_object_again(bucket, s3_options, tmp_path):
+    """A second loader (a new run) reads the kept copies; one whose object was rewritten since
+    (its listing's ETag differs, its size does not) is downloaded again, and its new bytes are
+    what is delivered."""
+    url, fs, prefix = bucket
+    source = make_source("image_folder", url, s3_options, tmp_path / "cache", tmp_path)
+    epochs(source, s3_options, count=1)
+    old, new = fs.cat_file(f"{prefix}/cat/0.jpg"), fs.cat_file(f"{prefix}/cat/1.jpg")
+    assert len(new) <= len(old)
+    fs.pipe_file(f"{prefix}/cat/0.jpg", new + bytes(len(old) - len(new)))  # after its end marker: ignored
+    source = make_source("image_folder", url, s3_options, tmp_path / "cache", tmp_path)
+    samples, reads = epochs(source, s3_options, count=1)
+    assert samples == [[(0, 1)] + ALL[1:]]  # cat/0.jpg now holds cat/1's image
+    assert reads == [(len(fs.cat_file(f"{prefix}/cat/0.jpg")), 1)]
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_damaged_copy_is_downloaded_again(bucket, s3_options, tmp_path, processes):
+    url, _, _ = bucket
+    cache = tmp_path / "cache"
+    source = make_source("image_folder", url, s3_options, cache, tmp_path)
+    epochs(source, s3_options, count=1)
+    damaged = shard_files(cache, source.url(3)).shard
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stat = damaged.stat()
+    damaged.write_bytes(bytes(data))
+    os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: same size and time
+    samples, reads = epochs(source, s3_options, processes, count=1)
+    assert samples == [ALL]
+    assert reads == [(len(data), 1)]
+
+
+def test_a_planted_symlink_is_not_followed(bucket, s3_options, tmp_path):
+    """A symlink at a copy's name (a peer's, or an attacker's) is neither read nor written
+    through: the object is read from the bucket, and the link's target is left as it was."""
+    url, _, _ = bucket
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    source = make_source("image_folder", url, s3_options, cache, tmp_path)
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes(b"not a jpeg")
+    planted = shard_files(cache, source.url(0))
+    planted.shard.symlink_to(outside)
+    planted.meta.symlink_to(tmp_path / "outside.meta")
+    samples, _ = epochs(source, s3_options, count=2)
+    assert samples == [ALL, ALL]
+    assert outside.read_bytes() == b"not a jpeg" and not (tmp_path / "outside.meta").exists()
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_full_disk_sends_reads_to_storage(bucket, s3_options, small_disk, processes):
+    url, _, _ = bucket
+    source = make_source("image_folder", url, s3_options, small_disk, small_disk, cache_bytes=1 << 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        samples, reads = epochs(source, s3_options, processes, count=2)
+    assert samples == [ALL, ALL]
+    assert reads[1][1] > 0  # what did not fit is read from storage, not lost
+    assert not [p for p in small_disk.iterdir() if p.name.endswith(".part")]
+
+
+def test_storage_down_serves_the_kept_copies(bucket, s3_options, tmp_path):
+    """A manifest's items are asked about once per process; with storage down, a new run
+    serves the copies whose checksum holds (with a warning), every sample once."""
+    url, _, _ = bucket
+    source = make_source("manifest", url, s3_options, tmp_path / "cache", tmp_path)
+    epochs(source, s3_options, count=1)
+    with pytest.warns(RuntimeWarning, match="could not be asked"):
+        samples, reads = epochs(source, closed_port_options(), count=1, read_retries=0)
+    assert samples == [ALL] and reads == [(0, 0)]
+
+
+def test_cache_bytes_bounds_the_folder(bucket, s3_options, tmp_path):
+    """Least recently used copies go once the folder would pass cache_bytes; files that are not
+    the cache's stay."""
+    url, _, _ = bucket
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "notes.txt").write_text("mine")
+    source = make_source("image_folder", url, s3_options, cache, tmp_path, cache_bytes=8_000)
+    samples, _ = epochs(source, s3_options, count=2)
+    assert samples == [ALL, ALL]
+    assert sum(p.stat().st_size for p in copies(cache)) <= 8_000
+    assert (cache / "notes.txt").read_text() == "mine"
