@@ -1,3 +1,4 @@
+import asyncio
 import gc
 import inspect
 import re
@@ -44,6 +45,25 @@ def test_a_loader_iterated_without_a_name_lives_until_its_pass_ends(processes):
         gc.collect()
         seen += batch.tolist()
     assert seen == list(range(64))
+
+
+class CancelledInside:
+    """An async ``read`` whose client cancels its own request for item 5 (not a stop)."""
+
+    async def __call__(self, item):
+        if item == 5:
+            raise asyncio.CancelledError("the client gave up on its request")
+        return item
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_read_cancelled_inside_its_client_fails_its_sample_and_no_row_goes_out_unwritten(processes):
+    loader = AsyncLoader(list(range(16)), batch_size=4, shuffle=False, read=CancelledInside(), decode=np.asarray,
+                         processes=processes, on_error="skip", max_failures=1)
+    with loader:
+        seen = [value for batch in loader for value in batch.tolist()]
+    assert 5 not in seen and sorted(seen) == [value for value in range(16) if value != 5]
+    assert [(failure.item, failure.stage) for failure in loader.stats.failures] == [(5, "read")]
 
 
 def test_rows_hold_the_sample_at_that_position_of_the_order():

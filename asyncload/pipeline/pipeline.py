@@ -205,9 +205,13 @@ class Pipeline:
                 row.data = await self._fetch(state, row.key, row.index)
             finally:
                 self.read_slots.release()
-        except asyncio.CancelledError:
-            self._rows_done(work, 1)
-            raise
+        except asyncio.CancelledError as error:
+            if state.stopped or state.closed:  # the run's stop: the row ends unfilled, unseen
+                self._rows_done(work, 1)
+                raise
+            # Raised inside the read (a client's own cancellation): the row failed, or it would
+            # be handed out unwritten.
+            self._row_failed(work, row.row, SampleError(row.key, "read", error))
         except SampleError as error:
             self._row_failed(work, row.row, error)
         except Exception as error:  # not the sample's fault, but it must not be lost either
