@@ -16,7 +16,8 @@ from .device import resolve_device
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
 from .procs.processes import process_count, start_processes, window
-from .run.batched import image_placement
+from .procs.switch import Switch
+from .run.batched import image_placement, is_batched
 from .run.driver import EpochDriver, stop_unless_stopped
 from .run.pipes import LocalPipes, Pipes
 from .run.settings import configure_known_layout
@@ -200,11 +201,14 @@ class AsyncLoader:
         configure_known_layout(self._settings, batch_size, image_placement(self._settings.decode, self.device, count))
         self._window = window(prefetch, count)
         self._pipes: Pipes = LocalPipes(self._settings)
+        self._switch: Switch | None = None  # processes=None: moves to children when the GIL is the limit
         if count:  # reads and decodes run in the children; the device stage and normalize here
             self._pipes = start_processes(count, self._settings, self.device, threads if auto_threads else None, threads)
             self.stats = self._settings.stats
-        self.tuner = make_tuner(self.stats, self._pipes, self._settings.num_threads, auto_threads, auto_io,
-                                threads, io, count)
+        elif processes in (None, "auto") and not is_batched(self._settings.decode):
+            self._switch = Switch(self._settings, self._pipes, self.device, threads if auto_threads else None, threads)
+        self._tuning = (auto_threads, auto_io, threads, io)
+        self.tuner = make_tuner(self.stats, self._pipes, self._settings.num_threads, *self._tuning, count)
 
     def __len__(self) -> int:
         """Batches in one epoch for this rank (the same on every rank)."""
@@ -249,13 +253,21 @@ class AsyncLoader:
     def _iterate(self, run: EpochDriver, epoch: int, progress: Progress) -> Iterator[Any]:
         bar = ProgressBar.for_pass(self.stats, self.sampler, progress, epoch) if self.progress else None
         try:
-            for positions, batch in run:  # the driver records what was handed out in progress
-                if self.tuner is not None:
-                    self.tuner.observe()
-                if bar is not None:
-                    bar.advance(len(positions))
-                yield batch
-                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
+            while True:
+                batches = iter(run)
+                for positions, batch in batches:  # the driver records what was handed out in progress
+                    if self.tuner is not None:
+                        self.tuner.observe()
+                    if bar is not None:
+                        bar.advance(len(positions))
+                    yield batch
+                    del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
+                    if self._switch is not None and self._switch.due() and run.discardable():
+                        break
+                else:
+                    break
+                batches.close()
+                run = self._switched(run, epoch, progress)
             self._epochs.pass_ended(epoch, latest=self._run is run)
             if bar is not None:
                 bar.complete()
@@ -265,6 +277,22 @@ class AsyncLoader:
                 self._run = None
             if bar is not None:
                 bar.close()
+
+    def _switched(self, run: EpochDriver, epoch: int, progress: Progress) -> EpochDriver:
+        """``processes=None`` moves reads and decode to other pipes at this batch boundary: the
+        run stops (its batches under way are dropped, none was handed out) and a new one goes on
+        over the epoch's progress, as a resume would: the same batches, in the same order."""
+        assert self._switch is not None
+        run.stop()
+        self._pipes, self.stats, count = self._switch.take()
+        self._switch.retire()
+        self._window = window(self._settings.prefetch, count)
+        self.tuner = make_tuner(self.stats, self._pipes, self._settings.num_threads, *self._tuning, count)
+        order, quota = self._epochs.plan(self.sampler, epoch)
+        run = EpochDriver(self._pipes, self._settings, epoch, order, progress, quota, self._window,
+                          rank=self.sampler.rank if self.sampler.world_size > 1 else None)
+        self._run = run
+        return run
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its
@@ -308,6 +336,8 @@ class AsyncLoader:
         close = getattr(self._pipes, "close", None)  # the child processes
         if close is not None:
             close()
+        if self._switch is not None:
+            self._switch.close()
         if self.stats.tracer is not None:
             self.stats.tracer.finish()  # the children's events came with their answers
 

@@ -29,8 +29,8 @@ from ..run.settings import share, split
 from . import shm
 from .child import child_main
 from .merged import ProcessStats
-from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Stop, Stopped,
-                       Unmap, pickled_arguments)
+from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
+                       Stopped, Unmap, pickled_arguments)
 from .segments import SegmentRing
 
 HELD_SHOWN = 16  # a dead child's samples named in the error, at most
@@ -93,6 +93,17 @@ class ProcessPool:
         self._runs = 0
         self._source, self._labelled = arguments["source"], arguments["labelled"]  # to name what a dead child held
         self._held: list[dict[tuple[int, Any], Any]] = [{} for _ in range(count)]  # (run, fill) -> its indices
+        self._ready = 0  # children that said they built their pipeline
+
+    def ready(self) -> bool:
+        """Whether every child has built its pipeline, without waiting; raises as ``receive``
+        does if one could not (its error, or how it died)."""
+        while self._ready < self.count:
+            got = self._next(0.0)
+            if got is None:
+                return False
+            self._handle(*got)
+        return True
 
     @property
     def count(self) -> int:
@@ -157,23 +168,33 @@ class ProcessPool:
             if got is None:
                 return None
             index, message = got
-            if message.figures is not None:
-                self.stats.update(index, message.figures)
-            if message.trace is not None and self.stats.tracer is not None:
-                self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
-            if isinstance(message, Broken):
-                self._broken = ("a loader process could not build its pipeline", message.error)
-                self.check()
-            if isinstance(message, (Done, Probed)):
-                self._held[index].pop((message.run, getattr(message, "fill", None)), None)
-            if isinstance(message, Poisoned):  # whatever the run: the segment is never free again
-                poisoned = self.ring.segments.get(message.segment)
-                if poisoned is not None:
-                    poisoned.poisoned = True
-            elif isinstance(message, Stopped):
-                self._stopped(index, message.run)
-            elif message.run == run:
+            if self._handle(index, message) and message.run == run:
                 return message
+
+    def _handle(self, index: int, message: Any) -> bool:
+        """Takes what every message carries (figures, trace) and deals with those about the
+        children rather than a run; True for a message about a run, for the caller."""
+        if message.figures is not None:
+            self.stats.update(index, message.figures)
+        if message.trace is not None and self.stats.tracer is not None:
+            self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
+        if isinstance(message, Broken):
+            self._broken = ("a loader process could not build its pipeline", message.error)
+            self.check()
+        if isinstance(message, Ready):
+            self._ready += 1
+            return False
+        if isinstance(message, (Done, Probed)):
+            self._held[index].pop((message.run, getattr(message, "fill", None)), None)
+        if isinstance(message, Poisoned):  # whatever the run: the segment is never free again
+            poisoned = self.ring.segments.get(message.segment)
+            if poisoned is not None:
+                poisoned.poisoned = True
+        elif isinstance(message, Stopped):
+            self._stopped(index, message.run)
+        else:
+            return True
+        return False
 
     def _stopped(self, index: int, run: int) -> None:
         for key in [key for key in self._held[index] if key[0] == run]:

@@ -16,21 +16,18 @@ from __future__ import annotations
 import torch
 
 from ..run.settings import Settings
-from ..stats.machine import usable_cores
 from .merged import ProcessStats
 from .parent import ProcessPool
 
-CORES_PER_PROCESS = 3  # "auto": the 16-core measurements put the best at one process per 2-4 cores
 
 
 def process_count(processes: int | str | None, isolate: bool) -> int:
-    """How many child processes: 0 for in-process."""
-    if processes in (None, 0):
+    """How many child processes to start with: 0 for in-process (with None, the loader may move to
+    children later: ``switch.py``). ``"auto"`` is the default's old name: the same as None."""
+    if processes in (None, 0, "auto"):
         return 1 if isolate else 0
     if isolate and processes != 1:
         raise ValueError(f"isolate=True is processes=1; got processes={processes!r} as well")
-    if processes == "auto":
-        return max(1, usable_cores() // CORES_PER_PROCESS)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
         raise ValueError(f"processes must be None, a non-negative integer or 'auto', got {processes!r}")
     return processes
@@ -40,12 +37,21 @@ def start_processes(count: int, settings: Settings, device: torch.device | None,
                     threads: int) -> ProcessPool:
     """``count`` children, each running the pipeline on its share of the threads and reads, and
     the merged stats (which become ``settings.stats``: the driver counts there)."""
-    tracer = settings.stats.tracer
-    settings.stats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, count)
-    settings.stats.tracer = tracer  # the children's events are merged into it as they arrive
+    pool = build_pool(count, settings, device, thread_limit, threads)
+    settings.stats = pool.stats
+    return pool
+
+
+def build_pool(count: int, settings: Settings, device: torch.device | None, thread_limit: int | None,
+               threads: int) -> ProcessPool:
+    """``start_processes`` without touching ``settings``: the pool and its merged stats
+    (``pool.stats``, the tracer carried into it), for a loader still running in this process
+    while the children start (``processes=None``)."""
+    stats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, count)
+    stats.tracer = settings.stats.tracer  # the children's events are merged into it as they arrive
     arguments = vars(settings.pipeline(count, thread_limit))
-    pool = ProcessPool(count, arguments, settings.stats, keep=window(settings.prefetch, count) + 2, device=device)
-    if settings.ring.layout is not None:  # a decoder that declares its output
+    pool = ProcessPool(count, arguments, stats, keep=window(settings.prefetch, count) + 2, device=device)
+    if settings.ring.layout is not None:  # a decoder that declares its output, or a layout learnt
         pool.ring.configure(settings.ring.layout, settings.ring.capacity)
     return pool
 

@@ -256,6 +256,13 @@ class EpochDriver:
         self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
+    def discardable(self) -> bool:
+        """No failure is recorded in what is under way: stopping now and planning the rest of
+        the epoch again from its progress (``processes=None``'s switch) records none twice."""
+        with self._lock:
+            return not (self._known or self._early_skips or self._failing
+                        or any(batch.skipped or batch.errors for batch in self.batches.values()))
+
     def _drop(self, batch: Batch) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""
         assert batch.buffer is not None

@@ -101,6 +101,7 @@ class LoaderStats:
         self._callback: tuple[float, Callable[[dict[str, Any]], None]] | None = None
         self._last_callback = time.perf_counter()
         self.tracer: Tracer | None = None  # with trace=: the timeline (see trace.py)
+        self.processes_choice: str | None = None  # processes=None: where the pipeline runs, and why
         self._source_counts: tuple[tuple[str, ...], np.ndarray] | None = None  # a mix's names, samples each
 
     # ----- updates from the pipeline -----
@@ -262,6 +263,8 @@ class LoaderStats:
             lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")
         name, evidence = diagnose(s.as_dict())
         lines.append(f"bottleneck: {name}: {evidence}")
+        if self.processes_choice is not None:
+            lines.append(self.processes_choice)
         return "\n".join(lines)
 
 
