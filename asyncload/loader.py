@@ -15,6 +15,7 @@ from .arguments import check_arguments, initial_reads, make_sampler, make_settin
 from .device import resolve_device
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
+from .procs.parent import refuse_while_bootstrapping
 from .procs.processes import process_count, start_processes, window
 from .procs.switch import Switch
 from .run.batched import image_placement, is_batched
@@ -206,6 +207,7 @@ class AsyncLoader:
             self._pipes = start_processes(count, self._settings, self.device, threads if auto_threads else None, threads)
             self.stats = self._settings.stats
         elif processes in (None, "auto") and not is_batched(self._settings.decode):
+            refuse_while_bootstrapping(say=False)  # a child importing an unguarded script: the parent says why
             self._switch = Switch(self._settings, self._pipes, self.device, threads if auto_threads else None, threads)
         self._tuning = (auto_threads, auto_io, threads, io)
         self.tuner = make_tuner(self.stats, self._pipes, self._settings.num_threads, *self._tuning, count)
@@ -254,19 +256,17 @@ class AsyncLoader:
         bar = ProgressBar.for_pass(self.stats, self.sampler, progress, epoch) if self.progress else None
         try:
             while True:
-                batches = iter(run)
-                for positions, batch in batches:  # the driver records what was handed out in progress
+                for positions, batch in run:  # the driver records what was handed out in progress
                     if self.tuner is not None:
                         self.tuner.observe()
                     if bar is not None:
                         bar.advance(len(positions))
                     yield batch
                     del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
-                    if self._switch is not None and self._switch.due() and run.discardable():
-                        break
-                else:
+                    if self._switch is not None and self._switch.due():
+                        run.drain()  # the batches under way are handed out, then the pipes change
+                if not run.drained:
                     break
-                batches.close()
                 run = self._switched(run, epoch, progress)
             self._epochs.pass_ended(epoch, latest=self._run is run)
             if bar is not None:
@@ -279,9 +279,9 @@ class AsyncLoader:
                 bar.close()
 
     def _switched(self, run: EpochDriver, epoch: int, progress: Progress) -> EpochDriver:
-        """``processes=None`` moves reads and decode to other pipes at this batch boundary: the
-        run stops (its batches under way are dropped, none was handed out) and a new one goes on
-        over the epoch's progress, as a resume would: the same batches, in the same order."""
+        """``processes=None`` moves reads and decode to other pipes at a batch boundary: the run,
+        drained (its batches under way handed out), stops, and a new one goes on over the
+        epoch's progress, as a resume would: the same batches, in the same order."""
         assert self._switch is not None
         run.stop()
         self._pipes, self.stats, count = self._switch.take()

@@ -37,14 +37,16 @@ HELD_SHOWN = 16  # a dead child's samples named in the error, at most
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
 
 
-def refuse_while_bootstrapping() -> None:
+def refuse_while_bootstrapping(say: bool = True) -> None:
     """In a child that spawn is preparing, the user's script is being imported again: a script
     whose top level creates the loader (no ``if __name__ == "__main__":`` guard) would start
     processes from there, and multiprocessing would fail with a message about bootstrapping.
-    Say what to do instead, and exit with a code the parent recognises."""
+    Say what to do instead (unless the parent says it: ``say=False``), and exit with a code the
+    parent recognises."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        sys.stderr.write(_guard_advice() + "\n")
-        sys.stderr.flush()
+        if say:
+            sys.stderr.write(_guard_advice() + "\n")
+            sys.stderr.flush()
         raise SystemExit(MAIN_GUARD_EXIT)
 
 

@@ -10,6 +10,7 @@ is lost, repeated or reordered, and ``state_dict()`` never sees the switch.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from typing import Any
@@ -24,7 +25,7 @@ from ..run.settings import Settings
 from ..stats.figures import LoaderStats
 from ..stats.machine import usable_cores
 from .choice import CHILD_BYTES_GUESS, blocked_message, children_blocked, children_memory_allows, children_pss
-from .parent import ProcessPool
+from .parent import ProcessPool, _guard_advice
 from .processes import build_pool
 
 READY_TIMEOUT_S = 120.0  # with wait_for_children: how long the children may take to start
@@ -85,9 +86,10 @@ class Switch:
         elif step.kind == "back":
             self.target = (self.local, self.local_stats, 0)
             self._note(f"in this process: {step.why}", "back in this process")
+        elif self.policy.count:
+            self._note(f"{self.policy.count} child processes: {self._why}; settled: {step.why}", None)
         else:
-            where = f"{self.policy.count} child processes" if self.policy.count else "in this process"
-            self._note(f"{where}: {step.why}", None)
+            self._note(f"in this process: {step.why}", None)
 
     def _start(self, count: int, why: str) -> None:
         arguments = vars(self.settings.pipeline(count, self.thread_limit))
@@ -115,8 +117,7 @@ class Switch:
         except RuntimeError as error:
             self.starting = None
             pool.close()
-            cause = error.__cause__
-            self._cannot(describe(cause) if cause is not None else str(error), pool.count)
+            self._cannot(_why_not(error), pool.count)
             return
         self.starting = None
         self.target = (pool, pool.stats, pool.count)
@@ -179,3 +180,13 @@ class Switch:
             if pool is not None:
                 pool.close()
         self.starting = None
+
+
+def _why_not(error: RuntimeError) -> str:
+    """One line for children that could not start: the script's missing guard, or the error a
+    child sent (without its traceback), or how it died."""
+    if str(error) == _guard_advice():
+        script = getattr(sys.modules.get("__main__"), "__file__", None) or "the script"
+        return (f"{script} has no `if __name__ == \"__main__\":` guard, and spawn imports it again in each child: "
+                f"put its top-level code under one")
+    return describe(error.__cause__) if error.__cause__ is not None else str(error)

@@ -45,6 +45,7 @@ class EpochDriver:
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
+        self.drained = False  # drain(): ended early, for a switch of pipes
         self.handout = HandOut(settings, order)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
@@ -256,12 +257,12 @@ class EpochDriver:
         self.s.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
-    def discardable(self) -> bool:
-        """No failure is recorded in what is under way: stopping now and planning the rest of
-        the epoch again from its progress (``processes=None``'s switch) records none twice."""
-        with self._lock:
-            return not (self._known or self._early_skips or self._failing
-                        or any(batch.skipped or batch.errors for batch in self.batches.values()))
+    def drain(self) -> None:
+        """Assigns no more batches: the iteration ends once those under way are handed out.
+        ``processes=None``'s switch: the rest of the epoch goes on in a new run on other pipes,
+        planned from the epoch's progress as a resume is, so nothing is read twice."""
+        self.exhausted = True
+        self.drained = True
 
     def _drop(self, batch: Batch) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""
