@@ -122,12 +122,16 @@ class AsyncLoader:
             buffer); one of whole batches (``decode_batch``, ``GpuImageDecoder``) is not.
         isolate (bool, default False): the same as ``processes=1``: reads and decodes in one
             child process, away from a training step that holds the GIL.
-        processes (int or "auto", default None): None or 0 runs everything in this process,
-            enough while decode is native code. N starts N child processes that read and decode
-            into shared batch buffers, for a Python ``decode`` or past what one GIL feeds (about
-            2,000 images/s); ``"auto"`` is one per 3 cores. ``source``, ``read`` and ``decode``
-            must then pickle (define them at a module's top level), and a script needs
-            ``if __name__ == "__main__":``. ``num_threads`` and ``io_concurrency`` are then totals.
+        processes (int, default None): where reads and decode run. None starts in this process
+            and measures: when its stats say Python under one GIL is the limit with cores idle
+            (``stats.report()``'s "GIL" verdict), it moves them into child processes at a batch
+            boundary, adds children while samples/s rises, and then stays; native decode stays
+            here. No sample is lost, repeated or reordered by the move. 0 pins this process; N
+            pins N children that read and decode into shared batch buffers. ``"auto"`` is the
+            same as None. Children need ``source``, ``read`` and ``decode`` to pickle (define
+            them at a module's top level) and a script with ``if __name__ == "__main__":``;
+            None without them stays here and says so in one line. ``num_threads`` and
+            ``io_concurrency`` are then totals. See docs/guides/processes-auto.md.
         trace (path, default None): writes a timeline of the loader's runs there, as Chrome
             trace-event JSON for Perfetto or chrome://tracing: each sample's read and decode on
             the thread (and process) that ran it, hand-outs, your loop's waits, reads in flight,

@@ -164,11 +164,13 @@ def test_a_resume_across_the_switch_delivers_the_rest_as_the_uninterrupted_run(m
             if len(got) == cut:
                 state = loader.state_dict()
                 break
+        assert children_of(loader) == (2 if cut > 2 else 0)  # the switch comes after the second batch
     assert got == expected[:cut]
-    with loader_for(40, seed=2) as resumed:  # switches after its own second batch
+    # Resumed where the switch has yet to come, the loader switches after its own second batch.
+    with loader_for(40, seed=2, processes=None if cut <= 2 else 0) as resumed:
         resumed.load_state_dict(state)
         rest = batches(resumed)
-        assert children_of(resumed) == 2
+        assert children_of(resumed) == (2 if cut <= 2 else 0)
     assert got + rest == expected
 
 
@@ -202,11 +204,6 @@ def test_ddp_ranks_across_the_switch(monkeypatch, rank):
     with loader_for(30, seed=6, rank=rank, world_size=2) as loader:
         assert batches(loader) == expected and len(expected) == len(loader)
         assert children_of(loader) == 2
-    options = dict(seed=6, rank=rank, world_size=2, on_error="skip", decode=FailsOn({5}), max_failures=2)
-    with loader_for(30, **options) as skipping:  # a skip: the rank still gives len(loader) batches
-        got = batches(skipping)
-        assert len(got) == len(skipping) and children_of(skipping) == 2
-        assert set(sum(got, [])) == set(sum(expected, [])) - {5}
 
 
 def test_an_unpicklable_decoder_stays_in_process_and_says_so_once(monkeypatch):

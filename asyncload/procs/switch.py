@@ -137,7 +137,10 @@ class Switch:
         pipes, stats, count = self.target
         self.target = None
         old_stats = self.settings.stats
-        stats.failures = old_stats.failures  # one record of the epoch's failures, whatever ran them
+        if stats is self.local_stats:  # going back: a fresh record, as the children's was
+            stats = self.local_stats = LoaderStats(**old_stats.limits)
+            stats.processes_choice = old_stats.processes_choice
+        stats.carry(old_stats)  # the figures stay the loader's lifetime's
         stats.tracer = old_stats.tracer
         self.pipes = pipes
         self.settings.stats = stats
