@@ -26,7 +26,7 @@ from .stats.verdict import diagnose
 class Thresholds:
     """What the policy waits for; tests shorten them (``THRESHOLDS``)."""
 
-    look_s: float = 0.4  # active seconds between looks
+    look_s: float = 0.3  # seconds between looks
     looks: int = 2  # GIL verdicts in a row before children are started (one noisy look is not enough)
     gain: float = 1.15  # samples/s a step must add (as a ratio) for the next step
     keep: float = 1.0  # a first step below this ratio to in-process goes back to this process
@@ -46,8 +46,9 @@ def gil_bound(window: dict[str, Any]) -> tuple[bool, str]:
 
 @dataclass
 class Step:
-    """What the loader does next: ``start`` ``count`` children (switching once they are ready),
-    go ``back`` to this process, or ``settle`` where it is. ``why``: for the report."""
+    """What the loader does next: ``prepare`` ``count`` children (start them, not switch yet),
+    ``cancel`` those, ``start`` them (switching once they are ready), go ``back`` to this
+    process, or ``settle`` where it is. ``why``: for the report."""
 
     kind: str
     count: int
@@ -68,6 +69,7 @@ class Policy:
         self.streak: list[float] = []  # samples/s of the GIL-bound looks in a row
         self.rates = {0: 0.0}  # samples/s measured with each count of children
         self._warming = False  # the first look after a switch is the ramp: not measured
+        self.preparing = False  # children started ahead of the decision (``prepare``)
 
     def most(self) -> int:
         return max(1, self.t.most if self.t.most is not None else self.cores)
@@ -88,22 +90,33 @@ class Policy:
         bound, evidence = self.judge(window)
         if not bound:
             self.streak = []
+            if self.preparing:  # one look said GIL, the next did not: the children started for nothing
+                self.preparing = False
+                return Step("cancel", 0, evidence)
             return None
         self.streak.append(rate)
+        first = min(self.t.first if self.t.first is not None else max(2, self.cores // 4), self.most())
         if len(self.streak) < self.t.looks:
-            return None
+            if self.preparing:
+                return None
+            # Children take a second or more to start: they start now, in case the next looks
+            # agree; the switch itself still waits for ``looks`` verdicts in a row.
+            step = self._step_to(first, evidence, "prepare")
+            self.preparing = step.kind == "prepare"
+            return step
         self.rates[0] = sorted(self.streak)[len(self.streak) // 2]
-        first = self.t.first if self.t.first is not None else max(2, self.cores // 4)
-        return self._step_to(min(first, self.most()), f"{evidence} ({self.rates[0]:.0f} samples/s in this process)")
+        return self._step_to(first, f"{evidence} ({self.rates[0]:.0f} samples/s in this process)")
 
-    def _step_to(self, count: int, why: str) -> Step:
+    def _step_to(self, count: int, why: str, kind: str = "start") -> Step:
         allowed = self.memory_allows()
         if allowed < count:
             if allowed <= self.count or allowed < 2 and self.count == 0:
                 return self._settle(f"memory has room for {allowed} child processes only; {why}")
             count = allowed
-        self.state = "starting"
-        return Step("start", count, why)
+        if kind == "start":
+            self.state = "starting"
+            self.preparing = False
+        return Step(kind, count, why)
 
     def _judge_step(self, window: dict[str, Any], rate: float) -> Step | None:
         previous = max((c for c in self.rates if c < self.count), default=0)

@@ -73,11 +73,11 @@ def test_the_verdict_says_gil_for_python_under_one_gil_and_not_for_native_decode
     assert not gil_bound(window(consumer_wait_seconds=0.01, **{"gil/late_ms": 3.0}))[0]  # the loop did not wait
 
 
-def test_children_start_only_after_looks_in_a_row_say_gil():
+def test_the_switch_waits_for_looks_in_a_row_that_say_gil():
     chooser = policy(True, False, True, True)
-    assert chooser.look(GIL) is None  # one GIL look
-    assert chooser.look(GIL) is None  # then a look that says otherwise: the streak starts again
-    assert chooser.look(GIL) is None
+    assert chooser.look(GIL).kind == "prepare"  # one GIL look: children start, in case
+    assert chooser.look(GIL).kind == "cancel"  # then a look that says otherwise: the streak starts again
+    assert (chooser.look(GIL).kind, chooser.state) == ("prepare", "measuring")
     step = chooser.look(GIL)
     assert (step.kind, step.count) == ("start", 4)  # 16 cores: a quarter to begin with
     assert chooser.look(GIL) is None  # starting: no more decisions until the switch
@@ -90,8 +90,7 @@ def test_a_native_decoder_never_starts_children():
 
 
 def test_after_a_switch_the_policy_grows_while_it_helps_then_settles_for_good():
-    chooser = policy(True, True, first=2)
-    chooser.look(window(100))
+    chooser = policy(True, True, first=2, looks=1)
     assert chooser.look(window(100)).count == 2
     chooser.switched(2)
     assert chooser.look(window(50)) is None  # the ramp after the switch is not judged
@@ -105,8 +104,7 @@ def test_after_a_switch_the_policy_grows_while_it_helps_then_settles_for_good():
 
 
 def test_a_first_step_that_did_not_help_goes_back_in_process():
-    chooser = policy(True, True)
-    chooser.look(window(100))
+    chooser = policy(True, looks=1)
     chooser.look(window(100))
     chooser.switched(4)
     chooser.look(window(100))
@@ -115,13 +113,8 @@ def test_a_first_step_that_did_not_help_goes_back_in_process():
 
 
 def test_memory_caps_the_children():
-    assert policy(True, True, memory=3).look(window()) is None
-    chooser = policy(True, True, memory=3)
-    chooser.look(window())
-    assert chooser.look(window()).count == 3  # 4 wanted, 3 fit
-    chooser = policy(True, True, memory=1)
-    chooser.look(window())
-    step = chooser.look(window())
+    assert policy(True, memory=3, looks=1).look(window()).count == 3  # 4 wanted, 3 fit
+    step = policy(True, memory=1, looks=1).look(window())
     assert step.kind == "settle" and "memory has room for 1 child processes only" in step.why
     gib = 2**30
     assert children_memory_allows(gib // 2, available=6 * gib, total=10 * gib) == 10  # 1 GiB kept back

@@ -52,6 +52,7 @@ class Switch:
         self.per_child = CHILD_BYTES_GUESS
         self.pss: list[tuple[str, int | None]] = []  # the children's memory after each switch, for bench.memory
         self.said: str | None = None  # the one line said when children cannot be used
+        self.armed = False  # the policy decided: switch once the children are ready
         self._why = ""
         self.choice = "in this process (measuring: children if the GIL turns out to be the limit)"
         self._show()
@@ -62,14 +63,14 @@ class Switch:
 
     def due(self) -> bool:
         """At a batch boundary: True when the loader should switch pipes now (``take``)."""
-        if self.starting is not None:
+        if self.starting is not None and (self.armed or not self.thresholds.wait_for_children):
             self._poll_starting()
-        elif self.policy.state not in ("settled", "starting"):
+        if self.policy.state not in ("settled", "starting"):
             now = time.perf_counter()
-            if now - self._last_time >= self.thresholds.look_s:
+            if self._last is None or now - self._last_time >= self.thresholds.look_s:
                 self._last_time = now
                 self._look()
-        return self.target is not None
+        return self.target is not None and self.armed
 
     def _look(self) -> None:
         figures = self.settings.stats.as_dict()
@@ -81,17 +82,33 @@ class Switch:
             self._carry_out(step)
 
     def _carry_out(self, step: Step) -> None:
-        if step.kind == "start":
-            self._start(step.count, step.why)
+        if step.kind == "prepare":
+            self._start(step.count, step.why, armed=False)
+        elif step.kind == "cancel":
+            self._cancel()
+        elif step.kind == "start":
+            if self.starting is not None and self.starting.count != step.count:
+                self._cancel()
+            self._why = step.why
+            self.armed = True
+            if self.starting is None and self.target is None:
+                self._start(step.count, step.why)
         elif step.kind == "back":
-            self.target = (self.local, self.local_stats, 0)
+            self.target, self.armed = (self.local, self.local_stats, 0), True
             self._note(f"in this process: {step.why}", "back in this process")
         elif self.policy.count:
             self._note(f"{self.policy.count} child processes: {self._why}; settled: {step.why}", None)
         else:
             self._note(f"in this process: {step.why}", None)
 
-    def _start(self, count: int, why: str) -> None:
+    def _cancel(self) -> None:
+        pool = self.starting or (self.target[0] if self.target is not None else None)
+        self.starting = self.target = None
+        self.armed = False
+        if isinstance(pool, ProcessPool):
+            pool.close()
+
+    def _start(self, count: int, why: str, armed: bool = True) -> None:
         arguments = vars(self.settings.pipeline(count, self.thread_limit))
         blocked = children_blocked(arguments)
         if blocked is not None:
@@ -103,7 +120,9 @@ class Switch:
             self._cannot(describe(error), count)
             return
         self._why = why
-        self._poll_starting()
+        self.armed = armed
+        if armed or not self.thresholds.wait_for_children:
+            self._poll_starting()
 
     def _poll_starting(self) -> None:
         pool = self.starting
@@ -120,7 +139,7 @@ class Switch:
             self._cannot(_why_not(error), pool.count)
             return
         self.starting = None
-        self.target = (pool, pool.stats, pool.count)
+        self.target = (pool, pool.stats, pool.count)  # taken once armed
 
     def _cannot(self, reason: str, count: int) -> None:
         """Children cannot be used: say so once, in one line, and stay."""
@@ -136,6 +155,7 @@ class Switch:
         assert self.target is not None
         pipes, stats, count = self.target
         self.target = None
+        self.armed = False
         old_stats = self.settings.stats
         if stats is self.local_stats:  # going back: a fresh record, as the children's was
             stats = self.local_stats = LoaderStats(**old_stats.limits)
