@@ -36,6 +36,8 @@ class Thresholds:
 
 
 THRESHOLDS = Thresholds()
+CANCEL_LOOKS = 8  # looks in a row without a GIL verdict before children started ahead are stopped
+MOST_PREPARES = 2  # children started ahead of a decision, at most this many times per loader
 
 
 def gil_bound(window: dict[str, Any]) -> tuple[bool, str]:
@@ -70,6 +72,8 @@ class Policy:
         self.rates = {0: 0.0}  # samples/s measured with each count of children
         self._warming = False  # the first look after a switch is the ramp: not measured
         self.preparing = False  # children started ahead of the decision (``prepare``)
+        self.prepares = 0  # how many times: starting children costs CPU, so it is rationed
+        self.calm = 0  # looks in a row that did not say GIL
 
     def most(self) -> int:
         return max(1, self.t.most if self.t.most is not None else self.cores)
@@ -90,15 +94,18 @@ class Policy:
         bound, evidence = self.judge(window)
         if not bound:
             self.streak = []
-            if self.preparing:  # one look said GIL, the next did not: the children started for nothing
+            self.calm += 1
+            if self.preparing and self.calm >= CANCEL_LOOKS:  # the children were started for nothing
                 self.preparing = False
                 return Step("cancel", 0, evidence)
             return None
+        self.calm = 0
         self.streak.append(rate)
         first = min(self.t.first if self.t.first is not None else max(2, self.cores // 4), self.most())
         if len(self.streak) < self.t.looks:
-            if self.preparing:
+            if self.preparing or self.prepares >= MOST_PREPARES:
                 return None
+            self.prepares += 1
             # Children take a second or more to start: they start now, in case the next looks
             # agree; the switch itself still waits for ``looks`` verdicts in a row.
             step = self._step_to(first, evidence, "prepare")

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from asyncload import AsyncLoader, TooManyFailures
-from asyncload.adapt import Policy, Thresholds, gil_bound
+from asyncload.adapt import CANCEL_LOOKS, MOST_PREPARES, Policy, Thresholds, gil_bound
 from asyncload.procs.choice import blocked_message, children_blocked, children_memory_allows
 from tests.decoders import FailsOn, as_array
 from tests.switching import children_of, force_switch
@@ -76,11 +76,18 @@ def test_the_verdict_says_gil_for_python_under_one_gil_and_not_for_native_decode
 def test_the_switch_waits_for_looks_in_a_row_that_say_gil():
     chooser = policy(True, False, True, True)
     assert chooser.look(GIL).kind == "prepare"  # one GIL look: children start, in case
-    assert chooser.look(GIL).kind == "cancel"  # then a look that says otherwise: the streak starts again
-    assert (chooser.look(GIL).kind, chooser.state) == ("prepare", "measuring")
+    assert chooser.look(GIL) is None  # then a look that says otherwise: the streak starts again
+    assert (chooser.look(GIL), chooser.state) == (None, "measuring")  # the children started are kept
     step = chooser.look(GIL)
     assert (step.kind, step.count) == ("start", 4)  # 16 cores: a quarter to begin with
     assert chooser.look(GIL) is None  # starting: no more decisions until the switch
+
+
+def test_children_started_ahead_are_stopped_after_calm_looks_and_rationed():
+    chooser = policy(*([True] + [False] * CANCEL_LOOKS) * (MOST_PREPARES + 1))
+    kinds = [getattr(chooser.look(GIL), "kind", None) for _ in range((CANCEL_LOOKS + 1) * (MOST_PREPARES + 1))]
+    assert kinds.count("prepare") == MOST_PREPARES and kinds.count("cancel") == MOST_PREPARES
+    assert kinds[CANCEL_LOOKS] == "cancel" and chooser.state == "measuring"
 
 
 def test_a_native_decoder_never_starts_children():
