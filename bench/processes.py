@@ -2,7 +2,7 @@
 which starts in-process and moves to children when the GIL is the limit), with a decode that
 holds the GIL.
 
-    python -m bench.processes [--samples 12000] [--rounds 3] [--ms 1.0]
+    python -m bench.processes [--samples 12000] [--rounds 3] [--ms 1.0] [--native ROUNDS]
 
 The default is built afresh in every round, so its rate counts its measuring and its switch:
 from its first batch to the epoch's end (its first batch's time, from ``AsyncLoader(...)``, is
@@ -115,6 +115,36 @@ def fresh_default(samples: int, batch_size: int, loops: int, number: int) -> tup
         return first - started, rate, order, loader.stats.processes_choice or ""
 
 
+def native_rounds(rounds: int, samples: int) -> None:
+    """The default against ``processes=0`` on native JPEG decode (``ImageDecoder``: GIL-free), on
+    the bench's local image set: both warm, rounds interleaved. The default should stay."""
+    from asyncload import ImageDecoder
+    from bench.dataset import ensure_image_set, list_image_folder
+    from bench.workloads import image_set
+
+    items, _ = list_image_folder(ensure_image_set(image_set(quick=False)))
+    items = (items * (samples // len(items) + 1))[:samples]
+    loaders = {name: AsyncLoader(items, batch_size=128, seed=0, decode=ImageDecoder(), processes=count)
+               for name, count in (("processes=0", 0), ("default", None))}
+    try:
+        for loader in loaders.values():
+            epoch(loader, 0)
+        ratios, cpu_ratios = [], []
+        for number in range(rounds):
+            rates, cpu = {}, {}
+            for name in list(loaders)[number % 2:] + list(loaders)[: number % 2]:
+                rates[name], cpu[name], _ = epoch(loaders[name], number + 1)
+            ratios.append(rates["default"] / rates["processes=0"])
+            cpu_ratios.append(cpu["default"] / cpu["processes=0"])
+            print(f"native round {number + 1}: " + ", ".join(f"{name} {rate:.0f}/s" for name, rate in rates.items()))
+        print(f"native JPEG decode: the default at {statistics.median(ratios):.3f}x processes=0 (per round "
+              f"{min(ratios):.3f}-{max(ratios):.3f}x), CPU per sample {statistics.median(cpu_ratios):.3f}x (a measure "
+              f"other users skew less); it chose: {loaders['default'].stats.processes_choice}")
+    finally:
+        for loader in loaders.values():
+            loader.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=12000)
@@ -124,6 +154,8 @@ def main() -> None:
     parser.add_argument("--ignore-other-load", action="store_true",
                         help="the default's verdict leaves out other users' CPU, as on a machine of your own (a "
                              "shared box's other users take the core it would find idle, and it rightly stays)")
+    parser.add_argument("--native", type=int, default=0, metavar="ROUNDS",
+                        help="also this many rounds of native JPEG decode: the default against processes=0")
     args = parser.parse_args()
     if args.ignore_other_load:
         import asyncload.adapt as adapt
@@ -131,6 +163,9 @@ def main() -> None:
         real = adapt.gil_bound
         adapt.gil_bound = lambda window: real({**window, "other_processes_cpu_seconds": 0.0})
 
+    if args.native and not args.rounds:
+        native_rounds(args.native, 4 * 2048)
+        return
     loops = calibrate(args.ms)
     cores = len(os.sched_getaffinity(0))
     steal = cpu_ticks()
@@ -193,6 +228,8 @@ def main() -> None:
     finally:
         for loader in loaders.values():
             loader.close()
+    if args.native:
+        native_rounds(args.native, 4 * 2048)
 
 
 if __name__ == "__main__":
