@@ -292,6 +292,7 @@ def run_epochs(loader, epochs: int, sampler: MemorySampler, say: Callable[[str],
             del batch
             mark_switch(loader, sampler)
         wall = time.perf_counter() - started
+        mark_switch(loader, sampler)  # a switch at the epoch's last batch
         mark = sampler.mark(f"epoch {epoch} end", epoch=epoch)
         out.append({"epoch": epoch, "samples": samples, "wall_s": round(wall, 3),
                     "samples_per_s": round(samples / wall, 1) if wall > 0 else None})
