@@ -152,6 +152,34 @@ def test_a_gil_bound_decoder_switches_and_delivers_the_exact_epoch(monkeypatch):
         assert sorted(sum(first, [])) == list(range(60))
 
 
+def test_children_that_did_not_help_give_way_to_a_fresh_in_process_backend(monkeypatch):
+    """Going back builds a new in-process backend (its own ring and stats, the figures carried):
+    the epoch stays exact, the children's backend is closed, and the loader stays there."""
+    import dataclasses
+
+    import asyncload.adapt as adapt
+    import asyncload.switch as switch
+
+    with loader_for(80, processes=0, seed=3) as pinned:
+        expected = [batches(pinned), batches(pinned)]
+    force_switch(monkeypatch)
+    never_enough = dataclasses.replace(adapt.THRESHOLDS, keep=float("inf"))  # any rate is below in-process's
+    monkeypatch.setattr(adapt, "THRESHOLDS", never_enough)
+    monkeypatch.setattr(switch, "THRESHOLDS", never_enough)
+    with loader_for(80, seed=3) as loader:
+        first, seen, got, children = loader._backend, [], [], []
+        for batch in loader:
+            got.append(batch[:, 0].tolist())
+            seen.append(children_of(loader))
+            if seen[-1]:
+                children = [child.pid for child in loader._backend.pipes.processes]
+        assert got == expected[0] and seen[0] == 0 and 2 in seen and seen[-1] == 0
+        assert children and not any(psutil.pid_exists(pid) for pid in children)  # closed once its run stopped
+        assert loader._backend is not first  # a fresh one, not the first one used again
+        assert loader.stats.samples == 80 and "back in this process" in loader.stats.report()
+        assert batches(loader) == expected[1] and children_of(loader) == 0
+
+
 @pytest.mark.parametrize("cut", [1, 5])  # a state taken before the switch, and one after it
 def test_a_resume_across_the_switch_delivers_the_rest_as_the_uninterrupted_run(monkeypatch, cut):
     with loader_for(40, processes=0, seed=2) as pinned:
