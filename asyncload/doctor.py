@@ -103,9 +103,10 @@ def open_source(url: str, storage_options: dict[str, Any] | None) -> Sequence[An
     return image_folder(url, storage_options=storage_options)
 
 
-def suggestion(figures: dict[str, Any], processes: int) -> str:
+def suggestion(figures: dict[str, Any], processes: int | None) -> str:
     """The setting to try next for the verdict's bottleneck."""
     name, _ = diagnose(figures)
+    processes = (figures.get("processes") or 0) if processes is None else processes
     cores = usable_cores()
     if name == "consumer":
         return "none: the loader is ahead of the loop; the time goes to your training step"
@@ -140,6 +141,13 @@ def examine(loader: AsyncLoader, seconds: float) -> tuple[int, float]:
         epoch += 1
 
 
+def _processes(asked: int | None, figures: dict[str, Any]) -> str:
+    """How many processes ran: as asked, or as the loader chose (its report's last line says why)."""
+    if asked is not None:
+        return f"{asked} processes"
+    return f"processes=None: {figures.get('processes') or 0} child processes at the end"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m asyncload.doctor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,7 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-threads", default=None, help="decode threads (default: one per core; or auto)")
     parser.add_argument("--io-concurrency", default=None, help="reads in flight (default 64, 4 for shards; or auto)")
-    parser.add_argument("--processes", type=int, default=0, help="child processes running the pipeline")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="child processes running the pipeline (default: the loader decides, as processes=None)")
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--options", default=None, metavar="FILE",
                         help=f"storage options as a JSON file (credentials go here or in ${OPTIONS_VARIABLE})")
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncload doctor: {describe(error)}", file=sys.stderr)
         return 2
     print(f"{samples} samples in {elapsed:.1f} s: {samples / max(elapsed, 1e-9):.0f} samples/s "
-          f"({usable_cores()} cores, {args.processes} processes)")
+          f"({usable_cores()} cores, {_processes(args.processes, figures)})")
     print(loader.stats.report())
     if loader.stats.failures:
         shown = "; ".join(str(failure) for failure in loader.stats.failures[:3])

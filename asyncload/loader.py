@@ -18,10 +18,12 @@ from .epoch.passes import Passes
 from .epoch.progress import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.sampler import distributed_defaults, source_digest
+from .pipeline.pipes import Backend
 from .procs.processes import process_count
 from .sources.shards import ShardSource
 from .stats.machine import usable_cores
 from .stats.trace import DEFAULT_EVENTS, Tracer
+from .switch import adaptive_switch
 
 
 class AsyncLoader:
@@ -116,12 +118,16 @@ class AsyncLoader:
             buffer); one of whole batches (``decode_batch``, ``GpuImageDecoder``) is not.
         isolate (bool, default False): the same as ``processes=1``: reads and decodes in one
             child process, away from a training step that holds the GIL.
-        processes (int or "auto", default None): None or 0 runs everything in this process,
-            enough while decode is native code. N starts N child processes that read and decode
-            into shared batch buffers, for a Python ``decode`` or past what one GIL feeds (about
-            2,000 images/s); ``"auto"`` is one per 3 cores. ``source``, ``read`` and ``decode``
-            must then pickle (define them at a module's top level), and a script needs
-            ``if __name__ == "__main__":``. ``num_threads`` and ``io_concurrency`` are then totals.
+        processes (int, default None): where reads and decode run. None starts in this process
+            and measures: when its stats say Python under one GIL is the limit with cores idle
+            (``stats.report()``'s "GIL" verdict), it moves them into child processes at a batch
+            boundary, adds children while samples/s rises, and then stays; native decode stays
+            here. No sample is lost, repeated or reordered by the move. 0 pins this process; N
+            pins N children that read and decode into shared batch buffers. ``"auto"`` is the
+            same as None. Children need ``source``, ``read`` and ``decode`` to pickle (define
+            them at a module's top level) and a script with ``if __name__ == "__main__":``;
+            None without them stays here and says so in one line. ``num_threads`` and
+            ``io_concurrency`` are then totals. See docs/guides/processes-auto.md.
         trace (path, default None): writes a timeline of the loader's runs there, as Chrome
             trace-event JSON for Perfetto or chrome://tracing: each sample's read and decode on
             the thread (and process) that ran it, hand-outs, your loop's waits, reads in flight,
@@ -197,12 +203,21 @@ class AsyncLoader:
             read_retries=read_retries, read_retry_seconds=read_retry_seconds, max_sample_bytes=max_sample_bytes,
             decode_timeout=decode_timeout, normalize=normalize, device=self.device, collate=collate)
         count = process_count(processes, isolate)
-        self._backend = build_backend(self._settings, count, self.device, threads=threads,
-                                      thread_limit=threads if auto_threads else None,
+        limit = threads if auto_threads else None
+        self._backend = build_backend(self._settings, count, self.device, threads=threads, thread_limit=limit,
                                       tracer=Tracer(trace, trace_events) if trace is not None else None)
-        self.stats = self._backend.stats
-        self.tuner = make_tuner(self.stats, self._backend.pipes, self._settings.num_threads, auto_threads, auto_io,
-                                threads, io, count)
+        self._tuning = (auto_threads, auto_io, threads, io)
+        self._use(self._backend)
+        self._switch = adaptive_switch(processes, count, self._settings, self._backend, self.device, limit, threads,
+                                       self._use)  # processes=None: moves to children when the GIL is the limit
+
+    def _use(self, backend: Backend) -> None:
+        """The backend that moves the samples from now on (``processes=None`` switches): its stats
+        are the loader's, its tuner the loader's."""
+        self._backend = backend
+        self.stats = backend.stats
+        self.tuner = make_tuner(self.stats, backend.pipes, self._settings.num_threads, *self._tuning,
+                                backend.processes)
 
     def __len__(self) -> int:
         """Batches in one epoch for this rank (the same on every rank)."""
@@ -231,7 +246,8 @@ class AsyncLoader:
         stops the threads; a batch stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
-        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress, self)
+        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress, self,
+                                  self._switch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its
@@ -265,6 +281,8 @@ class AsyncLoader:
         self._closed = True
         self._passes.stop()
         self._backend.close()
+        if self._switch is not None:
+            self._switch.close()
         if self.stats.tracer is not None:
             self.stats.tracer.finish()  # the children's events came with their answers
 

@@ -60,7 +60,7 @@ def make_files(count: int) -> list[str]:
 
 
 def asyncload_rate(paths: list[str], threads: int, batch_size: int = 256,
-                   processes: int | None = None) -> tuple[float, float]:
+                   processes: int = 0) -> tuple[float, float]:
     """One warm-up epoch, then one measured epoch, with default settings but the thread count
     (with ``processes``, the threads are split among the processes): samples/s, and this
     process's CPU µs per sample (all of it in-process: the pipeline's Python, mostly)."""

@@ -54,9 +54,11 @@ ITEMS = 1_500_000
 EPOCH_SAMPLES = 4096
 BATCH = 256
 CASES = ("local-asyncload", "local-dataloader", "biglist-asyncload", "biglist-dataloader",
-         "listonly-asyncload", "listonly-dataloader")
+         "listonly-asyncload", "listonly-dataloader", "gil-asyncload")
+GIL_SAMPLES = 6000  # gil-asyncload: samples per epoch of the 1 ms-of-Python decode
 LABELS = {f"{workload}-{name}": label for workload in ("local", "biglist", "listonly")
           for name, label in (("asyncload", "asyncload (defaults)"), ("dataloader", "DataLoader num_workers=2"))}
+LABELS["gil-asyncload"] = "asyncload (defaults), a decode of 1 ms of Python: the default moves to children"
 
 
 def tree_sample(root: psutil.Process) -> dict:
@@ -196,6 +198,12 @@ def build_case(case: str, spec: dict, mark: Callable[[str], Any]):
     root = Path(spec["root"])
     items, _ = list_image_folder(root)
     workload = type(workload)(**{**workload.to_dict(), "samples": len(items), "batch_size": spec["batch"]})
+    if case == "gil-asyncload":  # processes=None switches to children: PSS before and after
+        from asyncload import AsyncLoader
+        from bench.processes import GilDecode, calibrate
+
+        return AsyncLoader(list(range(GIL_SAMPLES)), batch_size=32, seed=0, read=False,
+                           decode=GilDecode(calibrate(1.0))), GIL_SAMPLES
     if case.startswith("local-"):
         data = RunData(root=str(root), items=items)
         if case == "local-asyncload":
@@ -282,13 +290,27 @@ def run_epochs(loader, epochs: int, sampler: MemorySampler, say: Callable[[str],
         for batch in loader:
             samples += batch_size_of(batch)
             del batch
+            mark_switch(loader, sampler)
         wall = time.perf_counter() - started
+        mark_switch(loader, sampler)  # a switch at the epoch's last batch
         mark = sampler.mark(f"epoch {epoch} end", epoch=epoch)
         out.append({"epoch": epoch, "samples": samples, "wall_s": round(wall, 3),
                     "samples_per_s": round(samples / wall, 1) if wall > 0 else None})
         say(f"    {label} | epoch {epoch}: {samples} samples in {wall:.2f} s, {samples / wall:,.0f} samples/s, "
             f"tree PSS {mark['pss'] / 2**20:,.0f} MiB, RSS {mark['rss'] / 2**20:,.0f} MiB")
     return out
+
+
+def mark_switch(loader: Any, sampler: MemorySampler) -> None:
+    """processes=None: a mark at its first batch in this process and at its first batch after
+    each switch (the tree's PSS before and after the children)."""
+    switch = getattr(loader, "_switch", None)
+    if switch is None:
+        return
+    where = switch.backend.processes
+    if getattr(loader, "_marked_where", None) != where:
+        loader._marked_where = where
+        sampler.mark("in this process" if not where else f"switched to {where} children", switch=where)
 
 
 def summary(result: dict) -> dict:
@@ -301,7 +323,8 @@ def summary(result: dict) -> dict:
     return {"peak_rss": max(result["samples"]["rss"]), "peak_pss": max(result["samples"]["pss"]),
             "list_uss": listed,  # what building the big list added to this process's private memory
             "pss_epoch_end": pss_end, "children_pss_epoch_end": [m["children_pss"] for m in ends],
-            "growth_1_to_last_pct": round(growth, 2) if growth is not None else None}
+            "growth_1_to_last_pct": round(growth, 2) if growth is not None else None,
+            "pss_at_switches": [(m["name"], m["pss"], m["children_pss"]) for m in result["marks"] if "switch" in m]}
 
 
 def child(spec: dict) -> dict:
@@ -352,6 +375,9 @@ def summary_line(row: dict) -> str:
     workers = ", ".join(mib(v) for v in row["children_pss_epoch_end"])
     workers = f", its workers' PSS: {workers} MiB" if any(row["children_pss_epoch_end"]) else ""
     rates = ", ".join(f"{e['samples_per_s']:,.0f}" for e in row["epochs"])
+    switches = "; ".join(f"{name}: PSS {mib(pss)} MiB (children {mib(children)})"
+                         for name, pss, children in row.get("pss_at_switches", []))
+    workers += f"; processes=None: {switches}" if switches else ""
     return (f"{row['case']} ({row['label']}): peak RSS {mib(row['peak_rss'])} MiB, peak PSS {mib(row['peak_pss'])} MiB, "
             f"PSS at the end of epochs 1-{len(row['pss_epoch_end'])}: {ends} MiB, growth 1->{len(row['pss_epoch_end'])}: "
             f"{row['growth_1_to_last_pct']:+.1f} %{workers} (samples/s per epoch: {rates})")

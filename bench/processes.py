@@ -1,6 +1,12 @@
-"""In-process against ``processes=1`` and ``processes=2`` with a decode that holds the GIL.
+"""In-process against ``processes=1``, ``processes=2`` and the default (``processes=None``,
+which starts in-process and moves to children when the GIL is the limit), with a decode that
+holds the GIL.
 
-    python -m bench.processes [--samples 3000] [--rounds 5] [--ms 1.0]
+    python -m bench.processes [--samples 12000] [--rounds 3] [--ms 1.0] [--native ROUNDS]
+
+The default is built afresh in every round, so its rate counts its measuring and its switch:
+from its first batch to the epoch's end (its first batch's time, from ``AsyncLoader(...)``, is
+printed apart). The pinned loaders are built once and warmed up.
 
 The decode runs about ``--ms`` milliseconds of pure Python per sample (calibrated on this
 machine first), so decode threads in one process take turns on one GIL; N processes have N
@@ -93,21 +99,82 @@ def epoch(loader: AsyncLoader, number: int) -> tuple[float, float, list[int]]:
     return len(order) / elapsed, 1000 * (cpu_seconds(processes) - cpu) / len(order), order
 
 
+def fresh_default(samples: int, batch_size: int, loops: int, number: int) -> tuple[float, float, list[int], str]:
+    """A new ``processes=None`` loader's first epoch: the time to its first batch, samples/s from
+    that batch to the end, the indices in order, and what it chose (then it is closed)."""
+    started = time.perf_counter()
+    with AsyncLoader(list(range(samples)), batch_size=batch_size, seed=0, read=False, decode=GilDecode(loops)) as loader:
+        loader.set_epoch(number)
+        batches = iter(loader)
+        _, indices = next(batches)
+        first = time.perf_counter()
+        order = indices.tolist()
+        for _, indices in batches:
+            order.extend(indices.tolist())
+        rate = (len(order) - batch_size) / (time.perf_counter() - first)
+        return first - started, rate, order, loader.stats.processes_choice or ""
+
+
+def native_rounds(rounds: int, samples: int) -> None:
+    """The default against ``processes=0`` on native JPEG decode (``ImageDecoder``: GIL-free), on
+    the bench's local image set: both warm, rounds interleaved. The default should stay."""
+    from asyncload import ImageDecoder
+    from bench.harness.dataset import ensure_image_set, list_image_folder
+    from bench.harness.workloads import image_set
+
+    items, _ = list_image_folder(ensure_image_set(image_set(quick=False)))
+    items = (items * (samples // len(items) + 1))[:samples]
+    loaders = {name: AsyncLoader(items, batch_size=128, seed=0, decode=ImageDecoder(), processes=count)
+               for name, count in (("processes=0", 0), ("default", None))}
+    try:
+        for loader in loaders.values():
+            epoch(loader, 0)
+        ratios, cpu_ratios = [], []
+        for number in range(rounds):
+            rates, cpu = {}, {}
+            for name in list(loaders)[number % 2:] + list(loaders)[: number % 2]:
+                rates[name], cpu[name], _ = epoch(loaders[name], number + 1)
+            ratios.append(rates["default"] / rates["processes=0"])
+            cpu_ratios.append(cpu["default"] / cpu["processes=0"])
+            print(f"native round {number + 1}: " + ", ".join(f"{name} {rate:.0f}/s" for name, rate in rates.items()))
+        print(f"native JPEG decode: the default at {statistics.median(ratios):.3f}x processes=0 (per round "
+              f"{min(ratios):.3f}-{max(ratios):.3f}x), CPU per sample {statistics.median(cpu_ratios):.3f}x (a measure "
+              f"other users skew less); it chose: {loaders['default'].stats.processes_choice}")
+    finally:
+        for loader in loaders.values():
+            loader.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--samples", type=int, default=12000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ms", type=float, default=1.0, help="Python time per sample")
+    parser.add_argument("--ignore-other-load", action="store_true",
+                        help="the default's verdict leaves out other users' CPU, as on a machine of your own (a "
+                             "shared box's other users take the core it would find idle, and it rightly stays)")
+    parser.add_argument("--native", type=int, default=0, metavar="ROUNDS",
+                        help="also this many rounds of native JPEG decode: the default against processes=0")
     args = parser.parse_args()
+    if args.ignore_other_load:
+        import asyncload.adapt as adapt
 
+        real = adapt.gil_bound
+        adapt.gil_bound = lambda window: real({**window, "other_processes_cpu_seconds": 0.0})
+
+    if args.native and not args.rounds:
+        native_rounds(args.native, 4 * 2048)
+        return
     loops = calibrate(args.ms)
     cores = len(os.sched_getaffinity(0))
     steal = cpu_ticks()
     print(f"machine: {cpu_model()}, {cores} usable cores, load average {os.getloadavg()[0]:.1f}")
+    if args.ignore_other_load:
+        print("the default's verdict leaves out other processes' CPU (--ignore-other-load)")
     print(f"decode: {loops} Python loops = {args.ms} ms per sample here; {args.samples} samples, "
           f"batch {args.batch_size}, default num_threads ({cores} in all)")
-    names = {"in-process": None, "processes=1": 1, "processes=2": 2}
+    names = {"in-process": 0, "processes=1": 1, "processes=2": 2}
     loaders: dict[str, AsyncLoader] = {}
     try:
         first = {}
@@ -123,24 +190,37 @@ def main() -> None:
         print("first batch, from AsyncLoader(...) (processes started): "
               + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in first.items()))
         print(equal_priority(loaders.values()))
-        rates: dict[str, list[float]] = {name: [] for name in names}
+        every = [*names, "default"]
+        rates: dict[str, list[float]] = {name: [] for name in every}
         cpu: dict[str, list[float]] = {name: [] for name in names}
+        default_first: list[float] = []
         for round_number in range(args.rounds):
-            turn = list(names)[round_number % 3:] + list(names)[: round_number % 3]
+            turn = every[round_number % 4:] + every[: round_number % 4]
             orders = {}
             for name in turn:
-                rate, ms, orders[name] = epoch(loaders[name], round_number + 1)
+                if name == "default":
+                    seconds, rate, orders[name], chose = fresh_default(args.samples, args.batch_size, loops,
+                                                                       round_number + 1)
+                    default_first.append(seconds)
+                else:
+                    rate, ms, orders[name] = epoch(loaders[name], round_number + 1)
+                    cpu[name].append(ms)
                 rates[name].append(rate)
-                cpu[name].append(ms)
             assert all(order == orders["in-process"] for order in orders.values()), "same samples, same order"
-            print(f"round {round_number + 1}: " + ", ".join(f"{name} {rates[name][-1]:.0f}/s" for name in names))
+            print(f"round {round_number + 1}: " + ", ".join(f"{name} {rates[name][-1]:.0f}/s" for name in every)
+                  + f"; the default's first batch {default_first[-1]:.2f} s; it chose: {chose}")
         base = statistics.median(rates["in-process"])
+        two = [rate / reference for rate, reference in zip(rates["default"], rates["processes=2"])]
+        print(f"default (fresh each round, from its first batch) against processes=2 (warm): "
+              f"{statistics.median(two):.2f}x (per round {min(two):.2f}-{max(two):.2f}x); first batch "
+              f"{max(default_first):.2f} s at most")
         print("median samples/s (ratio to in-process; range of per-round ratios):")
-        for name in names:
+        for name in every:
             ratios = [rate / reference for rate, reference in zip(rates[name], rates["in-process"])]
+            used = f"; CPU {statistics.median(cpu[name]):.2f} ms/sample" if cpu.get(name) else ""
             print(f"  {name:<12} {statistics.median(rates[name]):6.0f}  ({statistics.median(rates[name]) / base:.2f}x; "
-                  f"{min(ratios):.2f}-{max(ratios):.2f}x); CPU {statistics.median(cpu[name]):.2f} ms/sample")
-        print("every round: the same samples in the same order from all three")
+                  f"{min(ratios):.2f}-{max(ratios):.2f}x){used}")
+        print("every round: the same samples in the same order from all four")
         share = steal_share(steal, cpu_ticks())
         if share is not None:
             print(f"CPU stolen by the hypervisor during the run: {100 * share:.1f} %; "
@@ -148,6 +228,8 @@ def main() -> None:
     finally:
         for loader in loaders.values():
             loader.close()
+    if args.native:
+        native_rounds(args.native, 4 * 2048)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """The driver: one iteration over an epoch, every policy decided on the user's thread, whatever
 moves the samples (one pipeline here, or N child processes: ``pipes.py``). It takes batches from
 the plan (``plan.py``) up to ``window`` ahead, sends their rows out (``dispatch.py``), applies the
-failure policy to each answer (raise; skip with a replacement; a hole when none is left), hands
-complete batches out in order (``handout.py``), drops what ``drop_last`` or an empty batch calls
-for, and records what the user got in the epoch's ``Progress`` (``state.py``).
+failure policy to each answer, hands complete batches out in order (``handout.py``), drops what
+``drop_last`` or an empty batch calls for, and records what the user got (``progress.py``).
 """
 
 from __future__ import annotations
@@ -95,8 +94,7 @@ class EpochDriver:
             self._settle_known()
         self._window_full(not self.exhausted)
 
-    def _window_full(self, full: bool) -> None:
-        """The stats' level of time spent with the window full (the verdict's "memory")."""
+    def _window_full(self, full: bool) -> None:  # the stats' level of time with the window full ("memory")
         if full != self._full:
             self._full = full
             self.stats.level("producer_waiting", 1 if full else -1)
@@ -127,9 +125,9 @@ class EpochDriver:
         """Allocates the ring from the first sample that loads (``probe.py``): the first batch's,
         then the cursor's next. False when none can: raising, the first batch carries the
         error; skipping, the epoch delivers nothing (every sample failed)."""
+        budget = self.plan.failures_left() if self.s.skip_errors else 0
         layout, self._known = probe_layout(self.pipes, self.run, self._epoch_ahead(positions), self.order,
-                                           self.dispatch.pipe_for,
-                                           self.plan.failures_left() if self.s.skip_errors else 0)
+                                           self.dispatch.pipe_for, budget)
         if layout is not None:
             self.pipes.ring.configure(layout, self.s.batch_size)
             return True
@@ -146,8 +144,7 @@ class EpochDriver:
             self._early_skips.append(position)
         return False
 
-    def _epoch_ahead(self, positions: list[int]) -> Iterator[int]:
-        """``positions``, then the epoch's next positions after the cursor, one at a time."""
+    def _epoch_ahead(self, positions: list[int]) -> Iterator[int]:  # then the positions after the cursor
         yield from positions
         ahead = 0
         while len(peeked := self.plan.cursor.peek(ahead + 1)) > ahead:
@@ -198,14 +195,12 @@ class EpochDriver:
         batch.positions[row] = replacement
         self._send_rows(batch, [row])
 
-    def _take_answers(self) -> None:
-        """Takes in the answers that have arrived, without waiting."""
+    def _take_answers(self) -> None:  # those that have arrived, without waiting
         while (message := self.pipes.receive(self.run, block=False)) is not None:
             self._answer(message)
 
     def _ready(self, number: int) -> bool:
-        batch = self.batches.get(number)
-        return batch is not None and batch.complete()
+        return (batch := self.batches.get(number)) is not None and batch.complete()
 
     # ----- the user's thread -----
 
@@ -259,6 +254,10 @@ class EpochDriver:
             self._answer(self.pipes.receive(self.run))
         self.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
+
+    def drain(self) -> None:
+        """Assigns no more batches: the iteration ends after those under way (a switch of backends)."""
+        self.exhausted = True
 
     def _drop(self, batch: InFlight) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""

@@ -1,6 +1,11 @@
 """A pass over the loader: the driver of its epoch, the loop that hands its batches to the user
 (telling the tuner and the progress bar), and its stop. The loader keeps one ``Passes``: a new
 pass stops the one still running, and ``close()`` the last.
+
+With ``processes=None`` a pass may change backends at a batch boundary (``switch.py`` says
+when): its driver is drained (the batches under way are handed out), stopped, and a new driver
+on the new backend goes on over the epoch's progress, as a resume would: the same batches, in
+the same order, nothing read twice.
 """
 
 from __future__ import annotations
@@ -23,35 +28,46 @@ class Passes:
         self.driver: EpochDriver | None = None
 
     def start(self, backend: Backend, settings: Settings, sampler: Any, tuner: Any, bar: bool,
-              owner: Any = None) -> Iterator[Any]:
+              owner: Any = None, switch: Any = None) -> Iterator[Any]:
         """A new pass (``AsyncLoader.__iter__``): the epoch ``epochs`` says, or the rest of one.
         Its first batches are under way before the first ``next()``. The pass holds ``owner`` (the
         loader) while it runs: ``for batch in AsyncLoader(...)`` keeps no other reference, and a
-        collected loader closes itself."""
+        collected loader closes itself. ``switch``: ``processes=None``'s (``due()``, ``take()``
+        the new backend, ``retire()`` the old one, ``backend.stats``: the loader's tuner follows)."""
         self.stop()  # a new iteration replaces an unfinished one
         epoch, progress = self.epochs.start_pass(), self.epochs.progress
         order, size = self.epochs.plan(sampler, epoch)  # the epoch's, or an elastic rest
         driver = EpochDriver(backend, settings, epoch, order, progress, size,
                              rank=sampler.rank if sampler.world_size > 1 else None)
         self.driver = driver
-        iteration = self._iterate(driver, epoch, progress, sampler, tuner,
-                                  backend.stats if bar else None, owner)
+        iteration = self._iterate(driver, epoch, progress, sampler, settings, tuner,
+                                  backend.stats if bar else None, owner, switch)
         # The threads start now, but a generator dropped before its first next() never runs its
         # `finally`: stop them when it goes, whether it ran or not.
         weakref.finalize(iteration, stop_unless_stopped, driver)
         return iteration
 
-    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, tuner: Any,
-                 bar_stats: Any, owner: Any) -> Iterator[Any]:  # owner: kept alive by this frame
+    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: Settings,
+                 tuner: Any, bar_stats: Any, owner: Any, switch: Any) -> Iterator[Any]:  # owner: kept alive
         bar = ProgressBar.for_pass(bar_stats, sampler, progress, epoch) if bar_stats is not None else None
         try:
-            for positions, batch in driver:  # the driver records what was handed out in progress
-                if tuner is not None:
-                    tuner.observe()
+            while True:
+                draining = False
+                for positions, batch in driver:  # the driver records what was handed out in progress
+                    if tuner is not None:
+                        tuner.observe()
+                    if bar is not None:
+                        bar.advance(len(positions))
+                    yield batch
+                    del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
+                    if not draining and switch is not None and switch.due():
+                        driver.drain()  # the batches under way are handed out, then the backend changes
+                        draining = True
+                if not draining:
+                    break
+                driver, tuner = self._switched(driver, epoch, progress, sampler, settings, switch, owner)
                 if bar is not None:
-                    bar.advance(len(positions))
-                yield batch
-                del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
+                    bar.stats = driver.stats  # the bottleneck it shows is the new backend's
             self.epochs.pass_ended(epoch, latest=self.driver is driver)
             if bar is not None:
                 bar.complete()
@@ -61,6 +77,19 @@ class Passes:
                 self.driver = None
             if bar is not None:
                 bar.close()
+
+    def _switched(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: Settings,
+                  switch: Any, owner: Any) -> tuple[EpochDriver, Any]:
+        """The drained ``driver`` stops; a new one on the switch's new backend goes on over the
+        epoch's progress; the old backend is closed once its run has stopped."""
+        driver.stop()
+        backend = switch.take()  # the loader's backend, stats and tuner from now on
+        switch.retire()
+        order, size = self.epochs.plan(sampler, epoch)
+        driver = EpochDriver(backend, settings, epoch, order, progress, size,
+                             rank=sampler.rank if sampler.world_size > 1 else None)
+        self.driver = driver
+        return driver, getattr(owner, "tuner", None)
 
     def stop(self) -> None:
         """Stops the pass still running, if any."""

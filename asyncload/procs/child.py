@@ -26,7 +26,7 @@ from ..pipeline.settings import PipelineSettings
 from ..stats.figures import LoaderStats
 from ..stats.trace import Tracer
 from . import shm
-from .protocol import Broken, Close, Done, Failed, Limits, Map, Probed, Start, Stop, Unmap, portable, unpickle
+from .protocol import Broken, Close, Done, Failed, Limits, Map, Probed, Ready, Start, Stop, Unmap, portable, unpickle
 
 CLOSE_WAIT_S = 1.5  # Close: how long the pipeline's threads may take to end (the parent kills at 2 s)
 
@@ -50,6 +50,7 @@ def child_main(conn: Any, payload: dict[str, bytes]) -> None:
         child.send(Broken(portable(error)))
         _wait_for_close(conn)  # exiting now could break the pipe before the parent reads why
         _exit(1)
+    child.send(Ready())
     child.serve()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..stats.figures import LoaderStats, with_verdict
+from ..stats.figures import LoaderStats, StageStats, with_verdict
 from ..stats.snapshot import LevelFigures, StatsSnapshot
 
 CHILD_STAGES = ("read", "decode", "write")
@@ -27,6 +27,14 @@ class ProcessStats(LoaderStats):
         super().__init__(io_concurrency, num_threads, prefetch)
         self.processes = processes
         self._children: dict[int, StatsSnapshot] = {}  # each child's latest figures
+        self._carried: dict[str, StageStats] = {}  # processes=None: what the pipeline did before these children
+        self._carried_retries = (0, 0.0)
+
+    def carry(self, earlier: LoaderStats) -> None:
+        super().carry(earlier)
+        with self._lock:
+            self._carried = {name: replace(self.stages[name]) for name in CHILD_STAGES}
+            self._carried_retries = (self.retries, self.retry_wait_seconds)
 
     def update(self, child: int, figures: dict[str, Any]) -> None:
         """Takes a child's latest figures (the user's thread, while it waits for a batch)."""
@@ -35,13 +43,14 @@ class ProcessStats(LoaderStats):
             self._children[child] = snapshot
             children = list(self._children.values())
             for name in CHILD_STAGES:
-                stage = self.stages[name]
-                stage.items = sum(getattr(c, name).items for c in children)
-                stage.seconds = sum(getattr(c, name).seconds for c in children)
-                stage.bytes = sum(getattr(c, name).bytes for c in children)
-            self.stages["decode"].cpu_seconds = sum(c.decode.cpu_seconds for c in children)
-            self.retries = sum(c.retries for c in children)
-            self.retry_wait_seconds = sum(c.retry_wait_seconds for c in children)
+                stage, carried = self.stages[name], self._carried.get(name, StageStats())
+                stage.items = carried.items + sum(getattr(c, name).items for c in children)
+                stage.seconds = carried.seconds + sum(getattr(c, name).seconds for c in children)
+                stage.bytes = carried.bytes + sum(getattr(c, name).bytes for c in children)
+            carried_cpu = self._carried["decode"].cpu_seconds if self._carried else 0.0
+            self.stages["decode"].cpu_seconds = carried_cpu + sum(c.decode.cpu_seconds for c in children)
+            self.retries = self._carried_retries[0] + sum(c.retries for c in children)
+            self.retry_wait_seconds = self._carried_retries[1] + sum(c.retry_wait_seconds for c in children)
 
     def snapshot(self) -> StatsSnapshot:
         """The parent's figures with the children's levels and CPU added."""
@@ -51,8 +60,10 @@ class ProcessStats(LoaderStats):
         active = own.active_seconds
         levels = {}
         for name in CHILD_LEVELS:
-            area = sum(getattr(c, name).mean * c.active_seconds for c in children)
-            levels[name] = LevelFigures(area / active if active else 0.0, sum(getattr(c, name).peak for c in children))
+            carried = self.levels[name]  # only a carry() sets it: the pipeline runs in the children
+            area = carried.area + sum(getattr(c, name).mean * c.active_seconds for c in children)
+            peak = max(carried.peak, sum(getattr(c, name).peak for c in children))
+            levels[name] = LevelFigures(area / active if active else 0.0, peak)
         children_cpu = sum(c.cpu_seconds for c in children)
         return with_verdict(replace(
             own, **levels, cpu_seconds=own.cpu_seconds + children_cpu, processes=self.processes,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import signal
-import sys
 import threading
 import time
 import weakref
@@ -29,31 +28,14 @@ from ..pipeline.settings import share
 from ..redact import shown
 from . import shm
 from .child import child_main
+from .guard import guard_advice, refuse_while_bootstrapping
 from .merged import ProcessStats
-from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Stop, Stopped,
-                       Unmap, pickled_arguments)
+from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
+                       Stopped, Unmap, pickled_arguments)
 from .segments import SegmentRing
 
 HELD_SHOWN = 16  # a dead child's samples named in the error, at most
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
-
-
-def refuse_while_bootstrapping() -> None:
-    """In a child that spawn is preparing, the user's script is being imported again: a script
-    whose top level creates the loader (no ``if __name__ == "__main__":`` guard) would start
-    processes from there, and multiprocessing would fail with a message about bootstrapping.
-    Say what to do instead, and exit with a code the parent recognises."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        sys.stderr.write(_guard_advice() + "\n")
-        sys.stderr.flush()
-        raise SystemExit(MAIN_GUARD_EXIT)
-
-
-def _guard_advice() -> str:
-    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
-    return (f"asyncload: processes= (and isolate=True) start processes with 'spawn', which imports {script} again "
-            f"in each of them; its top level creates an AsyncLoader, so every process would start more. Put the "
-            f"script's top-level code under `if __name__ == \"__main__\":`")
 
 
 class ProcessPool:
@@ -94,6 +76,17 @@ class ProcessPool:
         self._runs = 0
         self._source, self._labelled = arguments["source"], arguments["labelled"]  # to name what a dead child held
         self._held: list[dict[tuple[int, Any], Any]] = [{} for _ in range(count)]  # (run, fill) -> its indices
+        self._ready = 0  # children that said they built their pipeline
+
+    def ready(self) -> bool:
+        """Whether every child has built its pipeline, without waiting; raises as ``receive``
+        does if one could not (its error, or how it died)."""
+        while self._ready < self.count:
+            got = self._next(0.0)
+            if got is None:
+                return False
+            self._handle(*got)
+        return True
 
     @property
     def count(self) -> int:
@@ -158,29 +151,37 @@ class ProcessPool:
             if got is None:
                 return None
             index, message = got
-            if message.figures is not None:
-                self.stats.update(index, message.figures)
-            if message.trace is not None and self.stats.tracer is not None:
-                self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
-            if isinstance(message, Broken):
-                self._broken = ("a loader process could not build its pipeline", message.error)
-                self.check()
-            if isinstance(message, (Done, Probed)):
-                self._held[index].pop((message.run, getattr(message, "fill", None)), None)
-            if isinstance(message, Poisoned):  # whatever the run: the segment is never free again
-                poisoned = self.ring.segments.get(message.segment)
-                if poisoned is not None:
-                    poisoned.poisoned = True
-            elif isinstance(message, Stopped):
-                self._stopped(index, message.run)
-            elif message.run == run:
+            if self._handle(index, message) and message.run == run:
                 return message
+
+    def _handle(self, index: int, message: Any) -> bool:
+        """Takes what every message carries (figures, trace) and deals with those about the
+        children rather than a run; True for a message about a run, for the caller."""
+        if message.figures is not None:
+            self.stats.update(index, message.figures)
+        if message.trace is not None and self.stats.tracer is not None:
+            self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
+        if isinstance(message, Broken):
+            self._broken = ("a loader process could not build its pipeline", message.error)
+            self.check()
+        if isinstance(message, Ready):
+            self._ready += 1
+            return False
+        if isinstance(message, (Done, Probed)):
+            self._held[index].pop((message.run, getattr(message, "fill", None)), None)
+        if isinstance(message, Poisoned):  # whatever the run: the segment is never free again
+            if (poisoned := self.ring.segments.get(message.segment)) is not None:
+                poisoned.poisoned = True
+        elif isinstance(message, Stopped):
+            self._stopped(index, message.run)
+        else:
+            return True
+        return False
 
     def _stopped(self, index: int, run: int) -> None:
         for key in [key for key in self._held[index] if key[0] == run]:
             del self._held[index][key]
-        waiting = self._stopping.get(run)
-        if waiting is None:
+        if (waiting := self._stopping.get(run)) is None:
             return
         waiting[0].discard(index)
         if not waiting[0]:
@@ -235,7 +236,7 @@ class ProcessPool:
         process.join(timeout=1.0)
         code = process.exitcode
         if code == MAIN_GUARD_EXIT:
-            self._broken = (_guard_advice(), None)
+            self._broken = (guard_advice(), None)
             self.check()
         if code is None:
             how = "closed its pipe"

@@ -13,19 +13,14 @@ its choices to the children.
 
 from __future__ import annotations
 
-from ..stats.machine import usable_cores
-
-CORES_PER_PROCESS = 3  # "auto": the 16-core measurements put the best at one process per 2-4 cores
-
 
 def process_count(processes: int | str | None, isolate: bool) -> int:
-    """How many child processes: 0 for in-process."""
-    if processes in (None, 0):
+    """How many child processes to start with: 0 for in-process (with None, the loader may move to
+    children later: ``switch.py``). ``"auto"`` is the default's old name: the same as None."""
+    if processes in (None, 0, "auto"):
         return 1 if isolate else 0
     if isolate and processes != 1:
         raise ValueError(f"isolate=True is processes=1; got processes={processes!r} as well")
-    if processes == "auto":
-        return max(1, usable_cores() // CORES_PER_PROCESS)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
         raise ValueError(f"processes must be None, a non-negative integer or 'auto', got {processes!r}")
     return processes

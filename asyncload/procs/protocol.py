@@ -68,6 +68,16 @@ class Broken:
     trace: Any = None
 
 
+@dataclass
+class Ready:
+    """The child has built its pipeline: a loader that starts children while it runs in its own
+    process (``processes=None``) switches to them only then, so that its loop never waits for
+    their start."""
+
+    figures: dict[str, Any] | None = field(default=None)
+    trace: Any = None
+
+
 # ----- values across the pipe -----
 
 

@@ -102,6 +102,7 @@ class LoaderStats:
         self._callback: tuple[float, Callable[[dict[str, Any]], None]] | None = None
         self._last_callback = time.perf_counter()
         self.tracer: Tracer | None = None  # with trace=: the timeline (see trace.py)
+        self.processes_choice: str | None = None  # processes=None: where the pipeline runs, and why
         self._source_counts: tuple[tuple[str, ...], np.ndarray] | None = None  # a mix's names, samples each
 
     # ----- updates from the pipeline -----
@@ -197,6 +198,31 @@ class LoaderStats:
                 self._active_system_cpu += system_cpu_seconds() - system_cpu
                 self._running_since = None
 
+    def carry(self, earlier: "LoaderStats") -> None:
+        """Goes on from ``earlier``'s figures (``processes=None`` moved the pipeline to other
+        pipes, with stats of their own): its counts, active time, CPU and levels' integrals are
+        added to these, and its failures are these, so the figures stay the loader's lifetime's."""
+        figures = earlier.snapshot()
+        with self._lock:
+            for name, stage in self.stages.items():
+                done = getattr(figures, name)
+                stage.items, stage.seconds, stage.bytes = (stage.items + done.items, stage.seconds + done.seconds,
+                                                           stage.bytes + done.bytes)
+                stage.cpu_seconds += done.cpu_seconds
+            for name, level in self.levels.items():
+                level.area += getattr(figures, name).mean * figures.active_seconds
+                level.peak = max(level.peak, getattr(figures, name).peak)
+            self.batches += figures.batches
+            self.samples += figures.samples
+            self.consumer_wait_seconds += figures.consumer_wait_seconds
+            self.retries += figures.retries
+            self.retry_wait_seconds += figures.retry_wait_seconds
+            self.decoded_on_cpu += figures.decoded_on_cpu
+            self._active_seconds += figures.active_seconds
+            self._active_cpu += figures.cpu_seconds
+            self._active_system_cpu += figures.cpu_seconds + figures.other_processes_cpu_seconds
+        self.failures = earlier.failures
+
     # ----- reading the figures -----
 
     def on_interval(self, seconds: float, callback: Callable[[dict[str, Any]], None] | None) -> None:
@@ -268,6 +294,8 @@ class LoaderStats:
             lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")
         name, evidence = diagnose(s.as_dict())
         lines.append(f"bottleneck: {name}: {evidence}")
+        if self.processes_choice is not None:
+            lines.append(self.processes_choice)
         return "\n".join(lines)
 
 

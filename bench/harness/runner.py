@@ -87,8 +87,9 @@ def result_line(row: dict, done: int, total: int, elapsed_s: float) -> str:
     head = f"[{done}/{total}, {elapsed_s:.0f} s] {run_name(row)}"
     if not row.get("ok"):
         return f"{head}: failed: {row.get('error')}"
+    chose = f"\n    {row['processes_choice']}" if row.get("processes_choice") else ""
     return (f"{head}: {row['samples_per_s']:,.0f} samples/s (median of {row['epochs_measured']} "
-            f"epoch(s)), run {row['run_wall_s']:.1f} s")
+            f"epoch(s)), run {row['run_wall_s']:.1f} s{chose}")
 
 
 def execute(runs: list[dict], chosen: list[Workload], device: str, quick: bool, extras: dict | None = None,

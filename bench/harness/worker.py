@@ -122,10 +122,14 @@ def measure(spec: dict, say: Callable[[str], None] = lambda line: None) -> dict:
         for number, epoch in enumerate([warmup, *epochs]):
             if epoch.samples != workload.samples:  # a loader that drops or repeats samples is wrong
                 raise RuntimeError(f"epoch {number} delivered {epoch.samples} samples, expected {workload.samples}")
+        # processes=None (asyncload's default): where it chose to run, and why
+        choice = getattr(getattr(loader, "stats", None), "processes_choice", None)
     finally:
         loader.close()
         sampler.stop()
     result = summarise(epochs, warmup)
+    if choice is not None:
+        result["processes_choice"] = choice
     result.update(build_s=build_s, peak_rss_bytes=sampler.peak_rss, peak_pss_bytes=sampler.peak_pss)
     if alone is not None:
         result["step_alone_s"] = alone
