@@ -18,6 +18,7 @@ import numpy as np
 from ..redact import shown
 
 INDEX_NAME = "index.json"  # the index beside a shard set's shards (asyncload's, MDS's, litdata's)
+INDEX_FORMAT = "asyncload-shards/1"  # the "format" of an index written by write_shards / index_shards
 TAR_HEADER = 512  # every tar member's data follows a header of this size
 MAX_SHARD_BYTES = 1 << 40  # 1 TiB: no shard is larger; a larger "bytes" is a corrupt or hostile index
 

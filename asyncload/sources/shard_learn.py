@@ -36,7 +36,7 @@ from ..io.reader import _version_of
 from .. import redact
 from . import learn_lock, listing
 from .brace import expand
-from .shards import INDEX_FORMAT
+from .shard_index import INDEX_FORMAT
 
 LEARN_THREADS = 8  # shards read at once while learning (each a long streaming read)
 PROGRESS_EVERY_S = 5.0

@@ -30,10 +30,8 @@ import numpy as np
 
 from ..decode.members import IMAGE_EXTENSIONS
 from . import listing, shard_index
-from .shard_index import INDEX_NAME  # noqa: F401 (writer's, here before shard_index held it)
+from .shard_index import INDEX_FORMAT
 from .items import Source, checked_index
-
-INDEX_FORMAT = "asyncload-shards/1"
 
 
 def buffer_shuffle(stream: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:

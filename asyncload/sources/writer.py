@@ -20,7 +20,7 @@ from fsspec.core import split_protocol
 from ..decode.members import LABEL_MEMBER
 from ..io import object_store
 from ..redact import shown
-from .shards import INDEX_FORMAT, INDEX_NAME
+from .shard_index import INDEX_FORMAT, INDEX_NAME
 
 READ_BATCH = 64  # files fetched at once while writing
 MAX_LABEL_BYTES = 64  # a .cls member holds a class number: read no more of it
