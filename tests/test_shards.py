@@ -4,6 +4,7 @@ ranks, cached on disk; from local disk and from a real S3-compatible server."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 import tarfile
@@ -609,11 +610,13 @@ def test_external_shards_are_read_where_the_user_allows_them(shard_dir, tmp_path
 
 
 @pytest.mark.parametrize("chunk", [3000, 4096], ids=["short read", "read past the end"])
-def test_an_index_bytes_larger_than_the_shard_fails_its_samples_at_the_first_short_read(shard_dir, s3_options, tmp_path,
-                                                                                        chunk):
+def test_an_index_bytes_larger_than_the_shard_is_read_from_storage_with_one_warning(shard_dir, s3_options, tmp_path,
+                                                                                    chunk):
     """Through the disk cache a shorter shard was downloaded again for every chunk read from it
-    (14x the requests): now the first download that meets its end fails the shard's samples,
-    and no request is made for it again."""
+    (14x the requests): now the first download that meets its end says so, once, and the shard
+    is read from storage for the rest of the run; each sample stands on its own bytes (here all
+    of them are there: only the shard's total is wrong), whether it came from the download
+    under way or from storage."""
     index = index_with(shard_dir, lambda shards: shards[0].update(bytes=shards[0]["bytes"] + 100_000))
     with setup_s3fs(s3_options) as fs:
         make_bucket(fs)
@@ -622,18 +625,15 @@ def test_an_index_bytes_larger_than_the_shard_fails_its_samples_at_the_first_sho
         fs.pipe_file("asyncload-test/bigger/index.json", json.dumps(index).encode())
     sizes = [s["bytes"] for s in json.loads((shard_dir / "index.json").read_text())["shards"]]
     source = tar_shards("s3://asyncload-test/bigger", s3_options, cache_dir=str(tmp_path), chunk_bytes=chunk)
-    with AsyncLoader(source, batch_size=4, shuffle=False, decode=DECODE, storage_options=s3_options,
-                     on_error="skip", max_failures=5) as loader:
-        got = flat(delivered(loader))
-    assert sorted(got) == sorted(ALL)[5:], "the other shards' samples all arrive"
-    failures = loader.stats.failures
-    assert len(failures) == 5 and {f.item.key for f in failures} == {f"{n:08d}" for n in range(5)}
     ends = f"at byte {sizes[0]}" if sizes[0] % chunk else f"at or before byte {sizes[0]}"  # the next range starts there
-    assert {f.error for f in failures} == {
-        f"ShardTruncated: s3://asyncload-test/bigger/shard-000000.tar ends {ends}, "
-        f"but its index says it holds {sizes[0] + 100_000} bytes (field 'bytes')"}
+    with pytest.warns(RuntimeWarning, match=re.escape(
+            f"s3://asyncload-test/bigger/shard-000000.tar ends {ends}, but its index says it holds "
+            f"{sizes[0] + 100_000} bytes (field 'bytes'): read from storage, not cached")):
+        with AsyncLoader(source, batch_size=4, shuffle=False, decode=DECODE, storage_options=s3_options) as loader:
+            got = flat(delivered(loader))
+    assert sorted(got) == sorted(ALL) and loader.stats.failures == []
     downloads = sum(-(-size // chunk) for size in sizes)  # every shard's chunks, once
-    assert loader.stats.read.items <= downloads + 1
+    assert loader.stats.read.items <= downloads + 2 * (sizes[0] // chunk + 2), "no download per chunk read"
 
 
 def test_index_shards_refuses_a_gnu_sparse_member_without_reading_it(tmp_path):

@@ -252,6 +252,8 @@ class ShardCache:
                 meta = {"url": url, "size": size, "version": version, "crc32": crc}
                 await self._on_disk(files.install, shard, partial, meta)
                 installed = True
+            except ValueError as error:  # the shard is shorter than its index says (ShardTruncated)
+                return self._skip(url, "short", str(error))
             except CacheWriteError as error:
                 files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
                 files.unlink(partial)

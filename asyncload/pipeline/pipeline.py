@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import SampleLayout
+from ..batch.ragged import take_aside
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
-from ..io import cache_items
 from ..io.reader import Reader
 from ..sources.shard_stream import reader_shard_stream
-from ..batch.ragged import take_aside
+from . import cached_reads
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
 from .keys import split
@@ -58,7 +58,7 @@ class Pipeline:
         self.loop_thread = LoopThread()
         self.loop, self.thread = self.loop_thread.loop, self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(settings.reader(self.loop, stats), self.loop).result()
-        self.cached_read = None if settings.read is not None else cache_items.item_cache(settings.source, self.reader)
+        self.cached_read = None if settings.read is not None else cached_reads.item_cache(settings.source, self.reader)
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
     # ----- the driver's thread (or a child's control thread) -----
@@ -251,7 +251,7 @@ class Pipeline:
         try:
             for run in list(self.runs):
                 await self._stop(run)
-            await cache_items.close(self.cached_read)
+            await cached_reads.close(self.cached_read)
             await self.reader.aclose()
         finally:  # whatever closing raised, the loop ends: close() waits for its thread
             self.loop.stop()

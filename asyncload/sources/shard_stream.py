@@ -196,22 +196,19 @@ class ShardStream:
 
 
 def whole_or_failed(read_range: Any, sizes: dict[str, int]) -> Any:
-    """``read_range`` for the disk cache's downloads: a shard that ends before its index's
-    ``bytes`` fails with ``ShardTruncated`` at the first read that sees its end, and every later
-    read of it at once, with no request (a short download was downloaded again for every chunk
-    read from it: 14 times the requests)."""
-    short: dict[str, str] = {}  # url -> what is wrong with it
+    """``read_range`` for the disk cache's downloads: a read that meets the shard's end before
+    its index's ``bytes`` fails with ``ShardTruncated`` (the cache then keeps no copy of that
+    shard and reads it from storage for the rest of the run, so a short shard is not downloaded
+    again for every chunk read from it). Each sample succeeds or fails on its own bytes."""
 
     async def read(url: str, start: int, end: int) -> bytes:
-        if url in short:
-            raise ShardTruncated(short[url])
         try:
             data = await read_range(url, start, end)
         except RangeNotSatisfiable:
             data = b""  # it ends at or before start
         if len(data) < end - start:
-            short[url] = f"{url} ends {'at' if data else 'at or before'} byte {start + len(data)}, but its index says it holds {sizes[url]} bytes (field 'bytes')"
-            raise ShardTruncated(short[url])
+            raise ShardTruncated(f"{url} ends {'at' if data else 'at or before'} byte {start + len(data)}, "
+                                 f"but its index says it holds {sizes[url]} bytes (field 'bytes')")
         return data
 
     return read
@@ -220,18 +217,16 @@ def whole_or_failed(read_range: Any, sizes: dict[str, int]) -> Any:
 def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int) -> ShardStream:
     """A ``ShardStream`` of ``plan`` through ``reader``'s ranged reads, and through the disk
     cache for remote shards when the source has one."""
-    async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
-        return await reader.read_range(url, start, end), None
-
     cache = None
+    sizes: dict[str, int] = {}
     if source.cache_dir is not None:
         sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
         cache = ShardCache(source.cache_dir, source.cache_bytes, whole_or_failed(reader.read_range, sizes),
                            source.chunk_bytes, reader.run_blocking, version=reader.version, timeout=reader.timeout)
 
-        async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
-            if reader.is_local(url):
-                return await reader.read_range(url, start, end), None
-            return await cache.read_copy(url, start, end, sizes[url])
+    async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
+        if cache is None or reader.is_local(url):
+            return await reader.read_range(url, start, end), None
+        return await cache.read_copy(url, start, end, sizes[url])
 
     return ShardStream(source, plan, read_range, concurrent_reads, cache=cache, run_blocking=reader.run_blocking)
