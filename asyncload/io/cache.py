@@ -106,16 +106,18 @@ class ShardCache:
     async def aclose(self) -> None:
         """Lets this process's downloads end (their reads may all have been served before: the
         copy must still be kept for the next epoch) for up to ``FINISH_S``, then cancels those
-        left (their partial files are removed), before the reader they use closes; then evicts
-        what they added past ``max_bytes``."""
+        left (their partial files are removed), before the reader they use closes; then scans
+        the folder and evicts whatever passes ``max_bytes``, whether or not a download was under
+        way: an eviction during the run may have kept copies then in use, or (the item cache's
+        count) not seen a copy written while it scanned, and no later read would retry it."""
         pending = list(self._downloads.values())
         if pending:
             await asyncio.wait(pending, timeout=min(FINISH_S, self.locks.timeout))
         for download in pending:
             download.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        if pending and self._usable:
-            await self._evict(0)
+        if self._usable:
+            await self._evict(0, scan=True)
 
     def path(self, url: str) -> Path:
         """Where ``url``'s copy is kept."""
@@ -319,8 +321,9 @@ class ShardCache:
                 undo(work.result())
             raise
 
-    async def _evict(self, room: int) -> None:
-        """Evicts until ``room`` more bytes fit ``max_bytes``."""
+    async def _evict(self, room: int, scan: bool = False) -> None:
+        """Evicts until ``room`` more bytes fit ``max_bytes`` (every call scans the folder here;
+        ``scan``: even where a subclass's count says it need not)."""
         try:
             self._over_size = await self.run_blocking(evict, self.directory, self.max_bytes - room,
                                                       set(self._in_use))

@@ -128,11 +128,12 @@ class ItemCache(ShardCache):
     def _just_downloaded(self, url: str, start: int, end: int) -> bytes | None:
         return self._fresh.pop(url, None)
 
-    async def _evict(self, room: int) -> None:
+    async def _evict(self, room: int, scan: bool = False) -> None:
         """Scans (and evicts) only when this process's count says the folder may not have
-        ``room``, or it added enough since its last scan that peers may have too."""
-        if self._estimate + room <= self.max_bytes and self._added <= RESCAN_FRACTION * self.max_bytes \
-                and not self._over_size:
+        ``room``, or it added enough since its last scan that peers may have too, or ``scan``
+        (the end of a run: the count misses peers' copies and those a scan overlapped)."""
+        if not scan and self._estimate + room <= self.max_bytes \
+                and self._added <= RESCAN_FRACTION * self.max_bytes and not self._over_size:
             return
         target = self.max_bytes - room - int(SLACK * self.max_bytes)
         try:
