@@ -17,7 +17,9 @@ once checked, is used unasked for the rest of the process's life, so epoch 2 sen
 
 Eviction scans the folder; with thousands of small objects a scan per download would cost more
 than the downloads, so this process counts what it added and scans only when that may pass
-``cache_bytes``, then frees ``SLACK`` of it more, so that the next scan is many downloads away.
+``cache_bytes``, then frees ``SLACK`` of it more, so that the next scan is many downloads away;
+and once at the end of a run, as the count can be short (a peer's copies; objects downloaded but
+not yet on disk while a scan ran, whose total then replaced the count).
 """
 
 from __future__ import annotations
