@@ -35,7 +35,8 @@ error), a kept copy whose checksum holds is used unasked for ``OFFLINE_S``, then
 again; a permanent error (the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
-at the start of the run plus what the cache already keeps.
+at the start of the run plus what the cache already keeps (``cache_evict.default_budget``). How one
+download runs, on disk and when cancelled: ``cache_download``.
 """
 
 from __future__ import annotations
@@ -52,27 +53,21 @@ from typing import Any, Awaitable, Callable
 from ..errors import describe
 from ..redact import shown
 from . import cache_files as files
-from .cache_evict import evict, owned_bytes
+from .cache_download import ReadRange, ShardDownloads
+from .cache_evict import default_budget, evict
 from .cache_progress import Downloads
 from .cache_lock import PeerLocks
 from .retries import is_transient
 
-ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 Version = Callable[[str], Awaitable[str]]
 
 FINISH_S = 10.0  # how long the end of a run waits for its downloads under way before cancelling them
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
-DEFAULT_CAP = 64 << 30
-FREE_FRACTION = 0.5
 
 _warned: set[tuple[str, str]] = set()  # (folder, reason): each warned once per process
 
 
-class CacheWriteError(Exception):
-    """The cache's own disk failed a download (not storage): the shard is read from storage."""
-
-
-class ShardCache:
+class ShardCache(ShardDownloads):
     """``read_range(url, start, end, size)``: bytes of a remote shard, from the local copy."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int | None, download: ReadRange, chunk_bytes: int,
@@ -106,16 +101,18 @@ class ShardCache:
     async def aclose(self) -> None:
         """Lets this process's downloads end (their reads may all have been served before: the
         copy must still be kept for the next epoch) for up to ``FINISH_S``, then cancels those
-        left (their partial files are removed), before the reader they use closes; then evicts
-        what they added past ``max_bytes``."""
+        left (their partial files are removed), before the reader they use closes; then scans
+        the folder and evicts whatever passes ``max_bytes``, whether or not a download was under
+        way: an eviction during the run may have kept copies then in use, or (the item cache's
+        count) not seen a copy written while it scanned, and no later read would retry it."""
         pending = list(self._downloads.values())
         if pending:
             await asyncio.wait(pending, timeout=min(FINISH_S, self.locks.timeout))
         for download in pending:
             download.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        if pending and self._usable:
-            await self._evict(0)
+        if self._usable:
+            await self._evict(0, scan=True)
 
     def path(self, url: str) -> Path:
         """Where ``url``'s copy is kept."""
@@ -225,102 +222,12 @@ class ShardCache:
                                   f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
             return None
 
-    async def _try_lock(self, path: Path) -> int | None:
-        """``cache_files.try_lock`` on the loop: a shard's lock is taken once per download."""
-        return files.try_lock(path)
-
     async def _ask_version(self, url: str) -> str:
         return "" if self.version is None else await self.version(url)
 
-    async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:
-        try:
-            lock = await self.locks.take(url, shard, self._try_lock)
-        except OSError as error:
-            return self._skip(url, "unwritable", f"cannot lock {shard.lock}: {error}")
-        if lock is None:
-            self._warn("lock", f"another process holds {shard.lock} and showed no progress for read_timeout "
-                               f"({self.locks.timeout} s): reads of it go to storage while it stays so")
-            return False
-        beating = asyncio.ensure_future(self.locks.beat(lock))
-        try:
-            if await self._finish(files.current, shard, url, size, version):
-                return True  # another process has just downloaded this version
-            await self._evict(size)
-            partial, installed = shard.new_part(), False
-            try:
-                crc = await self._fetch_to(url, size, partial)
-                meta = {"url": url, "size": size, "version": version, "crc32": crc}
-                await self._on_disk(files.install, shard, partial, meta)
-                installed = True
-            except ValueError as error:  # the shard is shorter than its index says (ShardTruncated)
-                return self._skip(url, "short", str(error))
-            except CacheWriteError as error:
-                files.unlink(shard.shard)  # a copy without its meta is of no use: free the room
-                files.unlink(partial)
-                cause = error.__cause__
-                if isinstance(cause, OSError) and cause.errno in files.DISK_FULL:  # the default's rule, from now
-                    self.max_bytes = min(self.max_bytes, await self.run_blocking(default_budget, self.directory))
-                    return self._skip(url, "full", f"the disk is full ({cause}); cache_bytes is now {self.max_bytes}")
-                return self._skip(url, "unwritable", f"cannot write {partial}: {cause}")
-            finally:
-                if not installed:  # renamed into place: no name to free (an unlink on the loop waits for the folder)
-                    files.unlink(partial)
-            await self._evict(0)  # downloads of other shards, here and elsewhere, may have overlapped
-            return True
-        finally:
-            beating.cancel()
-            os.close(lock)  # also releases the flock; no disk work of ours is running (``_finish``)
-
-    async def _fetch_to(self, url: str, size: int, partial: Path) -> int:
-        """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
-        disk's are ``CacheWriteError``."""
-        fd = await self._on_disk(files.new_file, partial, undo=os.close)
-        progress = None
-        try:
-            await self._on_disk(files.reserve, fd, size)
-            if self.streaming is not None:  # our own new file, open for the reads served from it
-                progress = self.streaming.start(url, os.open(partial, files.READ_FLAGS))
-            crc = 0
-            for start in range(0, size, self.chunk_bytes):
-                end = min(size, start + self.chunk_bytes)
-                data = await self.download(url, start, end)
-                if progress is not None:
-                    self.streaming.hold(progress, start, data)  # type: ignore[union-attr]
-                crc = await self._on_disk(files.write_all, fd, data, crc)
-                if progress is not None:
-                    self.streaming.advance(progress, end)  # type: ignore[union-attr]
-            return crc
-        finally:
-            if progress is not None:
-                self.streaming.end(url, progress)  # type: ignore[union-attr]
-            os.close(fd)
-
-    async def _on_disk(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
-        try:
-            return await self._finish(function, *args, undo=undo)
-        except OSError as error:
-            raise CacheWriteError(str(error)) from error
-
-    async def _finish(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:
-        """``run_blocking(function, *args)``, let finish when the caller is cancelled (a pool
-        thread cannot be stopped: closing the descriptor it writes, or releasing the lock, under
-        it would write to whatever file reuses that number); then ``undo`` is given its result
-        (a descriptor opened for nothing is closed) and the cancel goes on."""
-        work = asyncio.ensure_future(self.run_blocking(function, *args))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            while not work.done():
-                try:
-                    await asyncio.wait([work])
-                except asyncio.CancelledError:
-                    pass  # cancelled again: still wait for the thread
-            if undo is not None and not work.cancelled() and work.exception() is None:
-                undo(work.result())
-            raise
-
-    async def _evict(self, room: int) -> None:
-        """Evicts until ``room`` more bytes fit ``max_bytes``."""
+    async def _evict(self, room: int, scan: bool = False) -> None:
+        """Evicts until ``room`` more bytes fit ``max_bytes`` (every call scans the folder here;
+        ``scan``: even where a subclass's count says it need not)."""
         try:
             self._over_size = await self.run_blocking(evict, self.directory, self.max_bytes - room,
                                                       set(self._in_use))
@@ -343,11 +250,3 @@ def _retrieved(task: asyncio.Future) -> None:
     """Takes a cancelled wait's outcome, so that asyncio does not log it as never retrieved."""
     if not task.cancelled():
         task.exception()
-
-
-def default_budget(directory: Path) -> int:
-    """``DEFAULT_CAP``, or less: ``FREE_FRACTION`` of what the disk has free plus what the cache
-    keeps already (a shared node's disk is not the cache's alone)."""
-    disk = os.statvfs(directory)
-    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + owned_bytes(directory))))
-

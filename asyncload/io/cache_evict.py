@@ -13,6 +13,9 @@ from typing import Callable
 
 from .cache_files import OURS, ShardFiles, try_lock, unlink
 
+DEFAULT_CAP = 64 << 30  # cache_bytes=None: at most this...
+FREE_FRACTION = 0.5  # ...and at most this fraction of the disk's free space plus what the cache keeps
+
 
 def _unlink_if_free(names: ShardFiles, *paths: Path, still: Callable[[], bool] = lambda: True) -> bool:
     """Deletes ``paths`` while holding the shard's lock, if no process holds it (no download of
@@ -100,3 +103,10 @@ def owned_bytes(directory: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+def default_budget(directory: Path) -> int:
+    """``DEFAULT_CAP``, or less: ``FREE_FRACTION`` of what the disk has free plus what the cache
+    keeps already (a shared node's disk is not the cache's alone)."""
+    disk = os.statvfs(directory)
+    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + owned_bytes(directory))))

@@ -17,7 +17,9 @@ once checked, is used unasked for the rest of the process's life, so epoch 2 sen
 
 Eviction scans the folder; with thousands of small objects a scan per download would cost more
 than the downloads, so this process counts what it added and scans only when that may pass
-``cache_bytes``, then frees ``SLACK`` of it more, so that the next scan is many downloads away.
+``cache_bytes``, then frees ``SLACK`` of it more, so that the next scan is many downloads away;
+and once at the end of a run, as the count can be short (a peer's copies; objects downloaded but
+not yet on disk while a scan ran, whose total then replaced the count).
 """
 
 from __future__ import annotations
@@ -128,11 +130,12 @@ class ItemCache(ShardCache):
     def _just_downloaded(self, url: str, start: int, end: int) -> bytes | None:
         return self._fresh.pop(url, None)
 
-    async def _evict(self, room: int) -> None:
+    async def _evict(self, room: int, scan: bool = False) -> None:
         """Scans (and evicts) only when this process's count says the folder may not have
-        ``room``, or it added enough since its last scan that peers may have too."""
-        if self._estimate + room <= self.max_bytes and self._added <= RESCAN_FRACTION * self.max_bytes \
-                and not self._over_size:
+        ``room``, or it added enough since its last scan that peers may have too, or ``scan``
+        (the end of a run: the count misses peers' copies and those a scan overlapped)."""
+        if not scan and self._estimate + room <= self.max_bytes \
+                and self._added <= RESCAN_FRACTION * self.max_bytes and not self._over_size:
             return
         target = self.max_bytes - room - int(SLACK * self.max_bytes)
         try:
