@@ -117,11 +117,14 @@ class FaultProxy:
         listener, self._listener = self._listener, None
         self._loop.remove_reader(listener)
         listener.close()  # what is still in its backlog is reset by the kernel
-        for task, conn in list(self._connections.items()):
+        connections = list(self._connections.items())
+        for task, conn in connections:
             if conn.fileno() != -1:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             task.cancel()  # the handler closes its connection: with the linger above, an RST
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.gather(*(task for task, _ in connections), return_exceptions=True)
+        for _, conn in connections:
+            conn.close()  # one whose task was cancelled before it began (a no-op for the rest)
 
     async def _handle(self, client_reader, client_writer) -> None:
         try:
