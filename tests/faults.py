@@ -42,7 +42,8 @@ class FaultProxy:
         self.stall_seconds = 30.0
         self.delay_seconds = 0.0  # before each request that passes: a far bucket's first byte
         self._loop = asyncio.new_event_loop()
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._connections: dict[asyncio.Future, socket.socket] = {}  # each client's, by its task
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
 
     @property
@@ -63,14 +64,13 @@ class FaultProxy:
 
     def start_listening(self) -> None:
         """Accept connections on ``port`` (again)."""
-        future = asyncio.run_coroutine_threadsafe(self._listen(), self._loop)
-        self._server = future.result(timeout=10)
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=10)
 
     def stop_listening(self) -> None:
-        """Refuse new connections and reset open ones, as a server that died."""
-        if self._server is not None:
-            server, self._server = self._server, None
-            asyncio.run_coroutine_threadsafe(self._close(server), self._loop).result(timeout=10)
+        """Refuse new connections and reset open ones, as a server that died: its kernel closes
+        the listening socket and sends RST on every connection, accepted or still in the backlog."""
+        if self._listener is not None:
+            asyncio.run_coroutine_threadsafe(self._die(), self._loop).result(timeout=10)
 
     @staticmethod
     async def _cancel_connections() -> None:
@@ -79,15 +79,52 @@ class FaultProxy:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _listen(self) -> asyncio.AbstractServer:
-        return await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
+    async def _listen(self) -> None:
+        # Our own accept loop, not asyncio.start_server: on Python 3.11 a connection accepted just
+        # before Server.close() fails its transport's ``assert self._sockets is not None`` and its
+        # socket stays open, unread and unanswered, so the client hung for its whole read timeout
+        # (60 s), which a server that died never does; and 3.11's Server cannot close its clients.
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._loop.add_reader(listener, self._accept, listener)
 
-    @staticmethod
-    async def _close(server: asyncio.AbstractServer) -> None:
-        server.close()
-        if hasattr(server, "close_clients"):
-            server.close_clients()
-        await server.wait_closed()
+    def _accept(self, listener: socket.socket) -> None:
+        """Each connection waiting, into a task of its own at once: nothing accepted is ever
+        held where ``_die`` cannot reset it (a cancelled ``sock_accept`` could drop one)."""
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            task = asyncio.ensure_future(self._serve(conn))
+            self._connections[task] = conn
+            task.add_done_callback(lambda done: self._connections.pop(done, None))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except BaseException:
+            conn.close()
+            raise
+        await self._handle(reader, writer)
+
+    async def _die(self) -> None:
+        listener, self._listener = self._listener, None
+        self._loop.remove_reader(listener)
+        listener.close()  # what is still in its backlog is reset by the kernel
+        connections = list(self._connections.items())
+        for task, conn in connections:
+            if conn.fileno() != -1:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            task.cancel()  # the handler closes its connection: with the linger above, an RST
+        await asyncio.gather(*(task for task, _ in connections), return_exceptions=True)
+        for _, conn in connections:
+            conn.close()  # one whose task was cancelled before it began (a no-op for the rest)
 
     async def _handle(self, client_reader, client_writer) -> None:
         try:
