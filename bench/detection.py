@@ -1,21 +1,33 @@
 """A detection-like workload: JPEGs resized to 384, each with 0..30 boxes (N x 4 float32), their
 labels (N int64) and a caption; asyncload by default against DataLoader with a list-building
-``collate_fn``, both running the same decode (``DetectionDecode``: the file read, the image
-decode and resize, the annotation lookup). Then what a ragged field costs per sample: one
-sample written into a batch buffer (fixed fields against a ragged field, and a caption), and
-one batch's hand-out (the jagged tensor gathered).
+``collate_fn``, both running the same decode, from local disk and from the real S3 server.
 
-    python -m bench.detection [--samples 512] [--batch 32] [--epochs 2] [--json PATH]
+- local: ``DetectionDecode`` (the file read, the image decode and resize, the annotation
+  lookup), DataLoader with 1-3 workers.
+- s3: the same images and annotations as WebDataset-style tar shards (``.jpg`` + ``.json``
+  members) on SeaweedFS on this machine; asyncload reads ``tar_shards(..., members="all")``,
+  DataLoader (2-4 workers) the same objects through s3fs, one ranged GET per sample; both decode
+  with ``MemberDecode`` (``bench/detection_s3.py``).
 
-Local disk only (the S3 variant is left to ``python -m bench``'s harness).
+All loaders of a source stay open; after a warm-up pass each, every round runs each loader one
+epoch, each round starting with another (the drift of a shared box falls on all alike); medians
+are printed with the ratio to the best DataLoader, the machine and the load average. Then what a
+ragged field costs per sample: one sample written into a batch buffer (fixed fields against a
+ragged field, and a caption), and one batch's hand-out (the jagged tensor gathered).
+
+    python -m bench.detection [--samples 512] [--batch 32] [--epochs 2] [--source both] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import statistics
+import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +38,10 @@ from asyncload.batch.assemble import assemble
 from asyncload.batch.buffers import BufferRing
 from asyncload.batch.layout import SampleLayout
 from asyncload.batch.ragged import grow
+from bench.detection_s3 import s3_loaders
+from bench.harness.contenders.dataloader import shut_down_workers
 from bench.harness.dataset import ensure_image_set, list_image_folder
+from bench.harness.machine import cpu_model
 from bench.harness.workloads import image_set
 
 SIZE = 384
@@ -75,28 +90,50 @@ def list_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "caption": [s["caption"] for s in samples]}
 
 
-def rate(loader: Any, epochs: int, samples: int) -> float:
-    """Samples/s over ``epochs`` passes, after one warm-up pass."""
-    for _ in loader:
-        pass
-    started = time.perf_counter()
-    for _ in range(epochs):
-        for _ in loader:
-            pass
-    return epochs * samples / (time.perf_counter() - started)
+def epoch_rate(loader: Any) -> float:
+    """Samples/s of one pass."""
+    started, seen = time.perf_counter(), 0
+    for batch in loader:
+        seen += len(batch["caption"])
+    return seen / (time.perf_counter() - started)
 
 
-def loaders(decode: DetectionDecode, batch: int, epochs: int) -> dict[str, float]:
+def interleaved(loaders: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Median samples/s of each loader over ``rounds`` passes, after one warm-up pass each; each
+    round runs every loader once, starting with another, so that the drift of a shared box falls
+    on all of them alike."""
+    for loader in loaders.values():
+        epoch_rate(loader)
+    names, rates = list(loaders), {name: [] for name in loaders}
+    for number in range(rounds):
+        shift = number % len(names)
+        for name in names[shift:] + names[:shift]:
+            rates[name].append(epoch_rate(loaders[name]))
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+@contextlib.contextmanager
+def local_loaders(decode: DetectionDecode, batch: int, workers: tuple[int, ...]) -> Iterator[dict[str, Any]]:
+    """asyncload by default and a DataLoader per worker count (persistent workers), all open."""
     samples = len(decode.paths)
-    out = {}
     with AsyncLoader(list(range(samples)), batch_size=batch, read=False, decode=decode) as loader:
-        out["asyncload default"] = rate(loader, epochs, samples)
-    for workers in (1, 2, 3):
-        loader = DataLoader(DetectionSet(decode), batch_size=batch, shuffle=True, num_workers=workers,
-                            collate_fn=list_collate, persistent_workers=True, prefetch_factor=4)
-        out[f"DataLoader workers={workers}"] = rate(loader, epochs, samples)
-        del loader
-    return out
+        out: dict[str, Any] = {"asyncload default": loader}
+        for count in workers:
+            out[f"DataLoader workers={count}"] = DataLoader(
+                DetectionSet(decode), batch_size=batch, shuffle=True, num_workers=count, collate_fn=list_collate,
+                persistent_workers=True, prefetch_factor=4)
+        try:
+            yield out
+        finally:
+            for name, value in out.items():
+                if name.startswith("DataLoader"):
+                    shut_down_workers(value)
+
+
+def summary(rates: dict[str, float]) -> dict[str, Any]:
+    best = max((name for name in rates if name.startswith("DataLoader")), key=rates.__getitem__)
+    return {"samples/s": rates, "best DataLoader": best,
+            "asyncload / best DataLoader": rates["asyncload default"] / rates[best]}
 
 
 def write_cost(rows: int = 256, repeat: int = 20) -> dict[str, float]:
@@ -133,20 +170,35 @@ def write_cost(rows: int = 256, repeat: int = 20) -> dict[str, float]:
     return out
 
 
+def load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2, help="measured rounds (after a warm-up pass)")
+    parser.add_argument("--source", choices=("local", "s3", "both"), default="both")
     parser.add_argument("--json")
     args = parser.parse_args()
+    print(f"machine: {cpu_model()}, {len(os.sched_getaffinity(0))} usable cores, load average {load()}", flush=True)
     items, _ = list_image_folder(ensure_image_set(image_set(quick=True)))
     paths = [path for path, _ in items][: args.samples]
-    decode = DetectionDecode(paths, annotations(len(paths)))
-    results: dict[str, Any] = {"samples/s": loaders(decode, args.batch, args.epochs), "cost": write_cost()}
-    best = max(value for name, value in results["samples/s"].items() if name.startswith("DataLoader"))
-    results["asyncload / best DataLoader"] = results["samples/s"]["asyncload default"] / best
-    print(json.dumps(results, indent=2))
+    notes = annotations(len(paths))
+    results: dict[str, Any] = {"machine": cpu_model(), "samples": len(paths), "batch": args.batch}
+    if args.source in ("local", "both"):
+        with local_loaders(DetectionDecode(paths, notes), args.batch, (1, 2, 3)) as loaders:
+            results["local"] = summary(interleaved(loaders, args.epochs))
+        print(json.dumps({"local": results["local"], "load average": load()}, indent=2), flush=True)
+    if args.source in ("s3", "both"):
+        with tempfile.TemporaryDirectory() as folder:
+            with s3_loaders(paths, notes, folder, args.batch, (2, 3, 4), list_collate, SIZE) as loaders:
+                results["s3"] = summary(interleaved(loaders, args.epochs))
+        print(json.dumps({"s3": results["s3"], "load average": load()}, indent=2), flush=True)
+    results["cost"] = write_cost()
+    results["load average"] = load()
+    print(json.dumps({"cost": results["cost"], "load average": results["load average"]}, indent=2))
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=2)
