@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from . import cache_files as files
 from .cache import ShardCache
-from .cache_evict import evict_to
+from .cache_evict import evict_to, owned_bytes
 
 WHOLE = 1 << 62  # the download's "chunk": an object is read in one GET
 SLACK = 0.1  # an eviction frees this fraction of cache_bytes more than it must
@@ -167,8 +167,6 @@ def _size_in(version: str) -> int | None:
 
 
 def _owned(directory: Any) -> int:
-    from .cache_evict import owned_bytes
-
     try:
         return owned_bytes(directory)
     except OSError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
@@ -115,9 +115,9 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-# What the docstrings of image_folder, list_files and manifest say of what they share
-# (``_shared_docs`` puts it in place of "{storage_options}", "{timeout and retries}" and
-# "{storage errors}").
+Documented = TypeVar("Documented", bound=Callable[..., Any])
+# What the sources' docstrings share (image_folder, list_files, manifest, mds, litdata): ``_shared_docs``
+# puts it in place of "{storage_options}", "{timeout and retries}", "{cache}" and "{storage errors}".
 _STORAGE_OPTIONS = """storage_options (dict, optional): options for the storage client, as fsspec takes them
             (for S3, s3fs's: ``endpoint_url``, ``key``, ``secret``, ``anon``, ``profile``,
             ``config_kwargs``, ...; gcsfs's and adlfs's for GCS and Azure), passed the same way
@@ -149,7 +149,7 @@ _STORAGE_ERROR = """StorageError: (an ``OSError``) if storage still fails after 
             the client's own exception is its ``__cause__``."""
 
 
-def _shared_docs(function: Callable[..., Source]) -> Callable[..., Source]:
+def _shared_docs(function: Documented) -> Documented:
     """``function`` with the shared parts of its docstring in place, so ``help()`` shows them."""
     for marker, text in (("{storage_options}", _STORAGE_OPTIONS), ("{timeout and retries}", _TIMEOUT_AND_RETRIES),
                          ("{cache}", _CACHE), ("{storage errors}", _STORAGE_ERROR)):

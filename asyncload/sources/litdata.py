@@ -22,6 +22,7 @@ import numpy as np
 from ..redact import shown
 from . import listing, shard_index
 from .chunked import ChunkedSource, Column, array, pil_raw, raw, scalar, text
+from .items import _shared_docs
 
 # litdata's _NUMPY_DTYPES_MAPPING (constants._NUMPY_SCTYPES): the dtype numbers of its numpy
 # serializers, in full; the last four (objects, variable-size bytes and text, void) hold no
@@ -120,6 +121,7 @@ def _items(chunk: Any, number: int, index_url: str) -> int:
     return items
 
 
+@_shared_docs
 def litdata(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
             timeout: float | None = None, retries: int | None = None, **options: Any) -> LitdataSource:
     """The samples of the litdata dataset at ``url`` (its ``index.json``, or the folder or bucket
@@ -134,15 +136,12 @@ def litdata(url: str, storage_options: dict | None = None, *, image: str | None 
 
     Args:
         url (str): the litdata dataset's ``index.json``, or the folder or bucket prefix holding it.
-        storage_options (dict, optional): fsspec-style options (``endpoint_url``, credentials).
+        {storage_options}
         image (str, optional): the image leaf the default decode decodes (default: the first
             image-encoded one).
         label (str, optional): the label leaf the default decode gives beside the images
             (default: one named label, labels, cls, class, target or y).
-        timeout (float, optional): seconds before a request made now ends (default: the
-            loader's ``read_timeout``).
-        retries (int, optional): further tries of a request made now (default 6, or what
-            ``storage_options`` name).
+        {timeout and retries}
         **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
             ``cache_bytes``.
     """

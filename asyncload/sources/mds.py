@@ -22,6 +22,7 @@ from . import listing
 from . import shard_index
 from .shard_index import MAX_SHARD_BYTES, _bad, _is_int
 from .chunked import ChunkedSource, Column, pil_raw, raw, scalar, text
+from .items import _shared_docs
 
 SCALARS = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
 # MDS's ndarray dtype codes (encodings.NDArray._int2value_dtype) and shape-size codes
@@ -124,6 +125,7 @@ def columns_of(shard: dict[str, Any], number: int, url: str) -> list[Column]:
     return columns
 
 
+@_shared_docs
 def mds(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
         timeout: float | None = None, retries: int | None = None, **options: Any) -> MDSSource:
     """The samples of the MDS dataset at ``url`` (its ``index.json``, or the folder or bucket
@@ -138,15 +140,12 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
 
     Args:
         url (str): the MDS dataset's ``index.json``, or the folder or bucket prefix holding it.
-        storage_options (dict, optional): fsspec-style options (``endpoint_url``, credentials).
+        {storage_options}
         image (str, optional): the image column the default decode decodes (default: the first
             image-encoded one).
         label (str, optional): the label column the default decode gives beside the images
             (default: one named label, labels, cls, class, target or y).
-        timeout (float, optional): seconds before a request made now ends (default: the
-            loader's ``read_timeout``).
-        retries (int, optional): further tries of a request made now (default 6, or what
-            ``storage_options`` name).
+        {timeout and retries}
         **options: ``ShardSource``'s ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
             ``cache_bytes``.
     """
