@@ -1,8 +1,9 @@
-"""processes=N (and isolate=True, its N=1): the pipeline in spawned children, batches in shared memory.
+"""processes=N (and isolate=True, its N=1): the pipeline in child processes (forked by the fork
+server where there is one, else spawned), batches in shared memory.
 
-Every loader here starts real children (a few seconds of Python and torch imports), so each test
-checks several things that share a loader. Functions the children run are at module level:
-spawn finds them by name.
+Every loader here starts real children (the fork server's start imports torch once: seconds), so
+each test checks several things that share a loader. Functions the children run are at module
+level: a child finds them by name.
 """
 
 import asyncio
@@ -26,6 +27,7 @@ import torch
 from asyncload import AsyncLoader, ImageDecoder, SampleError, TooManyFailures, image_folder, tar_shards, write_shards
 from asyncload.procs.child import CHILD_NICENESS
 from asyncload.procs.processes import process_count
+from asyncload.procs.start import CHILD_MODULE, start_method
 from tests.conftest import epoch, make_jpeg, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def index_sample(i):
     return np.full(3, i, np.int64)
+
+
+def environment_mark(i):
+    return np.array([int(os.environ.get("ASYNCLOAD_TEST_MARK", "-1")), i], np.int64)
 
 
 def structured_sample(i):
@@ -149,6 +155,28 @@ def test_batches_are_shared_between_the_children():
     writers = {row[1] for batch in batches for row in batch}
     assert writers == pids, "both children fill batches"
     assert all(len({row[1] for row in batch}) == 1 for batch in batches), "a batch is one child's"
+
+
+def test_children_take_the_environment_of_the_process_that_starts_them(monkeypatch):
+    """The fork server keeps the environment it started with; children take this process's, as
+    spawned ones do (credentials, endpoints set by the script after an earlier loader)."""
+    with AsyncLoader(list(range(4)), batch_size=4, read=False, decode=index_sample, processes=1) as first:
+        list(first)  # a fork server, where there is one, runs from here on
+    monkeypatch.setenv("ASYNCLOAD_TEST_MARK", "7")
+    with AsyncLoader(list(range(8)), batch_size=4, shuffle=False, read=False, decode=environment_mark,
+                     processes=2) as loader:
+        rows = torch.cat(list(loader))
+    assert rows.tolist() == [[7, i] for i in range(8)]
+
+
+@pytest.mark.skipif(start_method() != "forkserver", reason="this platform has no fork server")
+def test_children_come_from_the_fork_server_with_the_pipeline_imported():
+    with AsyncLoader(list(range(8)), batch_size=4, read=False, decode=index_sample, processes=2) as loader:
+        parents = {psutil.Process(pid).ppid() for pid in child_pids(loader)}
+        assert len(parents) == 1 and os.getpid() not in parents, "forked by one server, not by this process"
+        command = " ".join(psutil.Process(parents.pop()).cmdline())
+        assert "multiprocessing.forkserver" in command and repr(CHILD_MODULE) in command, command
+        assert len(list(loader)) == 2
 
 
 def test_tuple_and_dict_samples_keep_their_structure():

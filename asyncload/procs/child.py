@@ -33,8 +33,12 @@ CLOSE_WAIT_S = 1.5  # Close: how long the pipeline's threads may take to end (th
 CHILD_NICENESS = 10  # at least: the child yields the CPU to the training process (see _lower_priority)
 
 
-def child_main(conn: Any, payload: dict[str, bytes]) -> None:
-    """The child process: builds its filler, then serves the parent until it closes or dies."""
+def child_main(conn: Any, payload: dict[str, bytes], environ: dict[str, str]) -> None:
+    """The child process: builds its filler, then serves the parent until it closes or dies.
+    ``environ``: the parent's environment when it started this child (a fork server's own is
+    the one it started with: ``start.py``)."""
+    os.environ.clear()
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # no CUDA context here: the parent pins and copies
     _lower_priority()

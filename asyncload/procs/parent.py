@@ -1,7 +1,7 @@
 """The parent's side of the child processes: starting them, the pipes, their death, shutdown.
 
-Children are started with ``spawn`` (never fork: the parent has threads and maybe CUDA). Each
-has one duplex pipe (a socket pair, so it can carry descriptors). All reading of the pipes is
+Children are started from a fresh interpreter, never forked from this one (it has threads and
+maybe CUDA): from the fork server, else with spawn (``start.py``). Each has one duplex pipe (a socket pair, so it can carry descriptors). All reading of the pipes is
 done by the user's thread while it waits for a batch; nothing runs in the background here.
 
 Shutdown: ``close()``/garbage collection tell the children to stop, wait briefly, then kill
@@ -33,6 +33,7 @@ from .merged import ProcessStats
 from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
                        Stopped, Unmap, pickled_arguments)
 from .segments import SegmentRing
+from .start import child_context, environment
 
 HELD_SHOWN = 16  # a dead child's samples named in the error, at most
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
@@ -49,7 +50,8 @@ class ProcessPool:
         if reason:
             raise RuntimeError(reason)
         payload = pickled_arguments(arguments)
-        context = multiprocessing.get_context("spawn")
+        context = child_context()
+        environ = environment()
         self.stats = stats
         self.conns: list[Any] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -60,7 +62,7 @@ class ProcessPool:
                                            self.ring.segments, device)
         for index in range(count):
             conn, child_end = context.Pipe(duplex=True)
-            process = context.Process(target=child_main, args=(child_end, payload), name=f"asyncload-{index}",
+            process = context.Process(target=child_main, args=(child_end, payload, environ), name=f"asyncload-{index}",
                                       daemon=True)
             self.conns.append(conn)
             try:
