@@ -13,6 +13,7 @@ backend; nothing built is ever changed into something else.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -60,7 +61,7 @@ class Switch:
         self.use = use
         self.thresholds = THRESHOLDS
         self.policy = Policy(usable_cores(), self._memory_allows, self.thresholds)
-        self.starting: Backend | None = None  # children starting in the background
+        self.starting: Starting | None = None  # children starting in the background
         self.target: Backend | None = None  # what to switch to at the next boundary
         self.retired: Backend | None = None  # switched from: closed once its run stopped
         self.per_child = CHILD_BYTES_GUESS
@@ -91,6 +92,8 @@ class Switch:
         last, self._last = self._last, figures
         if last is None or last.get("processes") != figures.get("processes"):
             return  # a first look, or the stats changed with a switch: the next look has a window
+        if self.starting is not None:
+            return  # children starting take the idle cores: the window says nothing of the loader
         step = self.policy.look(_interval_figures(last, figures))
         if step is not None:
             self._carry_out(step)
@@ -101,7 +104,7 @@ class Switch:
         elif step.kind == "cancel":
             self._cancel()
         elif step.kind == "start":
-            if self.starting is not None and self.starting.processes != step.count:
+            if self.starting is not None and self.starting.count != step.count:
                 self._cancel()
             self._why = step.why
             self.armed = True
@@ -116,11 +119,13 @@ class Switch:
             self._note(f"in this process: {step.why}", None)
 
     def _cancel(self) -> None:
-        backend = self.starting or self.target
+        starting, target = self.starting, self.target
         self.starting = self.target = None
         self.armed = False
-        if backend is not None:
-            backend.close()
+        if starting is not None:
+            starting.cancel()
+        if target is not None:
+            target.close()
 
     def _build(self, count: int) -> Backend:
         """A new backend of ``count`` children (0: this process), recording into the loader's
@@ -141,20 +146,26 @@ class Switch:
         if blocked is not None:
             self._cannot(blocked, count)
             return
-        try:
-            self.starting = self._build(count)
-        except Exception as error:
-            self._cannot(describe(error), count)
-            return
+        self.starting = Starting(count, lambda: self._build(count))
         self._why = why
         self.armed = armed
         if armed or not self.thresholds.wait_for_children:
             self._poll_starting()
 
     def _poll_starting(self) -> None:
-        backend = self.starting
-        assert backend is not None and isinstance(backend.pipes, ProcessPool)
-        deadline = time.monotonic() + (READY_TIMEOUT_S if self.thresholds.wait_for_children else 0.0)
+        starting = self.starting
+        assert starting is not None
+        wait = READY_TIMEOUT_S if self.thresholds.wait_for_children else 0.0
+        deadline = time.monotonic() + wait
+        starting.thread.join(wait)
+        if starting.thread.is_alive():
+            return
+        backend = starting.backend
+        if backend is None:  # the build raised
+            self.starting = None
+            self._cannot(describe(starting.error), starting.count)
+            return
+        assert isinstance(backend.pipes, ProcessPool)
         try:
             while not backend.pipes.ready():
                 if time.monotonic() >= deadline:
@@ -167,6 +178,9 @@ class Switch:
             return
         self.starting = None
         self.target = backend  # taken once armed
+        # The looks while they started saw their start's CPU, not the loader's: not judged
+        # (``_look``); the next window starts now.
+        self._last, self._last_time = self.backend.stats.as_dict(), time.perf_counter()
 
     def _cannot(self, reason: str, count: int) -> None:
         """Children cannot be used: say so once, in one line, and stay."""
@@ -225,10 +239,51 @@ class Switch:
     def close(self) -> None:
         """The backends not in use (the loader closes its own): children still starting, or
         ready and not switched to."""
-        for backend in (self.starting, self.target, self.retired):
+        if self.starting is not None:
+            self.starting.cancel(wait=True)
+        for backend in (self.target, self.retired):
             if backend is not None:
                 backend.close()
         self.starting = self.target = self.retired = None
+
+
+class Starting:
+    """A backend of ``count`` children built on a thread of its own (``build``): starting a
+    child from the fork server waits until the server has imported torch and the pipeline (a
+    second or two, once per process), and the batches must go on meanwhile. ``cancel()``: the
+    backend is closed as soon as it exists."""
+
+    def __init__(self, count: int, build: Callable[[], Backend]) -> None:
+        self.count = count
+        self.backend: Backend | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self.thread = threading.Thread(target=self._run, args=(build,), name="asyncload-start", daemon=True)
+        self.thread.start()
+
+    def _run(self, build: Callable[[], Backend]) -> None:
+        try:
+            backend = build()
+        except BaseException as error:
+            self.error = error
+            return
+        with self._lock:
+            self.backend = backend
+            cancelled = self._cancelled
+        if cancelled:
+            backend.close()
+
+    def cancel(self, wait: bool = False) -> None:
+        """The backend is not wanted: closed now if built, else as soon as it is. ``wait``: also
+        wait (``READY_TIMEOUT_S`` at most) for the build to end, so no child outlives the caller."""
+        with self._lock:
+            self._cancelled = True
+            backend = self.backend
+        if backend is not None:
+            backend.close()
+        elif wait:
+            self.thread.join(READY_TIMEOUT_S)
 
 
 def _why_not(error: RuntimeError) -> str:

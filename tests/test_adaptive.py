@@ -296,3 +296,51 @@ def test_a_script_without_the_main_guard_stays_in_process_with_one_line(tmp_path
     lines = [line for line in done.stderr.splitlines() if "asyncload" in line and "processes=None" in line]
     assert len(lines) == 1 and "has no `if __name__ == \"__main__\":` guard" in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_looks_while_children_start_are_not_judged(monkeypatch):
+    """Children starting take the cores the verdict counts as idle, so a look then would see
+    "not the GIL" and stop them: only looks once they are ready count (the second GIL look in a
+    row switches). The judge here says GIL only when no children are starting."""
+    import dataclasses
+
+    import asyncload.adapt as adapt
+    import asyncload.switch as switch
+
+    thresholds = dataclasses.replace(adapt.THRESHOLDS, look_s=0.0, looks=2, first=2, most=2, keep=0.0)
+    monkeypatch.setattr(adapt, "THRESHOLDS", thresholds)
+    monkeypatch.setattr(switch, "THRESHOLDS", thresholds)
+    loader_box, judged_while_starting, looks_while_starting = [], [], []
+
+    def judge(window):
+        starting = loader_box[0]._switch.starting is not None
+        judged_while_starting.append(starting)
+        return (not starting, "GIL: a test's" if not starting else "decode CPU: the children's start")
+
+    monkeypatch.setattr(adapt, "gil_bound", judge)
+    real_look, real_build = switch.Switch._look, switch.build_backend
+
+    def look(self):
+        looks_while_starting.append(self.starting is not None)
+        real_look(self)
+
+    def slow_build(*args, **kwargs):  # the fork server is warm after other tests: make the start last
+        time.sleep(0.5)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(switch.Switch, "_look", look)
+    monkeypatch.setattr(switch, "build_backend", slow_build)
+    with loader_for(100_000, decode=as_array_slowly, seed=1) as loader:
+        loader_box.append(loader)
+        deadline = time.monotonic() + 60
+        for _ in loader:  # until it switched, then a few batches on the children
+            if children_of(loader) == 2 or time.monotonic() > deadline:
+                break
+        assert children_of(loader) == 2, loader.stats.report()
+        assert any(looks_while_starting), "looks came while the children started"
+        assert not any(judged_while_starting), "none of them was judged"
+
+
+def as_array_slowly(index):
+    time.sleep(0.001)
+    return as_array(index)
