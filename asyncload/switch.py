@@ -291,6 +291,6 @@ def _why_not(error: RuntimeError) -> str:
     child sent (without its traceback), or how it died."""
     if str(error) == guard_advice():
         script = getattr(sys.modules.get("__main__"), "__file__", None) or "the script"
-        return (f"{script} has no `if __name__ == \"__main__\":` guard, and spawn imports it again in each child: "
+        return (f"{script} has no `if __name__ == \"__main__\":` guard, and each child imports it again: "
                 f"put its top-level code under one")
     return describe(error.__cause__) if error.__cause__ is not None else str(error)

@@ -130,10 +130,11 @@ def local_loaders(decode: DetectionDecode, batch: int, workers: tuple[int, ...])
                     shut_down_workers(value)
 
 
-def summary(rates: dict[str, float]) -> dict[str, Any]:
+def summary(rates: dict[str, float], loaders: dict[str, Any]) -> dict[str, Any]:
     best = max((name for name in rates if name.startswith("DataLoader")), key=rates.__getitem__)
     return {"samples/s": rates, "best DataLoader": best,
-            "asyncload / best DataLoader": rates["asyncload default"] / rates[best]}
+            "asyncload / best DataLoader": rates["asyncload default"] / rates[best],
+            "asyncload chose": loaders["asyncload default"].stats.processes_choice}
 
 
 def write_cost(rows: int = 256, repeat: int = 20) -> dict[str, float]:
@@ -189,12 +190,12 @@ def main() -> None:
     results: dict[str, Any] = {"machine": cpu_model(), "samples": len(paths), "batch": args.batch}
     if args.source in ("local", "both"):
         with local_loaders(DetectionDecode(paths, notes), args.batch, (1, 2, 3)) as loaders:
-            results["local"] = summary(interleaved(loaders, args.epochs))
+            results["local"] = summary(interleaved(loaders, args.epochs), loaders)
         print(json.dumps({"local": results["local"], "load average": load()}, indent=2), flush=True)
     if args.source in ("s3", "both"):
         with tempfile.TemporaryDirectory() as folder:
             with s3_loaders(paths, notes, folder, args.batch, (2, 3, 4), list_collate, SIZE) as loaders:
-                results["s3"] = summary(interleaved(loaders, args.epochs))
+                results["s3"] = summary(interleaved(loaders, args.epochs), loaders)
         print(json.dumps({"s3": results["s3"], "load average": load()}, indent=2), flush=True)
     results["cost"] = write_cost()
     results["load average"] = load()

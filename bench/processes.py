@@ -6,7 +6,10 @@ holds the GIL.
 
 The default is built afresh in every round, so its rate counts its measuring and its switch:
 from its first batch to the epoch's end (its first batch's time, from ``AsyncLoader(...)``, is
-printed apart). The pinned loaders are built once and warmed up.
+printed apart). It runs twice a round: "default" in a fresh interpreter (a training script's
+first loader: the fork server its children come from starts cold, torch imported there
+first), and "default, 2nd loader" in this process, where the pinned loaders' children already
+started the fork server. The pinned loaders are built once and warmed up.
 
 The decode runs about ``--ms`` milliseconds of pure Python per sample (calibrated on this
 machine first), so decode threads in one process take turns on one GIL; N processes have N
@@ -21,9 +24,14 @@ ratios to the in-process rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +40,7 @@ import psutil
 from asyncload import AsyncLoader
 from bench.harness.machine import cpu_model, cpu_ticks, steal_share
 
+ROOT = Path(__file__).resolve().parent.parent
 SIDE = 64  # each sample: a 64x64x3 uint8 "image" and its index
 
 
@@ -69,7 +78,8 @@ def equal_priority(loaders: Any) -> str:
                for task in os.listdir(f"/proc/{process.pid}/task")]
     try:
         for thread in threads:
-            os.setpriority(os.PRIO_PROCESS, thread, mine)
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended since the listing
+                os.setpriority(os.PRIO_PROCESS, thread, mine)
         return f"every process at niceness {mine} (the children's threads raised to this process's priority)"
     except PermissionError:
         os.nice(max(0, 10 - mine))
@@ -90,7 +100,7 @@ def epoch(loader: AsyncLoader, number: int) -> tuple[float, float, list[int]]:
     delivery order."""
     loader.set_epoch(number)
     order: list[int] = []
-    processes = [psutil.Process(), *psutil.Process().children()]
+    processes = [psutil.Process(), *psutil.Process().children(recursive=True)]  # the fork server's children too
     cpu = cpu_seconds(processes)
     started = time.perf_counter()
     for _, indices in loader:
@@ -100,8 +110,8 @@ def epoch(loader: AsyncLoader, number: int) -> tuple[float, float, list[int]]:
 
 
 def fresh_default(samples: int, batch_size: int, loops: int, number: int) -> tuple[float, float, list[int], str]:
-    """A new ``processes=None`` loader's first epoch: the time to its first batch, samples/s from
-    that batch to the end, the indices in order, and what it chose (then it is closed)."""
+    """A new ``processes=None`` loader's epoch ``number``: the time to its first batch, samples/s
+    from that batch to the end, the indices in order, and what it chose (then it is closed)."""
     started = time.perf_counter()
     with AsyncLoader(list(range(samples)), batch_size=batch_size, seed=0, read=False, decode=GilDecode(loops)) as loader:
         loader.set_epoch(number)
@@ -113,6 +123,16 @@ def fresh_default(samples: int, batch_size: int, loops: int, number: int) -> tup
             order.extend(indices.tolist())
         rate = (len(order) - batch_size) / (time.perf_counter() - first)
         return first - started, rate, order, loader.stats.processes_choice or ""
+
+
+def cold_default(samples: int, batch_size: int, loops: int, number: int,
+                 flags: list[str]) -> tuple[float, float, list[int], str]:
+    """``fresh_default`` in a fresh interpreter (``--one-default``): nothing started before it."""
+    command = [sys.executable, "-m", "bench.processes", "--one-default", str(number), "--samples", str(samples),
+               "--batch-size", str(batch_size), "--loops", str(loops), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+    first, rate, order, chose = json.loads(done.stdout.splitlines()[-1])
+    return first, rate, order, chose
 
 
 def native_rounds(rounds: int, samples: int) -> None:
@@ -156,12 +176,17 @@ def main() -> None:
                              "shared box's other users take the core it would find idle, and it rightly stays)")
     parser.add_argument("--native", type=int, default=0, metavar="ROUNDS",
                         help="also this many rounds of native JPEG decode: the default against processes=0")
+    parser.add_argument("--one-default", type=int, metavar="EPOCH", help=argparse.SUPPRESS)  # cold_default's run
+    parser.add_argument("--loops", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ignore_other_load:
         import asyncload.adapt as adapt
 
         real = adapt.gil_bound
         adapt.gil_bound = lambda window: real({**window, "other_processes_cpu_seconds": 0.0})
+    if args.one_default is not None:
+        print(json.dumps(fresh_default(args.samples, args.batch_size, args.loops, args.one_default)))
+        return
 
     if args.native and not args.rounds:
         native_rounds(args.native, 4 * 2048)
@@ -190,37 +215,43 @@ def main() -> None:
         print("first batch, from AsyncLoader(...) (processes started): "
               + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in first.items()))
         print(equal_priority(loaders.values()))
-        every = [*names, "default"]
+        flags = ["--ignore-other-load"] if args.ignore_other_load else []
+        defaults = {"default": lambda *numbers: cold_default(*numbers, flags=flags),
+                    "default, 2nd loader": fresh_default}
+        every = [*names, *defaults]
         rates: dict[str, list[float]] = {name: [] for name in every}
         cpu: dict[str, list[float]] = {name: [] for name in names}
-        default_first: list[float] = []
+        default_first: dict[str, list[float]] = {name: [] for name in defaults}
         for round_number in range(args.rounds):
-            turn = every[round_number % 4:] + every[: round_number % 4]
+            shift = round_number % len(every)
+            turn = every[shift:] + every[:shift]
             orders = {}
             for name in turn:
-                if name == "default":
-                    seconds, rate, orders[name], chose = fresh_default(args.samples, args.batch_size, loops,
-                                                                       round_number + 1)
-                    default_first.append(seconds)
+                if name in defaults:
+                    seconds, rate, orders[name], chose = defaults[name](args.samples, args.batch_size, loops,
+                                                                        round_number + 1)
+                    default_first[name].append(seconds)
                 else:
                     rate, ms, orders[name] = epoch(loaders[name], round_number + 1)
                     cpu[name].append(ms)
                 rates[name].append(rate)
             assert all(order == orders["in-process"] for order in orders.values()), "same samples, same order"
             print(f"round {round_number + 1}: " + ", ".join(f"{name} {rates[name][-1]:.0f}/s" for name in every)
-                  + f"; the default's first batch {default_first[-1]:.2f} s; it chose: {chose}")
+                  + "; the defaults' first batch " + ", ".join(f"{seconds[-1]:.2f} s" for seconds in default_first.values())
+                  + f"; it chose: {chose}")
         base = statistics.median(rates["in-process"])
-        two = [rate / reference for rate, reference in zip(rates["default"], rates["processes=2"])]
-        print(f"default (fresh each round, from its first batch) against processes=2 (warm): "
-              f"{statistics.median(two):.2f}x (per round {min(two):.2f}-{max(two):.2f}x); first batch "
-              f"{max(default_first):.2f} s at most")
+        for name in defaults:
+            two = [rate / reference for rate, reference in zip(rates[name], rates["processes=2"])]
+            print(f"{name} (fresh each round, from its first batch) against processes=2 (warm): "
+                  f"{statistics.median(two):.2f}x (per round {min(two):.2f}-{max(two):.2f}x); first batch "
+                  f"{max(default_first[name]):.2f} s at most")
         print("median samples/s (ratio to in-process; range of per-round ratios):")
         for name in every:
             ratios = [rate / reference for rate, reference in zip(rates[name], rates["in-process"])]
             used = f"; CPU {statistics.median(cpu[name]):.2f} ms/sample" if cpu.get(name) else ""
-            print(f"  {name:<12} {statistics.median(rates[name]):6.0f}  ({statistics.median(rates[name]) / base:.2f}x; "
+            print(f"  {name:<19} {statistics.median(rates[name]):6.0f}  ({statistics.median(rates[name]) / base:.2f}x; "
                   f"{min(ratios):.2f}-{max(ratios):.2f}x){used}")
-        print("every round: the same samples in the same order from all four")
+        print(f"every round: the same samples in the same order from all {len(every)}")
         share = steal_share(steal, cpu_ticks())
         if share is not None:
             print(f"CPU stolen by the hypervisor during the run: {100 * share:.1f} %; "

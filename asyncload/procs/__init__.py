@@ -3,7 +3,8 @@ pipeline as in-process (``pipeline/pipeline.py``) in each child, driven by the o
 (``epoch/driver.py``) in the user's process.
 
 Read top-down: ``processes.py`` (what the loader uses), ``parent.py`` (the children as the
-driver's pipes), ``segments.py`` + ``shm.py`` (the shared batch ring), ``merged.py`` (stats),
-``protocol.py`` (what only processes need beside ``pipeline/messages.py``); the child's side is
-``child.py`` (its control loop, running the pipeline on the shared segments).
+driver's pipes; ``start.py``: where they come from), ``segments.py`` + ``shm.py`` (the shared
+batch ring), ``merged.py`` (stats), ``protocol.py`` (what only processes need beside
+``pipeline/messages.py``); the child's side is ``child.py`` (its control loop, running the
+pipeline on the shared segments).
 """

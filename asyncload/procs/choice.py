@@ -35,7 +35,7 @@ def children_blocked(arguments: dict[str, Any]) -> str | None:
             return (f"{what} does not pickle ({describe(error)}): define it at the top level of a module (not a "
                     f"lambda, a nested function or a local class)")
         if no_script and b"__main__" in data:
-            return (f"{name}={unpicklable(value)} is defined in an interactive session's __main__, which a spawned "
+            return (f"{name}={unpicklable(value)} is defined in an interactive session's __main__, which a child "
                     f"process cannot import: define it in a module")
     if "spawn" not in multiprocessing.get_all_start_methods():
         return "this platform has no 'spawn' start method"

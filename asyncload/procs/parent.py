@@ -1,8 +1,9 @@
 """The parent's side of the child processes: starting them, the pipes, their death, shutdown.
 
-Children are started from a fresh interpreter, never forked from this one (it has threads and
-maybe CUDA): from the fork server, else with spawn (``start.py``). Each has one duplex pipe (a socket pair, so it can carry descriptors). All reading of the pipes is
-done by the user's thread while it waits for a batch; nothing runs in the background here.
+Children come from a fresh interpreter, never forked from this one (it has threads and maybe
+CUDA): the fork server, else spawn (``start.py``). Each has one duplex pipe (a socket pair, so
+it can carry descriptors). All reading of the pipes is done by the user's thread while it waits
+for a batch; nothing runs in the background here.
 
 Shutdown: ``close()``/garbage collection tell the children to stop, wait briefly, then kill
 them; a child exits by itself when its parent dies (its lifeline thread); if a child dies, the

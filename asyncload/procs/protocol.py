@@ -19,7 +19,7 @@ from ..errors import SampleError, TooManyFailures, describe
 from ..pipeline.messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped  # noqa: F401 (the protocol's own)
 from ..redact import unpicklable
 
-# A child that finds itself created while spawn imports the user's script again (a script with
+# A child that finds itself created while it imports the user's script again (a script with
 # no ``if __name__ == "__main__":`` guard) exits with this code; the parent then says why.
 MAIN_GUARD_EXIT = 86
 
@@ -89,7 +89,7 @@ def pickled_arguments(arguments: dict[str, Any]) -> dict[str, bytes]:
             payload[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as error:
             raise TypeError(
-                f"processes= (and isolate=True) run the pipeline in processes started with 'spawn', so "
+                f"processes= (and isolate=True) run the pipeline in fresh processes, so "
                 f"{name}= must pickle, and {unpicklable(value)} does not ({describe(error)}). Use a function "
                 f"or class defined at the top level of a module, not a lambda, a nested function or a local class"
             ) from error
@@ -97,13 +97,13 @@ def pickled_arguments(arguments: dict[str, Any]) -> dict[str, bytes]:
 
 
 def unpickle(name: str, data: bytes) -> Any:
-    """In the child: one argument, or an error that says why a spawned process cannot find it."""
+    """In the child: one argument, or an error that says why a fresh process cannot find it."""
     try:
         return pickle.loads(data)
     except Exception as error:
         raise RuntimeError(
             f"the loader's process could not unpickle {name}= ({type(error).__name__}: {error}); "
-            f"a spawned process finds functions and classes by module and name, so those defined in an "
+            f"a fresh process finds functions and classes by module and name, so those defined in an "
             f"interactive session's __main__ are not found: define them in a module"
         ) from error
 
