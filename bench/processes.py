@@ -237,7 +237,8 @@ def main() -> None:
                 rates[name].append(rate)
             assert all(order == orders["in-process"] for order in orders.values()), "same samples, same order"
             print(f"round {round_number + 1}: " + ", ".join(f"{name} {rates[name][-1]:.0f}/s" for name in every)
-                  + "; the defaults' first batch " + ", ".join(f"{seconds[-1]:.2f} s" for seconds in default_first.values())
+                  + "; the defaults' first batch "
+                  + ", ".join(f"{seconds[-1]:.2f} s" for seconds in default_first.values())
                   + f"; it chose: {chose}")
         base = statistics.median(rates["in-process"])
         for name in defaults:

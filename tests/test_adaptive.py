@@ -344,3 +344,34 @@ def test_looks_while_children_start_are_not_judged(monkeypatch):
 def as_array_slowly(index):
     time.sleep(0.001)
     return as_array(index)
+
+
+def test_close_while_children_start_leaves_no_child_or_thread(monkeypatch):
+    """Children are built on a thread; ``close()`` during their start waits for it and closes
+    them: nothing outlives the loader."""
+    import dataclasses
+    import threading
+
+    import asyncload.adapt as adapt
+    import asyncload.switch as switch
+
+    thresholds = dataclasses.replace(adapt.THRESHOLDS, look_s=0.0, looks=2, first=2, most=2)
+    monkeypatch.setattr(adapt, "THRESHOLDS", thresholds)
+    monkeypatch.setattr(switch, "THRESHOLDS", thresholds)
+    monkeypatch.setattr(adapt, "gil_bound", lambda window: (True, "GIL: forced by the test"))
+    real_build, pids = switch.build_backend, []
+
+    def slow_build(*args, **kwargs):
+        time.sleep(0.5)
+        backend = real_build(*args, **kwargs)
+        pids.extend(process.pid for process in backend.pipes.processes)
+        return backend
+
+    monkeypatch.setattr(switch, "build_backend", slow_build)
+    loader = loader_for(100_000, decode=as_array_slowly, seed=2)
+    batches_seen = iter(loader)
+    while loader._switch.starting is None:
+        next(batches_seen)
+    loader.close()
+    assert len(pids) == 2 and all(not psutil.pid_exists(pid) for pid in pids), "the children built are closed"
+    assert not [thread for thread in threading.enumerate() if thread.name == "asyncload-start"]

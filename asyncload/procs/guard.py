@@ -16,10 +16,10 @@ from .protocol import MAIN_GUARD_EXIT
 def refuse_while_bootstrapping(say: bool = True) -> None:
     """In a child being prepared (spawned, or forked by the fork server), the user's script is
     being imported again: a script whose top level creates the loader (no ``if __name__ ==
-    "__main__":`` guard) would start processes from there, and multiprocessing would fail with a message about bootstrapping.
-    Say what to do instead (unless the parent says it: ``say=False``), and exit with a code the
-    parent recognises: ``os._exit``, since the fork server's child turns a ``SystemExit`` raised
-    while it is prepared into exit code 1."""
+    "__main__":`` guard) would start processes from there, and multiprocessing would fail with
+    a message about bootstrapping. Say what to do instead (unless the parent says it:
+    ``say=False``), and exit with a code the parent recognises: ``os._exit``, since the fork
+    server's child turns a ``SystemExit`` raised while it is prepared into exit code 1."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         if say:
             sys.stderr.write(guard_advice() + "\n")

@@ -63,8 +63,8 @@ class ProcessPool:
                                            self.ring.segments, device)
         for index in range(count):
             conn, child_end = context.Pipe(duplex=True)
-            process = context.Process(target=child_main, args=(child_end, payload, environ), name=f"asyncload-{index}",
-                                      daemon=True)
+            process = context.Process(target=child_main, args=(child_end, payload, environ),
+                                      name=f"asyncload-{index}", daemon=True)
             self.conns.append(conn)
             try:
                 process.start()
