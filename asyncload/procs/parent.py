@@ -28,13 +28,12 @@ from ..pipeline.keys import split
 from ..pipeline.settings import share
 from ..redact import shown
 from . import shm
-from .child import child_main
 from .guard import guard_advice, refuse_while_bootstrapping
 from .merged import ProcessStats
 from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
                        Stopped, Unmap, pickled_arguments)
 from .segments import SegmentRing
-from .start import child_context, environment
+from .start import start_child
 
 HELD_SHOWN = 16  # a dead child's samples named in the error, at most
 CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before they are killed
@@ -51,8 +50,6 @@ class ProcessPool:
         if reason:
             raise RuntimeError(reason)
         payload = pickled_arguments(arguments)
-        context = child_context()
-        environ = environment()
         self.stats = stats
         self.conns: list[Any] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -62,14 +59,8 @@ class ProcessPool:
         self._finalizer = weakref.finalize(self, _shut_down, self.processes, self.conns, self.send_locks,
                                            self.ring.segments, device)
         for index in range(count):
-            conn, child_end = context.Pipe(duplex=True)
-            process = context.Process(target=child_main, args=(child_end, payload, environ),
-                                      name=f"asyncload-{index}", daemon=True)
+            conn, process = start_child(index, payload)
             self.conns.append(conn)
-            try:
-                process.start()
-            finally:
-                child_end.close()  # the child's death must read as end-of-file here
             self.processes.append(process)
         self._stopping: dict[int, tuple[set[int], list[Any]]] = {}  # run -> (children yet to answer, buffers)
         # Why the children cannot go on. A fresh error is raised each time: one kept and raised

@@ -11,7 +11,7 @@ server is a fresh interpreter, so a child inherits no thread, lock, event loop, 
 runtime or CUDA context of the training process, as with spawn.
 
 What differs from spawn is taken care of: the fork server's environment is the one it started
-with, so each child takes this process's (``environment()``, applied by ``child_main``);
+with, so each child takes this process's (``start_child``, applied by ``child_main``);
 ``__main__`` is not preloaded there (a script without the main guard would end the fork server
 instead of one child, which says what to change), so each child imports it, as spawn does.
 """
@@ -22,6 +22,10 @@ import multiprocessing
 import os
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from .child import child_main
 
 CHILD_MODULE = "asyncload.procs.child"  # what every child runs: torch, numpy, OpenCV, the pipeline
 
@@ -46,6 +50,19 @@ def child_context() -> BaseContext:
     return context
 
 
-def environment() -> dict[str, str]:
-    """This process's environment now, for a child to take (the fork server's is older)."""
-    return dict(os.environ)
+def start_child(index: int, payload: dict[str, bytes]) -> tuple[Any, BaseProcess]:
+    """Child ``index`` running ``child_main`` on ``payload`` (the pickled pipeline settings),
+    with this process's environment as it is now (the fork server's is older), and this
+    process's end of its pipe."""
+    context = child_context()
+    conn, child_end = context.Pipe(duplex=True)
+    process = context.Process(target=child_main, args=(child_end, payload, dict(os.environ)),
+                              name=f"asyncload-{index}", daemon=True)
+    try:
+        process.start()
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        child_end.close()  # the child's death must read as end-of-file here
+    return conn, process
