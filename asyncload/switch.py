@@ -2,8 +2,9 @@
 
 It looks at the loader's stats once per ``look_s`` (called at each batch: a clock read
 otherwise), starts children in the background when the policy says so (a new backend from
-``build_backend``), and tells the pass when to switch: at a batch boundary, once every child
-has built its pipeline. The pass (``epoch/passes.py``) then drains its driver, stops it and goes
+``build_backend``, built on a thread: ``Starting``), does not judge the looks while they start
+(they take the idle cores the verdict counts), and tells the pass when to switch: at a batch
+boundary, once every child has built its pipeline. The pass (``epoch/passes.py``) then drains its driver, stops it and goes
 on with a new one on the new backend over the same epoch's progress, as a resume would: the plan
 is the epoch's, only the backend changes, so no sample is lost, repeated or reordered, and
 ``state_dict()`` never sees the switch. Going back to this process builds a fresh in-process
