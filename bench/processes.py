@@ -131,8 +131,7 @@ def cold_default(samples: int, batch_size: int, loops: int, number: int,
     command = [sys.executable, "-m", "bench.processes", "--one-default", str(number), "--samples", str(samples),
                "--batch-size", str(batch_size), "--loops", str(loops), *flags]
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
-    first, rate, order, chose = json.loads(done.stdout.splitlines()[-1])
-    return first, rate, order, chose
+    return tuple(json.loads(done.stdout.splitlines()[-1]))  # type: ignore[return-value]
 
 
 def native_rounds(rounds: int, samples: int) -> None:

@@ -194,11 +194,6 @@ def default_stays_in_process(monkeypatch):
     """``processes=None`` would move a GIL-bound loader into children after a second or so, on
     a timing no test controls: every test's default stays in this process (it never looks
     again after its first batch), unless the test asks for the switch (``tests/switching.py``)."""
-    import dataclasses
+    from tests.switching import set_thresholds
 
-    import asyncload.adapt as adapt
-    import asyncload.switch as switch
-
-    still = dataclasses.replace(adapt.THRESHOLDS, look_s=float("inf"))
-    monkeypatch.setattr(adapt, "THRESHOLDS", still)
-    monkeypatch.setattr(switch, "THRESHOLDS", still)
+    set_thresholds(monkeypatch, look_s=float("inf"))

@@ -5,19 +5,40 @@ switch waits for the children to start. The switch's mechanics are then tested w
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import asyncload.adapt as adapt
 import asyncload.switch as switch
 
 
+def set_thresholds(monkeypatch, **changes) -> None:
+    """The policy's thresholds with ``changes``, for loaders built from now on in the test (both
+    modules hold them)."""
+    changed = dataclasses.replace(adapt.THRESHOLDS, **changes)
+    monkeypatch.setattr(adapt, "THRESHOLDS", changed)
+    monkeypatch.setattr(switch, "THRESHOLDS", changed)
+
+
 def force_switch(monkeypatch, children: int = 2) -> None:
     """Loaders built from now on (in the test) switch to ``children`` children after the second
     batch handed out (the first look sets the baseline, the second decides) and stay there."""
-    forced = dataclasses.replace(adapt.THRESHOLDS, look_s=0.0, looks=1, first=children, most=children, keep=0.0,
-                                 wait_for_children=True)
-    monkeypatch.setattr(adapt, "THRESHOLDS", forced)
-    monkeypatch.setattr(switch, "THRESHOLDS", forced)
+    set_thresholds(monkeypatch, look_s=0.0, looks=1, first=children, most=children, keep=0.0, wait_for_children=True)
     monkeypatch.setattr(adapt, "gil_bound", lambda window: (True, "GIL: forced by the test"))
+
+
+def slow_builds(monkeypatch, pids: list[int] | None = None, seconds: float = 0.5) -> None:
+    """Children's backends take ``seconds`` more to build (the fork server is warm after other
+    tests: a start that lasts); their pids go to ``pids``."""
+    real = switch.build_backend
+
+    def slow_build(*args, **kwargs):
+        time.sleep(seconds)
+        backend = real(*args, **kwargs)
+        if pids is not None:
+            pids.extend(process.pid for process in backend.pipes.processes)
+        return backend
+
+    monkeypatch.setattr(switch, "build_backend", slow_build)
 
 
 def children_of(loader) -> int:

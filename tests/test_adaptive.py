@@ -21,7 +21,7 @@ from asyncload import AsyncLoader, TooManyFailures
 from asyncload.adapt import CANCEL_LOOKS, MOST_PREPARES, Policy, Thresholds, gil_bound
 from asyncload.procs.choice import blocked_message, children_blocked, children_memory_allows
 from tests.decoders import FailsOn, as_array
-from tests.switching import children_of, force_switch
+from tests.switching import children_of, force_switch, set_thresholds, slow_builds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,17 +155,10 @@ def test_a_gil_bound_decoder_switches_and_delivers_the_exact_epoch(monkeypatch):
 def test_children_that_did_not_help_give_way_to_a_fresh_in_process_backend(monkeypatch):
     """Going back builds a new in-process backend (its own ring and stats, the figures carried):
     the epoch stays exact, the children's backend is closed, and the loader stays there."""
-    import dataclasses
-
-    import asyncload.adapt as adapt
-    import asyncload.switch as switch
-
     with loader_for(80, processes=0, seed=3) as pinned:
         expected = [batches(pinned), batches(pinned)]
     force_switch(monkeypatch)
-    never_enough = dataclasses.replace(adapt.THRESHOLDS, keep=float("inf"))  # any rate is below in-process's
-    monkeypatch.setattr(adapt, "THRESHOLDS", never_enough)
-    monkeypatch.setattr(switch, "THRESHOLDS", never_enough)
+    set_thresholds(monkeypatch, keep=float("inf"))  # any rate is below in-process's
     with loader_for(80, seed=3) as loader:
         first, seen, got, children = loader._backend, [], [], []
         for batch in loader:
@@ -302,14 +295,10 @@ def test_looks_while_children_start_are_not_judged(monkeypatch):
     """Children starting take the cores the verdict counts as idle, so a look then would see
     "not the GIL" and stop them: only looks once they are ready count (the second GIL look in a
     row switches). The judge here says GIL only when no children are starting."""
-    import dataclasses
-
     import asyncload.adapt as adapt
     import asyncload.switch as switch
 
-    thresholds = dataclasses.replace(adapt.THRESHOLDS, look_s=0.0, looks=2, first=2, most=2, keep=0.0)
-    monkeypatch.setattr(adapt, "THRESHOLDS", thresholds)
-    monkeypatch.setattr(switch, "THRESHOLDS", thresholds)
+    set_thresholds(monkeypatch, look_s=0.0, looks=2, first=2, most=2, keep=0.0)
     loader_box, judged_while_starting, looks_while_starting = [], [], []
 
     def judge(window):
@@ -318,18 +307,14 @@ def test_looks_while_children_start_are_not_judged(monkeypatch):
         return (not starting, "GIL: a test's" if not starting else "decode CPU: the children's start")
 
     monkeypatch.setattr(adapt, "gil_bound", judge)
-    real_look, real_build = switch.Switch._look, switch.build_backend
+    real_look = switch.Switch._look
 
     def look(self):
         looks_while_starting.append(self.starting is not None)
         real_look(self)
 
-    def slow_build(*args, **kwargs):  # the fork server is warm after other tests: make the start last
-        time.sleep(0.5)
-        return real_build(*args, **kwargs)
-
     monkeypatch.setattr(switch.Switch, "_look", look)
-    monkeypatch.setattr(switch, "build_backend", slow_build)
+    slow_builds(monkeypatch)
     with loader_for(100_000, decode=as_array_slowly, seed=1) as loader:
         loader_box.append(loader)
         deadline = time.monotonic() + 60
@@ -349,25 +334,14 @@ def as_array_slowly(index):
 def test_close_while_children_start_leaves_no_child_or_thread(monkeypatch):
     """Children are built on a thread; ``close()`` during their start waits for it and closes
     them: nothing outlives the loader."""
-    import dataclasses
     import threading
 
     import asyncload.adapt as adapt
-    import asyncload.switch as switch
 
-    thresholds = dataclasses.replace(adapt.THRESHOLDS, look_s=0.0, looks=2, first=2, most=2)
-    monkeypatch.setattr(adapt, "THRESHOLDS", thresholds)
-    monkeypatch.setattr(switch, "THRESHOLDS", thresholds)
+    set_thresholds(monkeypatch, look_s=0.0, looks=2, first=2, most=2)
     monkeypatch.setattr(adapt, "gil_bound", lambda window: (True, "GIL: forced by the test"))
-    real_build, pids = switch.build_backend, []
-
-    def slow_build(*args, **kwargs):
-        time.sleep(0.5)
-        backend = real_build(*args, **kwargs)
-        pids.extend(process.pid for process in backend.pipes.processes)
-        return backend
-
-    monkeypatch.setattr(switch, "build_backend", slow_build)
+    pids: list[int] = []
+    slow_builds(monkeypatch, pids)
     loader = loader_for(100_000, decode=as_array_slowly, seed=2)
     batches_seen = iter(loader)
     while loader._switch.starting is None:
