@@ -73,6 +73,21 @@ def test_the_verdict_says_gil_for_python_under_one_gil_and_not_for_native_decode
     assert not gil_bound(window(consumer_wait_seconds=0.01, **{"gil/late_ms": 3.0}))[0]  # the loop did not wait
 
 
+# Native JPEG decode on 16 cores in one process (measured on an H200 box): 15 of 16 threads in
+# decode got 5.7 cores between them, 10 idle, the probe 0.3-0.6 ms late.
+QUEUED = window(**{"cpu_cores": 16, "num_threads": 16, "decodes_running/mean": 15.2, "decode/cpu_seconds": 5.3,
+                   "cpu_seconds": 5.7, "gil/late_ms": 0.3})
+
+
+def test_native_decode_whose_threads_queue_for_the_gil_on_many_cores_is_gil_bound():
+    assert gil_bound(QUEUED)[0] and "on a CPU only 35 % of their time in decode" in gil_bound(QUEUED)[1]
+    assert not gil_bound({**QUEUED, "gil/late_ms": 0.1})[0]  # off the CPU with the GIL free: I/O or a GPU
+    assert not gil_bound({**QUEUED, "decode/cpu_seconds": 13.0, "cpu_seconds": 13.5})[0]  # the cores decode
+    two_cores = {**QUEUED, "cpu_cores": 2, "num_threads": 2, "decodes_running/mean": 1.9,
+                 "decode/cpu_seconds": 1.8, "cpu_seconds": 1.9}
+    assert not gil_bound(two_cores)[0]
+
+
 def test_the_switch_waits_for_looks_in_a_row_that_say_gil():
     chooser = policy(True, False, True, True)
     assert chooser.look(GIL).kind == "prepare"  # one GIL look: children start, in case
