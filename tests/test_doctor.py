@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep where packages are
     return subprocess.run([sys.executable, "-m", "asyncload.doctor", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
 def test_the_doctor_names_the_stages_the_bottleneck_a_setting_and_the_trace(jpeg_folder, tmp_path):
