@@ -12,13 +12,16 @@ GIL_HELD_MS = 0.25  # lateness that, with decode threads kept off idle cores, sa
 
 def _gil_evidence(f: dict[str, Any], cores_used: float, idle_cores: float, late: float, decode_cores: float,
                   turns: bool, queued: float | None) -> str:
-    """What says the GIL is the limit, who holds it, and the remedy."""
-    who = (f"the decode threads were on a CPU only {100 * queued:.0f} % of their time in decode: between the "
-           f"native calls that release it they queue for it" if queued is not None else
-           "the decode runs Python code that holds it, so the decode threads take turns"
-           if turns or decode_cores >= 0.5 else
-           f"the decode threads got only {decode_cores:.2f} cores in decode, so the Python holding it is the "
-           f"pipeline's own per sample, or the training step")
+    """What says the GIL is the limit, who holds it, and the remedy. ``queued``: the decode threads'
+    share of time on a CPU, where only their queueing for the GIL says so."""
+    if queued is not None:
+        who = (f"the decode threads were on a CPU only {100 * queued:.0f} % of their time in decode: between the "
+               f"native calls that release it they queue for it")
+    elif turns or decode_cores >= 0.5:
+        who = "the decode runs Python code that holds it, so the decode threads take turns"
+    else:
+        who = (f"the decode threads got only {decode_cores:.2f} cores in decode, so the Python holding it is the "
+               f"pipeline's own per sample, or the training step")
     return (f"the process used {cores_used:.2f} of {f['cpu_cores']} cores with {idle_cores:.1f} idle while the loop "
             f"waited, and a thread waking every 5 ms waited {late:.2f} ms on average for the GIL (about 0.1 when "
             f"it is free): Python under one GIL is the limit; {who}. More threads cannot help: processes=N runs the "
