@@ -18,6 +18,7 @@ from ..errors import describe, where
 from ..redact import shown
 from .gil import GilProbe
 from .machine import system_cpu_seconds, usable_cores
+from .report import report_text
 from .snapshot import LEVELS, STAGES, LevelFigures, StageFigures, StatsSnapshot
 from .trace import Tracer
 from .verdict import diagnose
@@ -270,34 +271,8 @@ class LoaderStats:
         return figures
 
     def report(self) -> str:
-        """A compact table of the figures, and the bottleneck with its evidence."""
-        s = self.snapshot()
-        active = max(s.active_seconds, 1e-9)
-        lines = [f"{'stage':<8}{'items':>9}{'busy s':>9}{'ms/item':>9}{'MB':>9}"]
-        for name in STAGES:
-            stage = getattr(s, name)
-            if stage.items:
-                lines.append(f"{name:<8}{stage.items:>9}{stage.seconds:>9.2f}{1000 * stage.seconds / stage.items:>9.2f}"
-                             f"{stage.bytes / 1e6:>9.1f}")
-        reads, decodes, ready = s.reads_in_flight, s.decodes_running, s.batches_ready
-        lines.append(
-            f"in flight (mean/peak/limit): reads {reads.mean:.1f}/{reads.peak}/{s.io_concurrency}, "
-            f"decodes {decodes.mean:.1f}/{decodes.peak}/{s.num_threads}, "
-            f"batches ready {ready.mean:.1f}/{ready.peak}/{s.prefetch}"
-        )
-        lines.append(
-            f"consumer: {s.batches} batches, {s.samples} samples in {active:.2f} s "
-            f"({s.samples / active:.0f}/s), waited {100 * s.consumer_wait_seconds / active:.0f} % of the time; "
-            f"CPU {s.cpu_seconds / active:.2f} cores; retries {s.retries} ({s.retry_wait_seconds:.1f} s waiting), failures {s.failures}"
-        )
-        if s.decoded_on_cpu:
-            lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")
-        name, evidence = diagnose(s.as_dict())
-        lines.append(f"bottleneck: {name}: {evidence}")
-        if self.processes_choice is not None:
-            lines.append(self.processes_choice)
-        return "\n".join(lines)
-
+        """A compact table of the figures, and the bottleneck with its evidence (``report.py``)."""
+        return report_text(self.snapshot(), self.processes_choice)
 
 def with_verdict(snapshot: StatsSnapshot) -> StatsSnapshot:
     """``snapshot`` with its bottleneck named."""
