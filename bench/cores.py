@@ -5,8 +5,9 @@ count this machine has: the figure the measuring default must earn on a 16-core 
 
     python -m bench.cores [--samples 16384] [--rounds 3] [--counts 2,4,8,16] [--batch-size 256]
 
-Every contender decodes the same way (``ImageDecoder(224, train=True)``, the simplejpeg + OpenCV
-path) and, on a CUDA machine, hands batches to the GPU (asyncload with ``device="cuda"``, the
+Every contender decodes the same way (``bench.harness.tasks``: ``ImageDecoder(224, train=True)``,
+the simplejpeg + OpenCV path; the DataLoader reads with ``ImageDataset``, as in ``python -m
+bench``) and, on a CUDA machine, hands batches to the GPU (asyncload with ``device="cuda"``, the
 DataLoader with ``pin_memory`` and a non-blocking copy). The pinned loaders are built once and
 warmed up; the default is built afresh every round (its measuring and its switch count) and runs
 two epochs: the first from its first batch, the second settled. Rounds rotate the order so the
@@ -23,27 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from asyncload import AsyncLoader, ImageDecoder
+from asyncload import AsyncLoader
+from bench.harness.contenders.dataloader import ImageDataset
 from bench.harness.dataset import ensure_image_set, list_image_folder
 from bench.harness.machine import cpu_model
+from bench.harness.tasks import image_decoder
 from bench.harness.workloads import image_set
 
 CORES = len(os.sched_getaffinity(0))
-
-
-class SameDecode(torch.utils.data.Dataset):
-    """The DataLoader's dataset: read the file, decode it as asyncload does."""
-
-    def __init__(self, items: list[tuple[str, int]], decode: ImageDecoder) -> None:
-        self.items, self.decode = items, decode
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.items[index]
-        with open(path, "rb") as file:
-            return torch.from_numpy(self.decode(file.read())), label
 
 
 def run_epoch(loader: Any, number: int, cuda: bool) -> tuple[float, float]:
@@ -75,7 +63,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     items, _ = list_image_folder(ensure_image_set(image_set(quick=False)))
     items = (items * (args.samples // len(items) + 1))[:args.samples]
-    decode = ImageDecoder(224, train=True)
+    decode = image_decoder()  # the one every contender of python -m bench decodes with
     device = {"device": "cuda"} if cuda else {}
     print(f"machine: {cpu_model()}, {CORES} usable cores, "
           f"{torch.cuda.get_device_name(0) if cuda else 'no GPU'}; {args.samples} samples an epoch, "
@@ -87,7 +75,7 @@ def main() -> None:
     pinned: dict[str, Callable[[], Any]] = {"processes=0": lambda: asyncload(0)}
     pinned.update({f"processes={n}": (lambda n=n: asyncload(n)) for n in map(int, args.counts.split(",")) if n})
     pinned[f"DataLoader({CORES})"] = lambda: torch.utils.data.DataLoader(
-        SameDecode(items, decode), batch_size=args.batch_size, shuffle=True, num_workers=CORES, pin_memory=cuda,
+        ImageDataset(items, None), batch_size=args.batch_size, shuffle=True, num_workers=CORES, pin_memory=cuda,
         persistent_workers=True, prefetch_factor=4)
     loaders = {}
     for name, make in pinned.items():

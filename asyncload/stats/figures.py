@@ -274,6 +274,7 @@ class LoaderStats:
         """A compact table of the figures, and the bottleneck with its evidence (``report.py``)."""
         return report_text(self.snapshot(), self.processes_choice)
 
+
 def with_verdict(snapshot: StatsSnapshot) -> StatsSnapshot:
     """``snapshot`` with its bottleneck named."""
     return replace(snapshot, bottleneck=diagnose(snapshot.as_dict())[0])

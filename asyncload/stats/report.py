@@ -34,4 +34,3 @@ def report_text(s: StatsSnapshot, processes_choice: str | None) -> str:
     if processes_choice is not None:
         lines.append(processes_choice)
     return "\n".join(lines)
-
