@@ -61,6 +61,25 @@ def test_every_sample_once_with_its_own_label(kind, processes, tmp_path):
     assert len(source.urls) == 3  # three shards each: the order is read across them
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("kind", ["mds", "litdata_arrow"])
+def test_image_decoder_given_a_sample_of_columns_says_to_pass_members(kind, processes):
+    """An MDS or litdata sample is a dict of columns: ImageDecoder alone fails at the first
+    sample naming what it got and what to pass, not with a TypeError from inside the decode."""
+    with AsyncLoader(source_of(kind, FIXTURES / kind, None), batch_size=4, decode=ImageDecoder(16),
+                     processes=processes) as loader:
+        with pytest.raises(SampleError) as raised:
+            next(iter(loader))
+    text = str(raised.value)
+    assert "failed at decode: TypeError: ImageDecoder got a dict ('" in text and "), not an image's bytes" in text
+    assert 'pass decode=Members("image", "label", image=ImageDecoder(...))' in text
+
+
+def test_image_decoder_given_something_else_names_its_type():
+    with pytest.raises(TypeError, match="ImageDecoder got a str, not an image's bytes: give it the bytes"):
+        SMALL("s3://bucket/a.jpg")
+
+
 @pytest.mark.parametrize("kind", ["mds", "litdata", "litdata_arrow"])
 def test_without_decode_the_image_and_label_columns_make_the_batch(kind):
     with AsyncLoader(source_of(kind, FIXTURES / kind, None), batch_size=6, processes=0) as loader:
