@@ -51,6 +51,7 @@ class ChunkedSource(ShardSource):
     named label, cls, class, target or y, if any) beside it: batches of ``(images, labels)``."""
 
     format_name = "chunked"
+    tail_bytes = 0  # how many of each shard's last bytes ``sample_ranges`` is given (litdata: 12)
 
     def __init__(self, shards: Sequence[tuple[str, int | None, int]], columns: Sequence[Column], *,
                  image: str | None = None, label: str | None = None, storage_options: dict | None = None,
@@ -116,8 +117,6 @@ class ChunkedSource(ShardSource):
             end.append(last)
         self.sample_begin = np.concatenate(begin) if begin else np.zeros(0, np.int64)
         self.sample_end = np.concatenate(end) if end else np.zeros(0, np.int64)
-
-    tail_bytes = 0  # how many of each shard's last bytes ``sample_ranges`` is given (litdata: 12)
 
     def sample_ranges(self, shard: int, table: bytes, tail: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The ``[begin, end)`` byte range of each of shard ``shard``'s ``count`` samples, from its

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import posixpath
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -122,7 +122,9 @@ def arrow_rows(data: memoryview, first: int, rows: list[int], count: int) -> lis
     table = reader.read_all()
     if table.num_rows != count:
         raise ValueError(f"its Arrow rows are {table.num_rows}, its index says {count} samples")
-    return table.take(pa.array([row - first for row in rows], pa.int64())).to_pylist()
+    low, high = min(rows) - first, max(rows) - first + 1  # a slice is free; to_pylist() is the one copy
+    part = table.slice(low, high - low).to_pylist()
+    return [part[row - first - low] for row in rows]
 
 
 class LitdataSource(ChunkedSource):
@@ -131,7 +133,8 @@ class LitdataSource(ChunkedSource):
 
     format_name = "litdata"
 
-    def __init__(self, shards: Any, columns: list[Column], *, index_url: str, rows: bool, **options: Any) -> None:
+    def __init__(self, shards: Sequence[tuple[str, int | None, int]], columns: list[Column], *, index_url: str,
+                 rows: bool, **options: Any) -> None:
         self.tail_bytes = FOOTER_TAIL if rows else 0
         self.arrow_shards: set[int] = set()
         super().__init__(shards, columns, **options)
