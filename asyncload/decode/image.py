@@ -94,6 +94,10 @@ class ImageDecoder:
     epoch new ones. Called without a key (``decoder(data)``, e.g. from a
     ``torch.utils.data.Dataset``) it draws fresh randomness.
 
+    It decodes bytes only: a sample of several columns (``mds``, ``litdata``, ``tar_shards(...,
+    members="all")`` give dicts) fails at once, naming its keys and what to pass instead,
+    ``Members("image", "label", image=ImageDecoder(...))``.
+
     Args:
         size (int, default 224): the side of every output image.
         train (bool, default False): False is torchvision's ``Resize(size)`` + ``CenterCrop(size)``
