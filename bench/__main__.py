@@ -6,7 +6,9 @@
 
 Generates its data (cached under bench/data/), starts a local S3 server for the S3 workloads, runs
 every (workload, contender, configuration) in a fresh process, and writes
-bench/results/<machine>-<date>.{json,md,png} (<machine>-<date>-quick.* with --quick).
+bench/results/<machine>-<date>.{json,md,png} (<machine>-<date>-quick.* with --quick); a full run
+into bench/results/ then draws the headline figure, docs/benchmark/headline.png (bench/headline.py:
+each workload's default against the best DataLoader, from the latest full run's file).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import headline
 from bench.harness.contenders import CONTENDERS
 from bench.harness.dataset import ImageSetSpec, ensure_image_set
 from bench.harness.machine import cpu_ticks, decode_rate, machine_info, machine_slug, steal_share, versions
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     report.update(results=results, duration_s=time.perf_counter() - t0, **extras)
     mark_best(results, report["settings"]["workloads"])
     paths = write_all(report, args.out, stem)
+    if not args.quick and args.out.resolve() == RESULTS:
+        paths["headline"] = headline.draw(RESULTS, headline.FIGURE)
     print(markdown(report))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
 

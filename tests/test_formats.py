@@ -32,7 +32,7 @@ def source_of(kind: str, root: str | Path, tmp_path: Path, **options):
     if kind == "wds":
         options.setdefault("members", "all")
         return tar_shards(f"{root}/{PATTERN}", index_dir=str(tmp_path / "indexes"), **options)
-    return {"mds": mds, "litdata": litdata}[kind](str(root), **options)
+    return {"mds": mds, "litdata": litdata, "litdata_arrow": litdata}[kind](str(root), **options)
 
 
 def decode_of(kind: str) -> Members:
@@ -52,7 +52,7 @@ def assert_each_once_with_its_image(got: list[tuple[int, int]]) -> None:
 
 
 @pytest.mark.parametrize("processes", [0, 2])
-@pytest.mark.parametrize("kind", ["mds", "litdata", "wds"])
+@pytest.mark.parametrize("kind", ["mds", "litdata", "litdata_arrow", "wds"])
 def test_every_sample_once_with_its_own_label(kind, processes, tmp_path):
     source = source_of(kind, FIXTURES / kind, tmp_path)
     with AsyncLoader(source, batch_size=5, decode=decode_of(kind), processes=processes, seed=1) as loader:
@@ -61,7 +61,26 @@ def test_every_sample_once_with_its_own_label(kind, processes, tmp_path):
     assert len(source.urls) == 3  # three shards each: the order is read across them
 
 
-@pytest.mark.parametrize("kind", ["mds", "litdata"])
+@pytest.mark.parametrize("processes", [0, 2])
+@pytest.mark.parametrize("kind", ["mds", "litdata_arrow"])
+def test_image_decoder_given_a_sample_of_columns_says_to_pass_members(kind, processes):
+    """An MDS or litdata sample is a dict of columns: ImageDecoder alone fails at the first
+    sample naming what it got and what to pass, not with a TypeError from inside the decode."""
+    with AsyncLoader(source_of(kind, FIXTURES / kind, None), batch_size=4, decode=ImageDecoder(16),
+                     processes=processes) as loader:
+        with pytest.raises(SampleError) as raised:
+            next(iter(loader))
+    text = str(raised.value)
+    assert "failed at decode: TypeError: ImageDecoder got a dict ('" in text and "), not an image's bytes" in text
+    assert 'pass decode=Members("image", "label", image=ImageDecoder(...))' in text
+
+
+def test_image_decoder_given_something_else_names_its_type():
+    with pytest.raises(TypeError, match="ImageDecoder got a str, not an image's bytes: give it the bytes"):
+        SMALL("s3://bucket/a.jpg")
+
+
+@pytest.mark.parametrize("kind", ["mds", "litdata", "litdata_arrow"])
 def test_without_decode_the_image_and_label_columns_make_the_batch(kind):
     with AsyncLoader(source_of(kind, FIXTURES / kind, None), batch_size=6, processes=0) as loader:
         batches = list(loader)
@@ -103,7 +122,7 @@ def test_members_picks_fields_in_order_with_alternatives_and_names_a_missing_one
         Members("jpg;webp", image=SMALL)(sample)
 
 
-@pytest.mark.parametrize("kind", ["mds", "litdata", "wds"])
+@pytest.mark.parametrize("kind", ["mds", "litdata", "litdata_arrow", "wds"])
 def test_resume_mid_epoch_delivers_the_rest(kind, tmp_path):
     source = source_of(kind, FIXTURES / kind, tmp_path, shuffle_buffer=4)
     settings = dict(batch_size=3, decode=decode_of(kind), seed=2, processes=0)
@@ -227,7 +246,7 @@ def test_the_processes_of_a_node_learn_the_table_once(tmp_path, monkeypatch):
 
 
 def upload(s3_options: dict, prefix: str) -> None:
-    """The three fixtures uploaded to ``s3://asyncload-test/<prefix>/<kind>/``."""
+    """The fixtures uploaded to ``s3://asyncload-test/<prefix>/<kind>/``."""
     with setup_s3fs(s3_options) as fs:
         make_bucket(fs)
         for path in FIXTURES.rglob("*"):
@@ -235,7 +254,8 @@ def upload(s3_options: dict, prefix: str) -> None:
                 fs.pipe_file(f"asyncload-test/{prefix}/{path.relative_to(FIXTURES)}", path.read_bytes())
 
 
-@pytest.mark.parametrize("kind, processes", [("mds", 0), ("litdata", 0), ("wds", 0), ("mds", 2), ("wds", 2)])
+@pytest.mark.parametrize("kind, processes", [("mds", 0), ("litdata", 0), ("litdata_arrow", 0), ("wds", 0), ("mds", 2),
+                                             ("wds", 2)])
 def test_from_s3_every_sample_once_and_the_shards_kept_on_disk(kind, processes, s3_server, s3_options, tmp_path):
     """(Whether epoch 2 asks the bucket anything, e.g. if a shard changed, is the cache's rule.)"""
     prefix = f"formats-{kind}-{processes}"

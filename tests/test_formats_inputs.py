@@ -259,6 +259,7 @@ def test_on_s3_a_folder_is_read_at_its_level_and_a_rewritten_shard_learnt_again(
     write_tar(shard, [("s0000.jpg", b"x"), ("s0000.cls", b"9")])
     data = shard.read_bytes()
     with setup_s3fs(s3_options) as fs:
-        fs.pipe_file(f"{prefix}/000000.tar", data + bytes(51200 - len(data)))  # the same size, new contents
+        size = (FIXTURES / "wds" / "000000.tar").stat().st_size
+        fs.pipe_file(f"{prefix}/000000.tar", data + bytes(size - len(data)))  # the same size, new contents
     again = build()
     assert again.labels.tolist() == [9]

@@ -55,6 +55,18 @@ def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
     assert on_cpu == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
 
 
+def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
+    """A sample of columns (MDS, litdata) given to the batched decoder fails its own row, with
+    ImageDecoder's message, not the batch with a TypeError from slicing a dict."""
+    whole = encoded("china", "jpeg_q90_420")
+    decoder = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
+    out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
+    failures, _, on_cpu = decoder.decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
+    assert on_cpu == [1] and list(failures) == [1]
+    assert str(failures[1]) == ("ImageDecoder got a dict ('image', 'label'), not an image's bytes: pass "
+                                'decode=Members("image", "label", image=ImageDecoder(...))')
+
+
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("decode_jpegs", BATCH_DECODERS)
 def test_batch_equals_image_decoder_row_by_row(decode_jpegs, train):

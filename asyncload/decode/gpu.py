@@ -152,6 +152,9 @@ class GpuImageDecoder:
         without a word, so it goes to the CPU path, whose strict libjpeg raises the clear error."""
         gpu_rows, cpu_rows, pixels = [], [], {}
         for row, data in enumerate(datas):
+            if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):  # a dict: the CPU path names it
+                cpu_rows.append(row)
+                continue
             if bytes(data[:3]) != JPEG_MAGIC or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END):
                 cpu_rows.append(row)
                 continue

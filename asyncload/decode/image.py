@@ -20,7 +20,7 @@ the filter does. The fast path uses it from a 2x shrink, as before.
 from __future__ import annotations
 
 import math
-from typing import Hashable
+from typing import Any, Hashable
 
 import cv2
 import numpy as np
@@ -29,6 +29,7 @@ import simplejpeg
 from ..batch.layout import Field
 from .budget import DEFAULT_MAX_PIXELS, GATED_BYTES, checked_size, held, jpeg_reduction
 from .geometry import Box, Plan, centre_square_box, dct_reduction, random_resized_crop_box, snap_box
+from .names import LABEL_NAMES, is_image
 from .resize import resize_aa_into, resize_centre_crop_into
 
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -65,6 +66,23 @@ def decode_jpeg_reduced(data: bytes, height: int, width: int, reduce: int) -> np
     return image[: height // reduce, : width // reduce]  # whole blocks: the last may be partial
 
 
+def not_bytes(data: Any) -> TypeError:
+    """What an ``ImageDecoder`` given something other than bytes says: what it got and what to
+    pass, short enough for a ``SampleError``'s line. A dict is a sample of several columns
+    (``mds``, ``litdata``, ``tar_shards(..., members="all")``): ``Members`` picks its image and
+    label out and decodes the image with this decoder."""
+    if not isinstance(data, dict):
+        return TypeError(f"ImageDecoder got a {type(data).__name__}, not an image's bytes: give it the bytes "
+                         "(a read= or decode= that returns them)")
+    keys = [str(key) for key in data]
+    image = next((key for key in keys if is_image(key)), keys[0] if keys else "image")
+    label = next((key for key in keys if key in LABEL_NAMES), None)
+    fields = ", ".join(f'"{name}"' for name in (image, label) if name is not None)
+    shown = ", ".join(repr(key) for key in keys[:4]) + (", ..." if len(keys) > 4 else "")
+    return TypeError(f"ImageDecoder got a dict ({shown}), not an image's bytes: pass "
+                     f"decode=Members({fields}, image=ImageDecoder(...))")
+
+
 class ImageDecoder:
     """Encoded image bytes -> uint8 ``size x size x 3`` RGB, the pixels torchvision gives: the
     loader's default ``decode``. JPEG through libjpeg-turbo, other formats (PNG, WebP, BMP, TIFF,
@@ -75,6 +93,10 @@ class ImageDecoder:
     (epoch, index)``: the same run gives the same pixels whatever the thread timing, and each
     epoch new ones. Called without a key (``decoder(data)``, e.g. from a
     ``torch.utils.data.Dataset``) it draws fresh randomness.
+
+    It decodes bytes only: a sample of several columns (``mds``, ``litdata``, ``tar_shards(...,
+    members="all")`` give dicts) fails at once, naming its keys and what to pass instead,
+    ``Members("image", "label", image=ImageDecoder(...))``.
 
     Args:
         size (int, default 224): the side of every output image.
@@ -158,6 +180,8 @@ class ImageDecoder:
 
     def decode_into(self, data: bytes, out: np.ndarray, key: tuple[int, ...] | None = None) -> None:
         """Decodes ``data`` and writes the transformed image into ``out`` (a batch row)."""
+        if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
+            raise not_bytes(data)
         rng = self.rng(key) if self.train else None  # eval draws nothing; a generator costs 50 us
         if not self.antialias:
             self._decode_fast_into(data, out, rng)

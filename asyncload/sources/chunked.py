@@ -51,6 +51,7 @@ class ChunkedSource(ShardSource):
     named label, cls, class, target or y, if any) beside it: batches of ``(images, labels)``."""
 
     format_name = "chunked"
+    tail_bytes = 0  # how many of each shard's last bytes ``sample_ranges`` is given (litdata: 12)
 
     def __init__(self, shards: Sequence[tuple[str, int | None, int]], columns: Sequence[Column], *,
                  image: str | None = None, label: str | None = None, storage_options: dict | None = None,
@@ -79,8 +80,9 @@ class ChunkedSource(ShardSource):
         for name in (image, label):
             if name is not None and name not in names:
                 raise ValueError(f"{self.format_name}: no column {name!r} (columns: {', '.join(names)})")
-        if image is None:
-            image = next((c.name for c in self.columns_read if is_image(c.encoding.split(":")[0])), None)
+        if image is None:  # an image-encoded column, else raw bytes named as images are (litdata's Arrow rows)
+            image = next((c.name for c in self.columns_read if is_image(c.encoding.split(":")[0])), None) or next(
+                (c.name for c in self.columns_read if c.encoding == "bytes" and is_image(c.name)), None)
         if label is None:
             label = next((name for name in LABEL_NAMES if name in names), None)
         return image, label
@@ -98,21 +100,33 @@ class ChunkedSource(ShardSource):
         return np.array(listed, dtype=np.int64)
 
     def _read_offsets(self, counts: np.ndarray, timeout: float | None, retries: int | None) -> None:
-        """Every sample's byte range, from each shard's offset table (one ranged read a shard)."""
+        """Every sample's byte range, from each shard's offset table (one ranged read a shard)
+        and, for a source whose shards may end with a trailer (``tail_bytes``), their last bytes."""
         ends = (4 * (counts + 2)).tolist()
         tables = read_ranges(self.urls, [0] * len(self.urls), ends, self.storage_options, timeout, retries)
+        sizes = self.shard_bytes.tolist()
+        tails = (read_ranges(self.urls, [max(0, size - self.tail_bytes) for size in sizes], sizes,
+                             self.storage_options, timeout, retries) if self.tail_bytes else [b""] * len(self.urls))
         begin, end = [], []
-        for url, table, count, size in zip(self.urls, tables, counts.tolist(), self.shard_bytes.tolist()):
+        for shard, (url, table, tail, count, size) in enumerate(zip(self.urls, tables, tails, counts.tolist(), sizes)):
             if len(table) < 4 * (count + 2) or struct.unpack_from("<I", table)[0] != count:
                 found = struct.unpack_from("<I", table)[0] if len(table) >= 4 else "nothing"
                 raise ValueError(f"{url}: its index says {count} samples, the shard's header says {found}")
-            offsets = np.frombuffer(table, dtype="<u4", offset=4, count=count + 1).astype(np.int64)
-            if offsets[0] < 4 * (count + 2) or np.any(np.diff(offsets) < 4 * self.header_columns) or offsets[-1] > size:
-                raise ValueError(f"{url}: its offset table is not in order or runs past the shard's {size} bytes")
-            begin.append(offsets[:-1])
-            end.append(offsets[1:])
+            first, last = self.sample_ranges(shard, table, tail, count)
+            begin.append(first)
+            end.append(last)
         self.sample_begin = np.concatenate(begin) if begin else np.zeros(0, np.int64)
         self.sample_end = np.concatenate(end) if end else np.zeros(0, np.int64)
+
+    def sample_ranges(self, shard: int, table: bytes, tail: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``[begin, end)`` byte range of each of shard ``shard``'s ``count`` samples, from its
+        offset table ``table`` (and its last ``tail_bytes`` bytes, ``tail``); ValueError naming
+        the shard where the table is not in order or runs past the shard."""
+        url, size = self.urls[shard], int(self.shard_bytes[shard])
+        offsets = np.frombuffer(table, dtype="<u4", offset=4, count=count + 1).astype(np.int64)
+        if offsets[0] < 4 * (count + 2) or np.any(np.diff(offsets) < 4 * self.header_columns) or offsets[-1] > size:
+            raise ValueError(f"{url}: its offset table is not in order or runs past the shard's {size} bytes")
+        return offsets[:-1], offsets[1:]
 
     def __len__(self) -> int:
         return int(self.shard_first[-1])

@@ -28,9 +28,9 @@ class Chunk:
 def plan_chunks(source: ShardSource, wanted: np.ndarray, chunk_bytes: int) -> list[Chunk]:
     """Ranged reads for the samples ``wanted`` (sample numbers in the order the epoch needs them):
     shards in the order of their first need, and within a shard runs of neighbouring samples,
-    each read at most ``chunk_bytes`` long (a sample larger than that is read alone). A source
-    that is parsed a shard at a time (``read_whole``: Parquet row groups) reads each shard's
-    wanted samples in one read of the shard."""
+    each read at most ``chunk_bytes`` long (a sample larger than that is read alone, or with the
+    samples that share its bytes). A source that is parsed a shard at a time (``read_whole``:
+    Parquet row groups) reads each shard's wanted samples in one read of the shard."""
     unique = np.flatnonzero(np.bincount(wanted, minlength=len(source)))  # ascending: storage order, so by shard
     shard_of = source.shard_of[unique]
     groups = np.split(unique, np.flatnonzero(np.diff(shard_of)) + 1) if len(unique) else []
@@ -88,7 +88,9 @@ def _split_run(source: ShardSource, shard: int, run: np.ndarray, chunk_bytes: in
     start = 0
     while start < len(run):
         stop = int(np.searchsorted(end, begin[start] + chunk_bytes, side="right"))
-        stop = max(stop, start + 1)
+        # at least the first sample, and every one whose bytes begin with it (the rows of a
+        # litdata chunk share one Arrow footer: one read of it, not one per row)
+        stop = max(stop, int(np.searchsorted(begin, begin[start], side="right")))
         chunks.append(Chunk(source.urls[shard], int(begin[start]), int(end[stop - 1]), run[start:stop].tolist()))
         start = stop
     return chunks
