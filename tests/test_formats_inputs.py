@@ -156,8 +156,8 @@ def test_brace_patterns_name_what_braceexpand_names(pattern):
     assert brace.expand(pattern) == list(braceexpand(pattern))
 
 
-@pytest.mark.parametrize("pattern", BRACE_CASES + ["{0..9..4}", "{9..0..4}", "{Z..a}", "{a..Z..3}", "{a,b}{1..3}{x,{y,z}}",
-                                     r"a\,b{c\,d,e}", "{{a,b}}", "{a,}", "{,}", "{0..-3}", "{-0..2}", "{a..A}"])
+@pytest.mark.parametrize("pattern", BRACE_CASES + ["{0..9..4}", "{9..0..4}", "{Z..a}", "{a..Z..3}", "{{a,b}}", "{a,}",
+                                     "{a,b}{1..3}{x,{y,z}}", r"a\,b{c\,d,e}", "{,}", "{0..-3}", "{-0..2}", "{a..A}"])
 def test_a_patterns_count_is_what_braceexpand_gives(pattern):
     """The bound is checked on this count, so it must be exactly braceexpand's."""
     braceexpand = pytest.importorskip("braceexpand").braceexpand

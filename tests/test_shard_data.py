@@ -39,7 +39,8 @@ def test_upper_case_extensions_are_members_of_their_lower_case_name(processes, t
                           "Cls": str(index).encode()})
     source = tar_shards(path, members="all", index_dir=str(tmp_path / "indexes"))
     assert source.extensions == ["cls", "jpg"]
-    with AsyncLoader(source, batch_size=3, shuffle=False, decode=Members("jpg"), processes=processes) as loader:  # labels: the .Cls members
+    with AsyncLoader(source, batch_size=3, shuffle=False, decode=Members("jpg"),
+                     processes=processes) as loader:  # the labels: the .Cls members
         batches = [(images[:, 0, 0, 0].tolist(), labels.tolist()) for images, labels in loader]
     levels = [level for images, _ in batches for level in images]
     assert [label for _, labels in batches for label in labels] == list(range(6))
@@ -115,7 +116,8 @@ def test_an_mds_index_naming_a_shard_twice_is_refused_naming_the_index_and_shard
     with pytest.raises(ValueError, match=rf"^{folder}/index.json: shards 1 and 3 both name the file "
                                          r"'shard.00001.mds': its samples would come twice an epoch"):
         mds(folder)
-    again = copied_mds(tmp_path / "b", lambda index: index["shards"][2]["raw_data"].update(basename="./shard.00000.mds"))
+    again = copied_mds(tmp_path / "b",
+                       lambda index: index["shards"][2]["raw_data"].update(basename="./shard.00000.mds"))
     with pytest.raises(ValueError, match=r"shards 0 and 2 both name the file './shard.00000.mds'"):
         mds(again)
 
