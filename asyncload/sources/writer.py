@@ -164,37 +164,39 @@ def _index_shard(file: Any, url: str) -> dict[str, Any]:
     tar: tarfile.TarFile | None = None
     member: tarfile.TarInfo | None = None
     try:
-        tar = tarfile.open(fileobj=counted, mode="r|")
-        for member in tar:
-            if member.issparse():  # before isfile(): a sparse member is a file too
-                raise ValueError(f"{url}: member {shown(member.name, 80)} is a GNU sparse file: what the tar holds "
-                                 "is not its content, so no byte range reads it; repack the shard without --sparse")
-            if not member.isfile():
-                continue
-            directory, base = posixpath.split(member.name)
-            if "." not in base:
-                continue
-            stem, ext = base.split(".", 1)
-            ext = ext.lower()  # WebDataset's group_by_keys lower-cases the suffix (lcase=True)
-            key = posixpath.join(directory, stem)
-            if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
-                if key in seen:
-                    raise ValueError(f"{url}: the members of sample {shown(key, 80)} are not consecutive in the "
-                                     f"shard ({shown(member.name, 80)} comes after another sample's): WebDataset "
-                                     "shards keep a sample's members together; rewrite the shard so")
-                seen.add(key)
-                keys.append(key)
-                members.append([])
-                labels.append(None)
-                names = {}
-            if ext in names:
-                raise ValueError(f"{url}: sample {shown(key, 80)} has two {ext!r} members, {shown(names[ext], 80)} "
-                                 f"and {shown(member.name, 80)} (extensions compared lower-cased): WebDataset refuses "
-                                 "such a shard too (duplicate file name in tar file); keep one of them")
-            names[ext] = member.name
-            members[-1].append([ext, member.offset_data, member.size])
-            if ext == LABEL_MEMBER:
-                labels[-1] = _label(tar, member, url)
+        with tarfile.open(fileobj=counted, mode="r|") as tar:
+            for member in tar:
+                if member.issparse():  # before isfile(): a sparse member is a file too
+                    raise ValueError(f"{url}: member {shown(member.name, 80)} is a GNU sparse file: what the tar "
+                                     "holds is not its content, so no byte range reads it; repack the shard without "
+                                     "--sparse")
+                if not member.isfile():
+                    continue
+                directory, base = posixpath.split(member.name)
+                if "." not in base:
+                    continue
+                stem, ext = base.split(".", 1)
+                ext = ext.lower()  # WebDataset's group_by_keys lower-cases the suffix (lcase=True)
+                key = posixpath.join(directory, stem)
+                if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
+                    if key in seen:
+                        raise ValueError(f"{url}: the members of sample {shown(key, 80)} are not consecutive in "
+                                         f"the shard ({shown(member.name, 80)} comes after another sample's): "
+                                         "WebDataset shards keep a sample's members together; rewrite the shard so")
+                    seen.add(key)
+                    keys.append(key)
+                    members.append([])
+                    labels.append(None)
+                    names = {}
+                if ext in names:
+                    raise ValueError(f"{url}: sample {shown(key, 80)} has two {ext!r} members, "
+                                     f"{shown(names[ext], 80)} and {shown(member.name, 80)} (extensions compared "
+                                     "lower-cased): WebDataset refuses such a shard too (duplicate file name in tar "
+                                     "file); keep one of them")
+                names[ext] = member.name
+                members[-1].append([ext, member.offset_data, member.size])
+                if ext == LABEL_MEMBER:
+                    labels[-1] = _label(tar, member, url)
     except tarfile.TarError as error:
         raise _cut_short(url, counted.read_bytes, member, tar, error) from error
     if tar is not None and counted.read_bytes < tar.offset + tarfile.BLOCKSIZE:
