@@ -156,3 +156,16 @@ def test_a_bfloat16_tensor_from_decode_names_the_sample_field_and_cause(first, p
                                               r"buffers\) lacks: return another dtype \(.float\(\), or "
                                               r".view\(torch.int16\) to keep its bits\)$"):
             list(loader)
+
+
+def requires_grad_at(index: int) -> tuple:
+    return torch.full((2,), float(index), requires_grad=index == 2), index
+
+
+def test_a_tensor_that_requires_grad_names_the_field_and_the_fix():
+    with AsyncLoader(list(range(4)), batch_size=4, shuffle=False, read=False, decode=requires_grad_at,
+                     processes=0) as loader:
+        with pytest.raises(SampleError, match=r"^sample 2 failed at decode: UnsupportedTensor: field '\[0\]' is a "
+                                              r"tensor that requires grad: return it without its graph "
+                                              r"\(.detach\(\)\)$"):
+            list(loader)
