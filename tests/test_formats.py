@@ -17,7 +17,7 @@ import pytest
 from asyncload import (AsyncLoader, ImageDecoder, Members, SampleError, StorageError, litdata, mds, mix, parquet,
                        tar_shards)
 from asyncload.decode.members import decode_member
-from asyncload.sources import shard_learn, writer
+from asyncload.sources import brace, shard_learn, writer
 from tests.conftest import setup_s3fs, make_bucket
 from tests.fixtures.make_formats import SAMPLES, level
 from tests.test_listing import silent_endpoint, storage_error  # noqa: F401 (a fixture)
@@ -189,8 +189,8 @@ def test_a_sample_whose_offsets_disagree_with_the_index_is_refused(tmp_path):
 
 
 def test_brace_patterns_expand_as_webdataset_writes_them():
-    assert shard_learn.expand("s3://b/{008..011}.tar") == [f"s3://b/{n:03d}.tar" for n in range(8, 12)]
-    assert shard_learn.expand("{a,b}/{0..1}.tar") == ["a/0.tar", "a/1.tar", "b/0.tar", "b/1.tar"]
+    assert brace.expand("s3://b/{008..011}.tar") == [f"s3://b/{n:03d}.tar" for n in range(8, 12)]
+    assert brace.expand("{a,b}/{0..1}.tar") == ["a/0.tar", "a/1.tar", "b/0.tar", "b/1.tar"]
 
 
 def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import tarfile
 import threading
@@ -16,11 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncload import AsyncLoader, litdata, mds, tar_shards
 from asyncload.io import cache_files
 from asyncload.sources import litdata as litdata_source
-from asyncload.sources import shard_learn
+from asyncload.sources import brace, shard_learn
 from tests.fixtures.make_formats import SAMPLES, old_litdata
 from tests.test_formats import FIXTURES, PATTERN, assert_each_once_with_its_image, decode_of, samples, source_of
 
@@ -150,7 +153,51 @@ BRACE_CASES = ["{0..3}", "{00..03}", "{1..010}", "{0..10}", "{a,{b,c}}", "x{a,b}
 @pytest.mark.parametrize("pattern", BRACE_CASES)
 def test_brace_patterns_name_what_braceexpand_names(pattern):
     braceexpand = pytest.importorskip("braceexpand").braceexpand
-    assert shard_learn.expand(pattern) == list(braceexpand(pattern))
+    assert brace.expand(pattern) == list(braceexpand(pattern))
+
+
+@pytest.mark.parametrize("pattern", BRACE_CASES + ["{0..9..4}", "{9..0..4}", "{Z..a}", "{a..Z..3}", "{{a,b}}", "{a,}",
+                                     "{a,b}{1..3}{x,{y,z}}", r"a\,b{c\,d,e}", "{,}", "{0..-3}", "{-0..2}", "{a..A}"])
+def test_a_patterns_count_is_what_braceexpand_gives(pattern):
+    """The bound is checked on this count, so it must be exactly braceexpand's."""
+    braceexpand = pytest.importorskip("braceexpand").braceexpand
+    assert brace.count(pattern) == len(list(braceexpand(pattern)))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(alphabet="{},.a1-\\", max_size=14))
+def test_any_patterns_count_or_refusal_is_braceexpands(pattern):
+    braceexpand = pytest.importorskip("braceexpand").braceexpand
+    try:
+        expected = len(list(braceexpand(pattern)))
+    except ValueError:
+        with pytest.raises(ValueError, match="Unbalanced braces"):
+            brace.count(pattern)
+        return
+    assert brace.count(pattern) == expected
+
+
+@pytest.mark.parametrize("pattern", ["s3://b/train/{0000000..9999999}.tar", "s3://b/{0..999999999}.tar",
+                                     "s3://b/{0..99999}/{0..99999}.tar"])
+def test_a_pattern_past_the_bound_is_refused_before_it_is_expanded(pattern, tmp_path):
+    """One digit too many took 42 s and 1.6 GB before any shard was listed; ten more, MemoryError.
+    Counted from the parse: refused at once, before any listing (the bucket does not exist)."""
+    count = {"s3://b/train/{0000000..9999999}.tar": "10,000,000", "s3://b/{0..999999999}.tar": "1,000,000,000",
+             "s3://b/{0..99999}/{0..99999}.tar": "10,000,000,000"}[pattern]
+    with pytest.raises(ValueError, match=rf"^tar_shards: the brace pattern '{re.escape(pattern)}' names {count} shard "
+                                         r"URLs, more than max_shards=1,000,000: a typo in a range\? If not, pass "
+                                         r"tar_shards\(\.\.\., max_shards=N\) with a larger N$"):
+        tar_shards(pattern, index_dir=str(tmp_path))
+
+
+def test_the_bound_counts_every_pattern_of_a_list_and_is_adjustable(tmp_path):
+    patterns = [f"{FIXTURES}/wds/{{000000..000001}}.tar", f"{FIXTURES}/wds/000002.tar"]
+    with pytest.raises(ValueError, match=r"the brace pattern '.*/wds/\{000000\.\.000001\}.tar' names 2 shard "
+                                         r"URLs \(3 with the 1 others\), more than max_shards=2"):
+        tar_shards(patterns, index_dir=str(tmp_path), max_shards=2)
+    assert len(tar_shards(patterns, index_dir=str(tmp_path), max_shards=3).urls) == 3
+    with pytest.raises(ValueError, match=r"names 3 shard URLs, more than max_shards=1"):
+        tar_shards(f"{FIXTURES}/wds/{PATTERN}", index_dir=str(tmp_path), max_shards=1)
 
 
 @pytest.mark.parametrize("urls", [f"{FIXTURES}/wds/{{000000,{{000000,000001}}}}.tar",

@@ -44,7 +44,7 @@ class SampleLayout:
     @classmethod
     def of(cls, sample: Any) -> "SampleLayout":
         values: list[Any] = []
-        tree = flatten_any(sample, values)
+        tree = flatten_any_named(sample, values)
         if all(isinstance(v, np.ndarray) and is_numeric(v.dtype) for v in values):
             return cls(tree, [Field(v.shape, v.dtype) for v in values])
         fields: list[Field] = []
@@ -63,13 +63,16 @@ class SampleLayout:
 
     def flatten(self, sample: Any) -> list[np.ndarray] | None:
         """The sample's arrays, one per field, or None when it does not fit this layout as it
-        is (another structure or shape: ``batch/ragged.py`` then says how it fits, if it does)."""
+        is (another structure or shape: ``batch/ragged.py`` then says how it fits, if it does).
+        A dict's values are taken by key, in the layout's order, whatever the sample's own."""
         if self.leaves is not None:
             return None
         arrays: list[np.ndarray] = []
-        tree = _flatten(sample, arrays)
-        if tree != self.tree:
-            return None
+        try:
+            if not _flatten_as(sample, self.tree, arrays):
+                return None
+        except UnsupportedTensor as error:
+            raise named(error, sample) from error
         for array, field in zip(arrays, self.fields):  # another dtype: write_any says if it fits
             if array.shape != field.shape or (array.dtype is not field.dtype and array.dtype != field.dtype):
                 return None
@@ -111,12 +114,62 @@ def flatten_any(sample: Any, out: list[Any]) -> Any:
     if isinstance(sample, tuple) or (isinstance(sample, list) and holds_arrays(sample)):
         return tuple(flatten_any(value, out) for value in sample)
     if isinstance(sample, torch.Tensor):
-        sample = sample.numpy()
+        sample = tensor_array(sample)
     if isinstance(sample, (np.ndarray, np.generic, int, float, bool, complex)):
         out.append(np.asarray(sample))
     else:
         out.append(sample)
     return None
+
+
+def flatten_any_named(sample: Any, out: list[Any]) -> Any:
+    """``flatten_any``, a tensor that is no array named by its field (``named``)."""
+    try:
+        return flatten_any(sample, out)
+    except UnsupportedTensor as error:
+        raise named(error, sample) from error
+
+
+class UnsupportedTensor(TypeError):
+    """A tensor in a sample that a batch buffer (NumPy memory on the host) cannot hold."""
+
+
+def tensor_array(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as a NumPy array (a view); ``UnsupportedTensor`` saying why and
+    what to return instead where NumPy cannot hold them (bfloat16 and other dtypes NumPy lacks,
+    a tensor on a device, one that requires grad), for ``named`` to add the field's name."""
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError) as error:
+        if tensor.device.type != "cpu":
+            why = f"a tensor on {tensor.device}: return host values (.cpu())"
+        elif tensor.requires_grad:
+            why = "a tensor that requires grad: return it without its graph (.detach())"
+        else:
+            bits = 8 * tensor.element_size()
+            why = (f"a {tensor.dtype} tensor, a dtype NumPy (the batch buffers) lacks: return another dtype "
+                   f"(.float(), or .view(torch.int{bits}) to keep its bits)")
+        raise UnsupportedTensor(why) from error
+
+
+def named(error: UnsupportedTensor, sample: Any) -> UnsupportedTensor:
+    """``error`` with the name of the field it is about (``leaf_names``' spelling): the first
+    tensor of ``sample`` that is no array. Only when a sample failed, so a walk of its own."""
+    def find(value: Any, name: str) -> str | None:
+        if isinstance(value, torch.Tensor):
+            try:
+                value.numpy()
+            except (TypeError, RuntimeError):
+                return name or "sample"
+            return None
+        items = (value.items() if isinstance(value, dict) else enumerate(value)
+                 if isinstance(value, (tuple, list)) else ())
+        for key, sub in items:
+            found = find(sub, f"{name}[{key}]" if isinstance(key, int) else (f"{name}.{key}" if name else str(key)))
+            if found:
+                return found
+        return None
+    return UnsupportedTensor(f"field {find(sample, '') or 'sample'!r} is {error}")
 
 
 def holds_arrays(values: list[Any]) -> bool:
@@ -131,7 +184,7 @@ def holds_arrays(values: list[Any]) -> bool:
     return False
 
 
-MISSING = object()  # what ``first_difference`` gives for a side that has nothing at the place
+MISSING = object()  # nothing at a place (``first_difference``), a key a sample lacks (``_flatten_as``)
 
 
 def first_difference(tree: Any, other: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
@@ -142,10 +195,10 @@ def first_difference(tree: Any, other: Any, prefix: str = "") -> tuple[str, Any,
     if tree is None or other is None or type(tree) is not type(other):
         return prefix or "sample", tree, other
     if isinstance(tree, dict):
-        for key in list(tree) + [key for key in other if key not in tree]:
-            name = f"{prefix}.{key}" if prefix else str(key)
-            found = first_difference(tree.get(key, MISSING), other.get(key, MISSING), name) if (
-                key in tree and key in other) else (name, tree.get(key, MISSING), other.get(key, MISSING))
+        if tree.keys() != other.keys():  # named here, whole: both key sets
+            return prefix or "sample", tree, other
+        for key in tree:
+            found = first_difference(tree[key], other[key], f"{prefix}.{key}" if prefix else str(key))
             if found:
                 return found
         return None
@@ -182,16 +235,49 @@ def leaf_names(tree: Any, prefix: str = "") -> list[str]:
     return names
 
 
-def _flatten(sample: Any, out: list[np.ndarray]) -> Any:
-    """Appends the arrays of ``sample`` to ``out``; returns the structure, leaves as ``None``."""
-    if isinstance(sample, dict):
-        return {key: _flatten(value, out) for key, value in sample.items()}
-    if isinstance(sample, (tuple, list)):
-        return tuple(_flatten(value, out) for value in sample)
-    if isinstance(sample, torch.Tensor):
-        sample = sample.numpy()
-    out.append(np.asarray(sample))
-    return None
+def _flatten_as(sample: Any, tree: Any, out: list[np.ndarray]) -> bool:
+    """Appends the arrays of ``sample`` to ``out`` in the order of the structure ``tree`` (a
+    dict's values by key: ``{"b": 1, "a": 2}`` is the same sample as ``{"a": 2, "b": 1}``, so
+    its values must not land in each other's fields); False as soon as the structure differs.
+    One walk guided by the layout, no structure built and compared: this runs per sample."""
+    if tree is None:
+        if type(sample) is np.ndarray:  # the most common leaf first
+            out.append(sample)
+            return True
+        if isinstance(sample, (dict, tuple, list)):
+            return False
+        if isinstance(sample, torch.Tensor):
+            sample = tensor_array(sample)
+        out.append(np.asarray(sample))
+        return True
+    if isinstance(tree, dict):
+        if not isinstance(sample, dict) or len(sample) != len(tree):
+            return False
+        for key, sub in tree.items():
+            value = sample.get(key, MISSING)
+            if value is MISSING or not _flatten_as(value, sub, out):
+                return False
+        return True
+    if not isinstance(sample, (tuple, list)) or len(sample) != len(tree):
+        return False
+    for value, sub in zip(sample, tree):
+        if not _flatten_as(value, sub, out):
+            return False
+    return True
+
+
+def in_key_order(sample: Any, tree: Any) -> Any:
+    """``sample`` with each dict that has the keys of its place in ``tree`` rebuilt in the
+    tree's key order (``flatten_any`` takes values in a dict's own order); a dict of other keys
+    stays as it is, for the structure check to name. Tuples and lists keep their type."""
+    if isinstance(tree, dict):
+        if not isinstance(sample, dict) or sample.keys() != tree.keys():
+            return sample
+        return {key: in_key_order(sample[key], sub) for key, sub in tree.items()}
+    if isinstance(tree, tuple) and isinstance(sample, (tuple, list)) and len(sample) == len(tree):
+        values = [in_key_order(value, sub) for value, sub in zip(sample, tree)]
+        return values if isinstance(sample, list) else tuple(values)
+    return sample
 
 
 def _unflatten(tree: Any, leaves: Any) -> Any:

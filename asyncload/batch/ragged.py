@@ -20,7 +20,8 @@ or reordered, and the driver ``grow``s the run's layout from what went aside: la
 have the leaf ragged (or a bigger ``cap``, or a list) for the rest of the run. Anything else
 (a dtype the field's cannot hold exactly, such as int64 into int32 or float64 into int64,
 another number of dimensions, another structure, an array where there was an object, or a
-missing value) is a real mismatch: ``FieldMismatch``, naming the field and both shapes.
+missing value) is a real mismatch: ``FieldMismatch``, naming the field and both shapes. A dict's
+values are matched by key (``in_key_order``); a dict of other keys names both key sets.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import (Field, Leaf, SampleLayout, first_difference, flatten_any, is_numeric, leaf_names,
-                     structure_words)
+from .layout import (Field, Leaf, SampleLayout, first_difference, flatten_any_named, in_key_order, is_numeric,
+                     leaf_names, structure_words)
 
 FIRST_CAP = 8  # the least room a ragged row gets (values), so short ones rarely go aside
 ASIDE_SHARE = 1 / 16  # a ragged leaf's room grows once more of a batch's rows than this went aside
@@ -48,7 +49,7 @@ def write_any(buffer: Any, row: int, sample: Any) -> None:
     writing any, so a sample that fails leaves nothing aside."""
     layout: SampleLayout = buffer.layout
     values: list[Any] = []
-    tree = flatten_any(sample, values)
+    tree = flatten_any_named(in_key_order(sample, layout.tree), values)  # a dict's values by key
     if tree != layout.tree:
         where, mine, theirs = first_difference(tree, layout.tree) or ("sample", tree, layout.tree)
         raise FieldMismatch(f"the sample's structure differs from the samples' before it at {where!r}: "

@@ -1,6 +1,6 @@
-"""Brace patterns as WebDataset names its shards (``train/{000000..000999}.tar``), expanded with
-the semantics of the ``braceexpand`` package WebDataset uses (bash's, less its oddities), so a
-pattern names the same shards here as there:
+"""Brace patterns as WebDataset names its shards (``train/{000000..000999}.tar``), expanded by
+``braceexpand``, the package WebDataset itself uses, so a pattern names the same shards here as
+there:
 
 - ``{a,b,c}`` a list (nested lists and groups expand in place: ``{a,{b,c}}`` is a, b, c);
 - ``{0..9}``, ``{9..0}``, ``{-1..1}`` integer ranges; a bound with a leading zero pads every
@@ -9,30 +9,42 @@ pattern names the same shards here as there:
 - ``{a}`` and ``{}`` (no comma, no range) are kept as they are, braces included;
 - a backslash escapes the next character (``\\{`` is a literal brace); unbalanced braces raise.
 
-Our own copy of the rule (a few dozen lines) rather than a dependency on a package that is no
-longer released.
+Why count first (``count``): one digit too many in a range (``{0..9999999}``) would make ten
+million strings (42 s and 1.6 GB) before the first shard is even listed, and ``{0..999999999}``
+runs out of memory; ``braceexpand`` builds every string before giving the first. So the number of
+strings is worked out from the pattern's parse alone (ranges' lengths, lists' sums, groups'
+products: microseconds whatever the count), and a pattern past ``max_urls`` is refused before
+anything is expanded.
 """
 
 from __future__ import annotations
 
-import itertools
 import re
-import string
 
-LETTERS = string.ascii_uppercase + string.ascii_lowercase
-INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
+from braceexpand import alphabet, braceexpand
+
+from ..redact import shown
+
+MAX_URLS = 1_000_000  # the most URLs a pattern may name unless the caller allows more
+INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")  # braceexpand's grammar, for count()
 CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
-ESCAPED = re.compile(r"\\(.)")
 
 
-def expand(pattern: str) -> list[str]:
-    """The strings ``pattern`` names, in order (see the module); ValueError on unbalanced braces."""
-    return [ESCAPED.sub(r"\1", text) for text in _pattern(pattern)]
+def expand(pattern: str, max_urls: int = MAX_URLS) -> list[str]:
+    """The strings ``pattern`` names, in order (see the module); ValueError on unbalanced braces,
+    or naming the pattern and its count when it names more than ``max_urls``, before expanding."""
+    urls = count(pattern)
+    if urls > max_urls:
+        raise ValueError(f"the brace pattern {shown(pattern, 200)} names {urls:,} URLs, more than the bound of "
+                         f"{max_urls:,}")
+    return list(braceexpand(pattern))
 
 
-def _pattern(pattern: str) -> list[str]:
-    """Literal text and top-level groups, each combination of their choices (escapes kept)."""
-    parts: list[list[str]] = []
+def count(pattern: str) -> int:
+    """How many strings ``braceexpand(pattern)`` gives, from parsing ``pattern`` alone (its
+    ``parse_pattern``: literal text and top-level groups, the product of their choices);
+    ValueError on unbalanced braces, as ``braceexpand``."""
+    total = 1
     start = depth = position = 0
     while position < len(pattern):
         char = pattern[position]
@@ -40,33 +52,34 @@ def _pattern(pattern: str) -> list[str]:
             position += 2
             continue
         if char == "{":
-            if depth == 0 and position > start:
-                parts.append([pattern[start:position]])
+            if depth == 0:
                 start = position
             depth += 1
         elif char == "}":
             depth -= 1
             if depth == 0:
-                body = pattern[start + 1:position]
-                choices = _group(body)
-                parts.extend([["{"], _pattern(body), ["}"]] if choices is None else [choices])
-                start = position + 1
+                total *= _group_count(pattern[start + 1:position])
         position += 1
     if depth != 0:
-        raise ValueError(f"unbalanced braces in the pattern {pattern!r}")
-    if start < len(pattern):
-        parts.append([pattern[start:]])
-    return ["".join(combination) for combination in itertools.product(*parts)]
+        raise ValueError(f"Unbalanced braces: {pattern!r}")
+    return total
 
 
-def _group(body: str) -> list[str] | None:
-    """The choices of one ``{...}``: a range or a comma list; None when it is neither."""
+def _group_count(body: str) -> int:
+    """How many choices one ``{body}`` gives: a range's length, a list's items' counts summed,
+    else the body's own count (``{a}`` stays as it is, braces included)."""
     numbers = INT_RANGE.match(body)
     if numbers:
-        return _int_range(*numbers.groups())
+        first, last, step = numbers.groups()
+        stride = (int(step) or 1) if step else 1
+        low, high = int(first), int(last)
+        return len(range(low, high + 1, stride) if low < high else range(low, high - 1, -stride))
     letters = CHAR_RANGE.match(body)
     if letters:
-        return _char_range(*letters.groups())
+        first, last, step = letters.groups()
+        stride = (int(step) or 1) if step else 1
+        low, high = alphabet.index(first), alphabet.index(last)
+        return len(alphabet[low:high + 1:stride] if low < high else alphabet[low:(high or -len(alphabet)) - 1:-stride])
     items, start, depth, position = [], 0, 0, 0
     while position < len(body):
         char = body[position]
@@ -79,23 +92,6 @@ def _group(body: str) -> list[str] | None:
             start = position + 1
         position += 1
     if depth != 0 or not items:
-        return None
+        return count(body)
     items.append(body[start:])
-    return [text for item in items for text in _pattern(item)]
-
-
-def _int_range(first: str, last: str, step: str | None) -> list[str]:
-    padded = any(bound.startswith(("0", "-0")) for bound in (first, last) if bound not in ("0", "-0"))
-    width = max(len(first), len(last)) if padded else 0
-    stride = (int(step) or 1) if step else 1
-    low, high = int(first), int(last)
-    numbers = range(low, high + 1, stride) if low < high else range(low, high - 1, -stride)
-    return [f"{number:0{width}d}" for number in numbers]
-
-
-def _char_range(first: str, last: str, step: str | None) -> list[str]:
-    stride = (int(step) or 1) if step else 1
-    low, high = LETTERS.index(first), LETTERS.index(last)
-    if low < high:
-        return list(LETTERS[low:high + 1:stride])
-    return list(LETTERS[low:(high or -len(LETTERS)) - 1:-stride])
+    return sum(count(item) for item in items)

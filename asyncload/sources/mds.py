@@ -37,7 +37,12 @@ def ndarray(spec: str) -> Callable[[bytes], np.ndarray]:
     shape)."""
     parts = spec.split(":")[1:]
     fixed_dtype = parts[0] if parts and parts[0] else None
-    fixed_shape = tuple(int(dim) for dim in parts[1].split(",")) if len(parts) > 1 else None
+    if fixed_dtype is not None and fixed_dtype not in NDARRAY_DTYPES.values():
+        raise ValueError(f"{fixed_dtype!r} is not one of MDS's ndarray dtypes ({', '.join(NDARRAY_DTYPES.values())})")
+    dims = parts[1].split(",") if len(parts) > 1 else None
+    if len(parts) > 2 or (dims is not None and not all(dim.isdigit() for dim in dims)):
+        raise ValueError(f"the shape {':'.join(parts[1:])!r} is not sizes separated by commas (as in ndarray:int16:3,4)")
+    fixed_shape = tuple(int(dim) for dim in dims) if dims is not None else None
     return functools.partial(_ndarray, fixed_dtype, fixed_shape)
 
 
@@ -116,7 +121,10 @@ def columns_of(shard: dict[str, Any], number: int, url: str) -> list[Column]:
                        "strings, sizes null or integers >= 0")
     columns = []
     for name, encoding, size in zip(names, encodings, sizes):
-        decode = column_decoder(encoding)
+        try:
+            decode = column_decoder(encoding)
+        except ValueError as error:
+            raise ValueError(f"{url}: shard {number}: column {name!r} has encoding {encoding!r}: {error}") from error
         if decode is None:
             why = "unpickling runs code from the data" if encoding == "pkl" else "an encoding asyncload does not read"
             raise ValueError(f"{url}: column {name!r} has encoding {encoding!r}: {why}; supported: bytes, str, int, json, "
@@ -153,6 +161,7 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
     index = json.loads(listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="MDS index"))
     base = posixpath.dirname(index_url)
     shards, columns = [], None
+    named: dict[str, int] = {}  # the shard that names each file
     for number, shard in enumerate(index.get("shards", []) if isinstance(index, dict) else []):
         if not isinstance(shard, dict) or shard.get("format") != "mds":
             raise ValueError(f"{index_url}: shard {number} is not an MDS shard (format {str(shard.get('format'))[:40]!r})"
@@ -166,6 +175,12 @@ def mds(url: str, storage_options: dict | None = None, *, image: str | None = No
             raise ValueError(f"{index_url}: shard {number}'s columns differ from shard 0's")
         columns = found
         url_of_shard = shard_index.shard_url(base, shard["raw_data"].get("basename"), number, False, "raw_data.basename")
+        file = posixpath.normpath(shard["raw_data"]["basename"])  # a str now (shard_url checked it)
+        if file in named:  # Streaming reads such an index's shard twice: its samples would come twice an epoch
+            raise ValueError(f"{index_url}: shards {named[file]} and {number} both name the file "
+                             f"{shown(shard['raw_data'].get('basename'), 120)}: its samples would come twice an "
+                             "epoch; remove the repeated entry from the index")
+        named[file] = number
         shards.append((url_of_shard, declared, samples))
     if columns is None:
         raise ValueError(f"{index_url}: an MDS index with no shards")

@@ -34,8 +34,7 @@ from typing import Any, Sequence
 from ..io import object_store
 from ..io.reader import _version_of
 from .. import redact
-from . import learn_lock, listing
-from .brace import expand
+from . import brace, learn_lock, listing
 from .shard_index import INDEX_FORMAT
 
 LEARN_THREADS = 8  # shards read at once while learning (each a long streaming read)
@@ -43,11 +42,21 @@ PROGRESS_EVERY_S = 5.0
 BRACE = re.compile(r"\{[^{}]*\}")
 
 
-def expanded(patterns: str | Sequence[str]) -> list[str]:
+def expanded(patterns: str | Sequence[str], max_shards: int = brace.MAX_URLS) -> list[str]:
     """The shard URLs a pattern or a list of them names, in order (``brace.expand``: WebDataset's
-    ``braceexpand`` rules); ValueError naming any URL named twice, whose samples would otherwise
-    come several times an epoch (``{000000,{000000,000001}}``, a list with a repeat)."""
-    urls = [url for pattern in ([patterns] if isinstance(patterns, str) else patterns) for url in expand(pattern)]
+    ``braceexpand``); ValueError naming the largest pattern, its count and the bound when they
+    name more than ``max_shards`` together (counted before anything is expanded: a typo such as
+    ``{0..9999999}`` would cost seconds and gigabytes), or naming any URL named twice, whose
+    samples would otherwise come several times an epoch (``{000000,{000000,000001}}``)."""
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    counts = [brace.count(pattern) for pattern in patterns]
+    if sum(counts) > max_shards:
+        largest = max(range(len(patterns)), key=counts.__getitem__)
+        others = f" ({sum(counts):,} with the {len(patterns) - 1} others)" if len(patterns) > 1 else ""
+        raise ValueError(f"tar_shards: the brace pattern {redact.shown(patterns[largest], 200)} names "
+                         f"{counts[largest]:,} shard URLs{others}, more than max_shards={max_shards:,}: a typo in a "
+                         "range? If not, pass tar_shards(..., max_shards=N) with a larger N")
+    urls = [url for pattern in patterns for url in brace.expand(pattern, max_shards)]
     seen: set[str] = set()
     twice = [url for url in urls if url in seen or seen.add(url)]  # type: ignore[func-returns-value]
     if twice:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..decode.members import IMAGE_EXTENSIONS
 from . import listing, shard_index
+from .brace import MAX_URLS
 from .shard_index import INDEX_FORMAT
 from .items import Source, checked_index
 
@@ -169,15 +170,17 @@ class ShardSource(Sequence):
                         for ext, offset, size in self.sample_members(index)} for index in indices}
 
     def image_member(self, index: int) -> tuple[int, int]:
-        """``(offset, size)`` of sample ``index``'s image member."""
+        """``(offset, size)`` of sample ``index``'s image member (``JPG`` too: an index written
+        before extensions were lower-cased may hold it so)."""
         for ext, offset, size in self.sample_members(index):
-            if ext in IMAGE_EXTENSIONS:
+            if ext.lower() in IMAGE_EXTENSIONS:
                 return offset, size
         raise ValueError(f"sample {self[index]!r} has no image member ({', '.join(IMAGE_EXTENSIONS)})")
 
 
 def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *, timeout: float | None = None,
-               retries: int | None = None, index_dir: str | None = None, **options: Any) -> ShardSource:
+               retries: int | None = None, index_dir: str | None = None, max_shards: int = MAX_URLS,
+               **options: Any) -> ShardSource:
     """The shard set at ``url``: an ``index.json`` (``write_shards``, ``index_shards``), the
     folder or bucket prefix that holds one, or WebDataset tars as published: a brace pattern
     (``s3://b/train/{000000..000999}.tar``, ``{a,b}``), one ``.tar``, a list of them, or a folder
@@ -187,13 +190,16 @@ def tar_shards(url: str | Sequence[str], storage_options: dict | None = None, *,
     node's other ranks (see ``shard_learn``). Requests made now end after ``timeout`` seconds
     (default: the loader's ``read_timeout``), tried ``1 + retries`` times (default 6 retries, or
     what ``storage_options`` name); then ``StorageError`` naming the URL and the attempts, or
-    ``FileNotFoundError`` where there is no index and no shard. ``options`` are
-    ``ShardSource``'s: ``members``, ``shuffle_buffer``, ``chunk_bytes``, ``cache_dir``,
-    ``cache_bytes``, ``allow_external_shards``."""
+    ``FileNotFoundError`` where there is no index and no shard. A pattern (or a list of them)
+    may name at most ``max_shards`` URLs (default 1,000,000), counted from the pattern before it
+    is expanded: past that, ValueError naming the pattern and its count (one digit too many in a
+    range, ``{0..9999999}``, would otherwise take seconds and gigabytes before any shard is
+    listed). ``options`` are ``ShardSource``'s: ``members``, ``shuffle_buffer``, ``chunk_bytes``,
+    ``cache_dir``, ``cache_bytes``, ``allow_external_shards``."""
     from . import shard_learn
 
     if not isinstance(url, str) or shard_learn.is_pattern(url):
-        return _learnt(shard_learn.expanded(url), storage_options, timeout, retries, index_dir, options)
+        return _learnt(shard_learn.expanded(url, max_shards), storage_options, timeout, retries, index_dir, options)
     index_url = shard_index.index_url(url)
     try:
         data = listing.read_bytes(index_url, storage_options, timeout=timeout, retries=retries, what="shard index")

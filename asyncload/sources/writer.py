@@ -24,6 +24,7 @@ from .shard_index import INDEX_FORMAT, INDEX_NAME
 
 READ_BATCH = 64  # files fetched at once while writing
 MAX_LABEL_BYTES = 64  # a .cls member holds a class number: read no more of it
+TAR_ENDED = ("end of data", "empty header", "truncated header", "empty file")  # tarfile's words: the bytes ended
 
 
 def write_shards(
@@ -150,36 +151,93 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
 
 
 def _index_shard(file: Any, url: str) -> dict[str, Any]:
+    """One shard's index entry from one streaming pass over its tar ``file``. A member's
+    extension is lower-cased (``a.JPG`` is ``jpg``) and a sample with two members of one
+    extension is refused, as WebDataset's ``group_by_keys`` does; a tar cut short (or not a tar)
+    is a ValueError naming the shard and the byte where it ends, not a read error."""
     keys: list[str] = []
     members: list[list[list[Any]]] = []
     labels: list[int | None] = []
     seen: set[str] = set()
-    with tarfile.open(fileobj=file, mode="r|") as tar:
-        for member in tar:
-            if member.issparse():  # before isfile(): a sparse member is a file too
-                raise ValueError(f"{url}: member {shown(member.name, 80)} is a GNU sparse file: what the tar holds "
-                                 "is not its content, so no byte range reads it; repack the shard without --sparse")
-            if not member.isfile():
-                continue
-            directory, base = posixpath.split(member.name)
-            if "." not in base:
-                continue
-            stem, ext = base.split(".", 1)
-            key = posixpath.join(directory, stem)
-            if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
-                if key in seen:
-                    raise ValueError(f"{url}: the members of sample {shown(key, 80)} are not consecutive in the "
-                                     f"shard ({shown(member.name, 80)} comes after another sample's): WebDataset "
-                                     "shards keep a sample's members together; rewrite the shard so")
-                seen.add(key)
-                keys.append(key)
-                members.append([])
-                labels.append(None)
-            members[-1].append([ext, member.offset_data, member.size])
-            if ext == LABEL_MEMBER:
-                labels[-1] = _label(tar, member, url)
+    names: dict[str, str] = {}  # the current sample's members, by extension
+    counted = _Counted(file)
+    tar: tarfile.TarFile | None = None
+    member: tarfile.TarInfo | None = None
+    try:
+        with tarfile.open(fileobj=counted, mode="r|") as tar:
+            for member in tar:
+                if member.issparse():  # before isfile(): a sparse member is a file too
+                    raise ValueError(f"{url}: member {shown(member.name, 80)} is a GNU sparse file: what the tar "
+                                     "holds is not its content, so no byte range reads it; repack the shard without "
+                                     "--sparse")
+                if not member.isfile():
+                    continue
+                directory, base = posixpath.split(member.name)
+                if "." not in base:
+                    continue
+                stem, ext = base.split(".", 1)
+                ext = ext.lower()  # WebDataset's group_by_keys lower-cases the suffix (lcase=True)
+                key = posixpath.join(directory, stem)
+                if not keys or keys[-1] != key:  # a sample's members are consecutive in a shard
+                    if key in seen:
+                        raise ValueError(f"{url}: the members of sample {shown(key, 80)} are not consecutive in "
+                                         f"the shard ({shown(member.name, 80)} comes after another sample's): "
+                                         "WebDataset shards keep a sample's members together; rewrite the shard so")
+                    seen.add(key)
+                    keys.append(key)
+                    members.append([])
+                    labels.append(None)
+                    names = {}
+                if ext in names:
+                    raise ValueError(f"{url}: sample {shown(key, 80)} has two {ext!r} members, "
+                                     f"{shown(names[ext], 80)} and {shown(member.name, 80)} (extensions compared "
+                                     "lower-cased): WebDataset refuses such a shard too (duplicate file name in tar "
+                                     "file); keep one of them")
+                names[ext] = member.name
+                members[-1].append([ext, member.offset_data, member.size])
+                if ext == LABEL_MEMBER:
+                    labels[-1] = _label(tar, member, url)
+    except tarfile.TarError as error:
+        raise _cut_short(url, counted.read_bytes, member, tar, error) from error
+    if tar is not None and counted.read_bytes < tar.offset + tarfile.BLOCKSIZE:
+        # tarfile ends quietly where a header should be but the bytes end: a whole tar has one
+        # there (or its end-of-archive blocks), so what follows was cut off
+        raise _cut_short(url, counted.read_bytes, member, tar, None)
     return {"keys": keys, "members": members,
             "labels": labels if all(label is not None for label in labels) else None}
+
+
+class _Counted:
+    """A file read forward (all a streaming ``tarfile`` asks of it), counting the bytes it gave:
+    where the shard's bytes end, when a tar is cut short."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.read_bytes = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.read_bytes += len(data)
+        return data
+
+
+def _cut_short(url: str, size: int, member: tarfile.TarInfo | None, tar: tarfile.TarFile | None,
+               error: tarfile.TarError | None) -> ValueError:
+    """What a tar that ends early (or is not a tar past some byte) says: the shard, the byte
+    where its data ends and the member it ends in or after."""
+    offset = tar.offset if tar is not None else 0  # where tarfile looked for the next header
+    if error is not None and not any(words in str(error) for words in TAR_ENDED):
+        after = f", after member {shown(member.name, 80)}" if member is not None else ""
+        return ValueError(f"{url}: not a tar at byte {offset}{after} ({error})")
+    if member is not None and size < member.offset_data + member.size:
+        where = (f"inside member {shown(member.name, 80)} (its data is bytes {member.offset_data} to "
+                 f"{member.offset_data + member.size})")
+    elif member is not None:
+        where = f"after member {shown(member.name, 80)}, where a header or the end-of-archive blocks belong"
+    else:
+        where = "inside its first header"
+    return ValueError(f"{url}: the tar is cut short: its bytes end at byte {size}, {where}; a partial upload "
+                      "or copy? write the shard again")
 
 
 def _label(tar: tarfile.TarFile, member: tarfile.TarInfo, url: str) -> int:
