@@ -189,7 +189,8 @@ class BatchJobs:
         ended = time.perf_counter()
         self.filler.stats.add("decode", ended - started, cpu_seconds=time.thread_time() - cpu_started, items=len(rows))
         if self.filler.stats.tracer is not None:  # one call for the batch's rows: one span
-            self.filler.stats.tracer.span("decode", started, ended, f"{len(rows)} rows")
+            share = " (CPU share)" if cpu_share else ""
+            self.filler.stats.tracer.span("decode", started, ended, f"{len(rows)} rows{share}")
         if event is not None:
             buffer.writes.append(event)  # before the rows are done: the batch's copy waits on it
         for number, error in failures.items():
