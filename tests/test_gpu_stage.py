@@ -94,6 +94,32 @@ def test_skip_refills_failed_rows_under_the_split_and_its_budget_holds(broken):
         run_epoch(source, hybrid(), max_failures=1, **kwargs)
 
 
+def test_ranks_under_the_split_take_disjoint_parts_of_every_sample(folder):
+    source = image_folder(str(folder))
+    seen = []
+    for rank in (0, 1):
+        batches, _ = run_epoch(source, hybrid(), rank=rank, world_size=2)
+        expected, _ = run_epoch(source, ImageDecoder(SIZE, train=True, seed=5), rank=rank, world_size=2)
+        batches_equal(batches, expected)
+        seen.append([int(label) for _, labels in batches for label in labels])
+    assert len(seen[0]) == len(seen[1]) == 11  # 22 samples, dealt in two equal parts
+
+
+def test_a_mix_under_the_split_gives_each_source_s_rows_and_names(folder):
+    from asyncload import mix
+
+    items = [image_folder(str(folder))[index] for index in range(22)]
+    source = mix({"a": items[:12], "b": items[12:]}, {"a": 0.5, "b": 0.5}, seed=1)
+    kwargs = dict(batch_size=4, seed=3, num_threads=2)
+    with AsyncLoader(source, decode=hybrid(), **kwargs) as loader:
+        batches = [tuple(t.clone() for t in batch) for batch in loader]
+    with AsyncLoader(source, decode=ImageDecoder(SIZE, train=True, seed=5), **kwargs) as loader:
+        expected = [tuple(t.clone() for t in batch) for batch in loader]
+    assert len(batches) == len(expected) and all(len(batch) == 3 for batch in batches)
+    for batch, batch_cpu in zip(batches, expected):
+        assert all(torch.equal(a, b) for a, b in zip(batch, batch_cpu))
+
+
 def test_a_broken_file_raises_naming_it_under_the_split(broken):
     from asyncload import SampleError
 
