@@ -14,8 +14,9 @@ and is copied up, alone, counted in ``stats.decoded_on_cpu``: not a JPEG, a CMYK
 truncated one (no EOI marker: nvJPEG might decode it silently), one whose header is over the pixel
 budget (checked before any GPU memory is taken), one nvImageCodec refuses (a ``None`` result:
 lossless, arithmetic coding, ...) or fails on (a CUDA out-of-memory included, after a retry
-alone). One image never fails the batch; a truly corrupt one fails on the CPU path, as it would
-without the stage (``SampleError``, or skipped).
+alone). One image never fails the batch; one neither path decodes fails as it would without the
+stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header and
+end marker, may decode on the GPU (as with PIL) where the strict CPU path refuses it.
 
 Beside it the loader sends a share of each batch's rows to the CPU decode threads
 (``decode_batch(..., cpu_share=True)``): ``policy`` (``split.py``) chooses the share from the
@@ -45,7 +46,7 @@ from .resize import centre_crop_of_region, centre_crop_region, resize_aa
 from .split import SplitPolicy
 
 Key = tuple[int, ...] | None
-RegionDecode = Callable[[Sequence[bytes], Sequence["Box | None"], Any], list[torch.Tensor | None]]
+RegionDecode = Callable[[Sequence[bytes], Sequence[Box | None], Any], list[torch.Tensor | None]]
 JPEG_END = b"\xff\xd9"  # the EOI marker: a JPEG without it at its end is truncated
 GPU_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
 

@@ -25,6 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .geometry import Box
@@ -90,8 +91,8 @@ class RegionDecoder:
     decode it (the caller sends that one to the CPU path).
 
     On a CUDA device the hardware and CUDA backends decode, ordered on ``stream``; the tensors
-    share nvImageCodec's memory, which stays alive as long as they do (``hold`` keeps a batch's
-    until its kernels have run). On the CPU, its CPU backend (libjpeg-turbo) decodes into host
+    share nvImageCodec's memory, which stays alive as long as they do (``GpuImageDecoder`` keeps a
+    batch's until the kernels that read them have run). On the CPU, its CPU backend (libjpeg-turbo) decodes into host
     memory with ``cpu_threads`` threads of its own: the same calls, for tests and machines
     without CUDA."""
 
@@ -126,9 +127,8 @@ class RegionDecoder:
         return [None if image is None else torch.from_numpy(_host_array(image)).permute(2, 0, 1) for image in images]
 
 
-def _host_array(image: Any) -> Any:
-    import numpy as np
-
+def _host_array(image: Any) -> np.ndarray:
+    """A host image as HxWx3 uint8 (a grey or 4-channel result made RGB, should one come)."""
     array = np.asarray(image.cpu())
     if array.ndim == 2:
         array = array[:, :, None]
