@@ -62,14 +62,14 @@ def _cpu_extensions_only() -> None:
 @cache
 def load() -> Any:
     """The ``nvidia.nvimgcodec`` module, imported quietly (see the module's docstring); raises
-    ``ImportError`` saying what to install when it is missing."""
+    ``ImportError`` saying what to install when it is missing or does not load."""
     with _lock:
         if not torch.cuda.is_available():
             _cpu_extensions_only()
             os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
         try:
             from nvidia import nvimgcodec
-        except ImportError as error:
+        except Exception as error:  # absent, or a build that does not load here (another CUDA)
             raise ImportError("GPU decode needs nvImageCodec: pip install 'asyncload[gpu]' (nvidia-nvimgcodec-cu12), "
                               "or nvidia-nvimgcodec-cu13 for CUDA 13") from error
     return nvimgcodec
