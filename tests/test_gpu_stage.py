@@ -130,6 +130,21 @@ def test_a_broken_file_raises_naming_it_under_the_split(broken):
     assert raised.value.item == source[1][0] and raised.value.stage == "decode"
 
 
+def test_the_trace_shows_each_cut_and_each_side_s_calls(folder, tmp_path):
+    import json
+
+    path = tmp_path / "run.json"
+    with AsyncLoader(image_folder(str(folder)), batch_size=8, decode=hybrid(), trace=str(path)) as loader:
+        for _ in loader:
+            pass
+    events = json.loads(path.read_text())["traceEvents"]
+    cuts = [event["args"] for event in events if event["name"] == "gpu split"]
+    assert [cut["gpu"] + cut["cpu"] for cut in cuts] == [8, 8, 6] and cuts[0]["why"]
+    decodes = [event["args"]["sample"] for event in events if event["name"] == "decode"]
+    assert any(args.endswith("(CPU share)") for args in decodes)
+    assert any(args.endswith("rows") for args in decodes)
+
+
 def test_the_loader_tells_the_policy_the_training_step_s_time(folder):
     """Each hand-out after the first records the step (from the last hand-out to this ``next()``);
     the batches cut after it feed it to the policy. prefetch=1: batch k + 2 is cut only once batch

@@ -127,6 +127,8 @@ class BatchJobs:
         per_job = max(MIN_CPU_ROWS, -(-len(rest) // threads))
         jobs += [(rest[start:start + per_job], True) for start in range(0, len(rest), per_job)]
         stats.gpu_decode_choice = policy.describe()
+        if stats.tracer is not None:  # the cut of each batch, and why, on the timeline
+            stats.tracer.instant("gpu split", {"gpu": on_gpu, "cpu": len(rest), "why": policy.why})
         return jobs
 
     # ----- a decode thread -----
