@@ -101,14 +101,20 @@ def aa_coefficients(in_size: int, out_size: int, start: int, count: int) -> tupl
 def aa_lines(source: torch.Tensor, dim: int, first: np.ndarray, weights: np.ndarray) -> torch.Tensor:
     """The output lines of ``aa_coefficients`` along ``dim`` of a uint8 tensor (any device) whose
     line 0 is input line 0 of ``first``: uint8, rounded as PIL rounds. One line's worth of int64
-    per tap at a time, so a thin image's pass takes what its output does."""
+    per tap at a time, so a thin image's pass takes what its output does. The taps' indices and
+    weights go to the device in one copy each, from pinned memory on a GPU (a pageable copy would
+    wait for the stream's queued work, once per tap)."""
     shape = [1] * source.dim()
     shape[dim] = len(first)
+    taps = weights.shape[1]
+    indices = np.minimum(first[None, :] + np.arange(taps)[:, None], source.shape[dim] - 1)  # taps x lines
+    indices, weights_t = torch.from_numpy(indices), torch.from_numpy(np.ascontiguousarray(weights.T))
+    if source.is_cuda:
+        indices = indices.pin_memory().to(source.device, non_blocking=True)
+        weights_t = weights_t.pin_memory().to(source.device, non_blocking=True)
     total = None
-    for tap in range(weights.shape[1]):
-        index = torch.from_numpy(np.minimum(first + tap, source.shape[dim] - 1)).to(source.device)
-        weight = torch.from_numpy(weights[:, tap]).to(source.device).view(shape)
-        term = source.index_select(dim, index).to(torch.int64) * weight
+    for tap in range(taps):
+        term = source.index_select(dim, indices[tap]).to(torch.int64) * weights_t[tap].view(shape)
         total = term if total is None else total.add_(term)
     total += 1 << (PRECISION_BITS - 1)
     return (total >> PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
