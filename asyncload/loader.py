@@ -59,8 +59,8 @@ class AsyncLoader:
         decode (default None): what ``read`` returned -> one sample: an array, or a tuple or dict
             of arrays, each of one shape for every sample. None is ``ImageDecoder()`` (JPEG, PNG,
             ... -> uint8 224x224x3, torchvision's Resize + CenterCrop); ``ImageDecoder(size,
-            train=True)`` for RandomResizedCrop + flip, ``GpuImageDecoder`` to decode a batch on
-            the GPU. It runs on the decode threads: native code that releases the GIL scales with
+            train=True)`` for RandomResizedCrop + flip (with a CUDA ``device`` both run as the GPU
+            decode stage, see ``gpu_decode``). It runs on the decode threads: native code that releases the GIL scales with
             them, Python code does not (use ``processes``).
         num_threads (int or "auto", default None): decode threads; None is one per CPU this
             process may use. With several ranks on a node, set it to the cores per rank. "auto"
