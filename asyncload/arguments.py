@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from .autotune import MAX_IO, AutoTuner, Knob
+from .decode.gpu import decode_stage
 from .decode.image import ImageDecoder
 from .device import DeviceStage
 from .epoch.settings import Settings
@@ -98,9 +99,11 @@ def make_tuner(stats: LoaderStats, pipes: Pipes, most_threads: int, auto_threads
     return AutoTuner(stats, thread_knob, io_knob)
 
 
-def default_decode(source: Sequence[Any], decode: Any) -> Any:
-    """The decode the runs use: the user's or ``ImageDecoder()``; for Parquet rows with
-    ``columns``, that image decode with the columns beside it (``{"image": ..., name: ...}``)."""
+def default_decode(source: Sequence[Any], decode: Any, device: torch.device | None = None,
+                   gpu_decode: bool | str = "auto", processes: int = 0) -> Any:
+    """The decode the runs use: the user's or ``ImageDecoder()``, as the GPU decode stage where
+    ``decode_stage`` takes it (a CUDA ``device``); for Parquet rows with ``columns``, that image
+    decode with the columns beside it (``{"image": ..., name: ...}``)."""
     if decode is None and hasattr(source, "default_decode"):  # mds / litdata: image + label columns
         return source.default_decode()
     decode = decode if decode is not None else ImageDecoder()
@@ -108,7 +111,7 @@ def default_decode(source: Sequence[Any], decode: Any) -> Any:
         from .sources.parquet import ColumnsDecoder
 
         return ColumnsDecoder(decode)
-    return decode
+    return decode_stage(decode, device, gpu_decode, processes)
 
 
 def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: int, threads: int,
@@ -116,11 +119,11 @@ def make_settings(source: Sequence[Any], read: Any, decode: Any, *, batch_size: 
                   max_failures: int | float, storage_options: dict[str, Any] | None, read_timeout: float,
                   read_retries: int | None, read_retry_seconds: float, max_sample_bytes: int | None,
                   decode_timeout: float | None, normalize: Any, device: torch.device | None,
-                  collate: Any = None) -> Settings:
+                  collate: Any = None, gpu_decode: bool | str = "auto", processes: int = 0) -> Settings:
     """What the runs need from the loader's arguments. With ``num_threads="auto"`` twice the
     cores are started and a gate lets ``threads`` of them work (the tuner moves it)."""
     return Settings(
-        source=source, read=read, decode=default_decode(source, decode),
+        source=source, read=read, decode=default_decode(source, decode, device, gpu_decode, processes),
         labelled=read is not False and len(source) > 0 and is_labelled(source[0]),
         batch_size=batch_size,
         num_threads=max(2 * cores, threads) if auto_threads else threads, io_concurrency=io,

@@ -119,8 +119,8 @@ def suggestion(figures: dict[str, Any], processes: int | None) -> str:
     if name == "memory":
         return f"prefetch={2 * figures['prefetch']}: the window of batches is full while the stages idle"
     if name.startswith("decode"):
-        return ("the cores are: decode runs on every core already; a GPU decoder (GpuImageDecoder) or a "
-                "smaller decode (fewer pixels) is what is left")
+        return ("the cores are: decode runs on every core already; the GPU decode stage (device='cuda' with "
+                "asyncload[gpu]) or a smaller decode (fewer pixels) is what is left")
     if name == "mixed":
         return "none stands out: compare the stages in the trace"
     return "none: no batch was delivered"

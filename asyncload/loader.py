@@ -59,8 +59,8 @@ class AsyncLoader:
         decode (default None): what ``read`` returned -> one sample: an array, or a tuple or dict
             of arrays, each of one shape for every sample. None is ``ImageDecoder()`` (JPEG, PNG,
             ... -> uint8 224x224x3, torchvision's Resize + CenterCrop); ``ImageDecoder(size,
-            train=True)`` for RandomResizedCrop + flip, ``GpuImageDecoder`` to decode a batch on
-            the GPU. It runs on the decode threads: native code that releases the GIL scales with
+            train=True)`` for RandomResizedCrop + flip (with a CUDA ``device`` both run as the GPU
+            decode stage, see ``gpu_decode``). It runs on the decode threads: native code that releases the GIL scales with
             them, Python code does not (use ``processes``).
         num_threads (int or "auto", default None): decode threads; None is one per CPU this
             process may use. With several ranks on a node, set it to the cores per rank. "auto"
@@ -140,6 +140,14 @@ class AsyncLoader:
             ``docs/guides/variable-length.md``) when it is handed out; the loop gets what it
             returns (e.g. torchvision detection's ``list[dict]`` targets). What it raises comes as
             a ``RuntimeError`` naming the batch. Runs in this process, on the loop's thread.
+        gpu_decode ("auto", True or False, default "auto"): the GPU decode stage. With a CUDA
+            ``device`` and the default image decode (``ImageDecoder``, train or not), "auto"
+            decodes each batch's JPEGs on the GPU (nvImageCodec, only the crop's region, resized
+            and flipped there) while the decode threads take a share of the rows, measured so
+            that the batch is ready soonest and smaller when the training step slows; True puts
+            every row on the GPU; False keeps the CPU path. Needs ``asyncload[gpu]``; without it
+            or without CUDA, "auto" is the CPU path. The stage runs in this process (with
+            ``processes=N`` the children decode instead). See docs/guides/gpu-decode.md.
 
     Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
     ``sampler`` (``sampler.order(epoch)``), ``epoch`` (what ``state_dict()`` records), ``device``,
@@ -179,6 +187,7 @@ class AsyncLoader:
         trace: str | os.PathLike | None = None,
         trace_events: int = DEFAULT_EVENTS,
         collate: Callable[[Any], Any] | None = None,
+        gpu_decode: bool | str = "auto",
     ) -> None:
         check_arguments(on_error, io_concurrency, prefetch, read, max_failures,
                         dict(decode_timeout=decode_timeout, max_sample_bytes=max_sample_bytes,
@@ -196,13 +205,14 @@ class AsyncLoader:
         self._passes = Passes(self._epochs)  # the pass running, if any
         self._closed = False
         self.progress = progress
+        count = process_count(processes, isolate)
         self._settings = make_settings(
             source, read, decode, batch_size=batch_size, threads=threads, cores=cores,
             auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
             max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
             read_retries=read_retries, read_retry_seconds=read_retry_seconds, max_sample_bytes=max_sample_bytes,
-            decode_timeout=decode_timeout, normalize=normalize, device=self.device, collate=collate)
-        count = process_count(processes, isolate)
+            decode_timeout=decode_timeout, normalize=normalize, device=self.device, collate=collate,
+            gpu_decode=gpu_decode, processes=count)
         limit = threads if auto_threads else None
         self._backend = build_backend(self._settings, count, self.device, threads=threads, thread_limit=limit,
                                       tracer=Tracer(trace, trace_events) if trace is not None else None)

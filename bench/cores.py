@@ -70,7 +70,10 @@ def main() -> None:
           f"batches of {args.batch_size}", flush=True)
 
     def asyncload(processes: int | None) -> AsyncLoader:
-        return AsyncLoader(items, batch_size=args.batch_size, seed=0, decode=decode, processes=processes, **device)
+        # hand-set counts are the CPU pipelines (processes=0 too: no GPU decode stage); the default is the default
+        stage = {} if processes is None else {"gpu_decode": False}
+        return AsyncLoader(items, batch_size=args.batch_size, seed=0, decode=decode, processes=processes, **device,
+                           **stage)
 
     pinned: dict[str, Callable[[], Any]] = {"processes=0": lambda: asyncload(0)}
     pinned.update({f"processes={n}": (lambda n=n: asyncload(n)) for n in map(int, args.counts.split(",")) if n})

@@ -81,3 +81,26 @@ def test_a_piped_bench_prints_each_epoch_and_run_and_keeps_finished_runs_when_st
     table = written.with_suffix(".md").read_text()
     assert "**Partial**: 1 of 3 runs done" in table and f"**{label}**" in table
     assert not list(out.glob("*.tmp"))
+
+
+def test_the_gpu_decode_bench_runs_its_quick_mode_on_the_cpu(tmp_path):
+    """``python -m bench.gpu_decode --quick``: every contender and the model step, through
+    nvImageCodec's CPU backend where there is no GPU; its JSON names each contender's rate and the
+    default's split. A check of the code a lent GPU box runs, not a measurement."""
+    import pytest
+
+    pytest.importorskip("asyncload.decode.nvimgcodec")
+    from asyncload.decode.nvimgcodec import available
+
+    if not available():
+        pytest.skip("nvImageCodec does not import")
+    out = tmp_path / "gpu-decode.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_decode", "--quick", "--samples", "32", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    for run in ("no_model", "model"):
+        assert set(results[run]["img_s"]) == {"default", "CPU only", "GPU only", "DataLoader(2)"}
+        assert results[run]["img_s"]["DataLoader(2)"]["vs_dataloader"] == 1.0
+        assert results[run]["default_split"].startswith("GPU decode (auto): GPU ")
+    assert "the default's split: GPU decode (auto)" in done.stdout

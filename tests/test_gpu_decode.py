@@ -1,5 +1,9 @@
-"""GpuImageDecoder: the batching, boxes and CPU fallback run here on the CPU (torchvision's batched
-decode where it imports, else simplejpeg's, in the same place); nvJPEG itself needs CUDA."""
+"""GpuImageDecoder, the GPU decode stage: batched region decode through nvImageCodec, run here by
+its CPU backend (the same calls as on a GPU, into host memory): the regions, the boxes, the
+fallbacks to the CPU path, the pixel budget. Tests that need CUDA are marked ``cuda``."""
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -7,146 +11,246 @@ import simplejpeg
 import torch
 
 from asyncload.decode.image import ImageDecoder
-from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu, torchvision_decode_jpegs
-from tests.photos import encoded, mean_abs_diff, reference_crop
+from tests.photos import VARIANTS, encoded, mean_abs_diff, photos, reference_crop
 
-MIXED = [  # what a folder of user files holds: nvJPEG takes the first four
+nvimgcodec = pytest.importorskip("asyncload.decode.nvimgcodec")
+if not nvimgcodec.available():
+    pytest.skip("nvImageCodec does not import", allow_module_level=True)
+
+from asyncload.decode.budget import ImageTooLarge  # noqa: E402
+from asyncload.decode.gpu import GpuImageDecoder, chunks, decode_stage  # noqa: E402
+from asyncload.decode.nvimgcodec import RegionDecoder  # noqa: E402
+from tests.hostile import jpeg_claiming, thin_jpeg  # noqa: E402
+
+
+def cuda(test):
+    """Marked ``cuda`` and skipped without a CUDA device."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+MIXED = [  # what a folder of user files holds: the GPU takes the first four and the last
     ("china", "jpeg_q90_420"), ("flower", "jpeg_progressive"), ("grace_hopper", "jpeg_greyscale"),
     ("china", "jpeg_444"), ("flower", "jpeg_cmyk"), ("grace_hopper", "png_palette"), ("china", "webp"),
     ("flower", "bmp"), ("grace_hopper", "jpeg_q90_420"),
 ]
+ON_CPU = [4, 5, 6, 7]
 
 
-def _torchvision_works() -> bool:
-    try:  # a torchvision built for another torch raises RuntimeError on import
-        import torchvision.io  # noqa: F401
-    except Exception:
-        return False
-    return True
+def on_cpu(size=224, **kwargs) -> GpuImageDecoder:
+    return GpuImageDecoder(size, device="cpu", **kwargs)
 
 
-BATCH_DECODERS = [
-    pytest.param(jpeg_decode_on_cpu, id="simplejpeg"),
-    pytest.param(torchvision_decode_jpegs, id="torchvision",
-                 marks=pytest.mark.skipif(not _torchvision_works(), reason="torchvision does not import")),
-]
-cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _torchvision_works()), reason="needs CUDA and torchvision")
+def within_a_level(image: torch.Tensor, expected: np.ndarray) -> None:
+    """Eval's pixels: the crop's lines in PIL's arithmetic against torch's kernel on the whole
+    image, a level apart at most (a few pixels in ten thousand)."""
+    difference = np.abs(image.numpy().astype(int) - expected)
+    assert difference.max() <= 1 and difference.mean() < 0.01
 
 
-def test_split_sends_what_nvjpeg_cannot_decode_to_the_cpu():
+def test_split_sends_what_the_gpu_cannot_decode_to_the_cpu():
     datas = [encoded(photo, variant) for photo, variant in MIXED] + [b"", b"\xff\xd8\xff junk"]
-    gpu_rows, cpu_rows, pixels = GpuImageDecoder.split_sized(datas, None)
+    gpu_rows, cpu_rows, sizes = GpuImageDecoder.split_sized(datas, None)
     assert gpu_rows == [0, 1, 2, 3, 8]
     assert cpu_rows == [4, 5, 6, 7, 9, 10]
-    assert set(pixels) <= set(range(len(datas))) and set(gpu_rows) <= set(pixels)
+    assert sizes[0] == (427, 640) and sizes[2] == (600, 512) and set(gpu_rows) <= set(sizes)
+
+
+def test_the_region_decoded_is_the_crop_box_or_the_centre_crop_s_lines():
+    """Only what the transform reads is decoded: the random box (the CPU path's, from the same
+    key), and in eval the lines of the long axis the centre crop's taps reach."""
+    train, evaluate = on_cpu(train=True, seed=7), on_cpu()
+    cpu = ImageDecoder(224, train=True, seed=7)
+    plan, region = train.region(427, 640, (3, 5))
+    assert region == plan.box == cpu.plan(427, 640, cpu.rng((3, 5))).box
+    # wide: the centre 427 columns (106.5 to 533.5) and the taps' reach; tall: rows, likewise
+    assert evaluate.region(427, 640, None)[1] == (0, 106, 427, 430)
+    assert evaluate.region(600, 512, None)[1] == (42, 0, 516, 512)
+    assert evaluate.region(300, 300, None)[1] == (0, 0, 300, 300)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_batch_equals_image_decoder_row_by_row(train):
+    datas = [encoded(photo, variant) for photo, variant in MIXED]
+    keys = [(3, index) for index in range(len(datas))]
+    out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8)
+    result = on_cpu(train=train, seed=7).decode_batch(datas, keys, out)
+    assert result.failures == {} and result.event is None and result.on_cpu == ON_CPU
+    cpu = ImageDecoder(224, train=train, seed=7)
+    for row, (data, key) in enumerate(zip(datas, keys)):
+        difference = np.abs(out[row].numpy().astype(int) - cpu(data, key=key))
+        if train:  # the box decoded alone by libjpeg-turbo, the same uint8 kernel: the same pixels
+            assert difference.max() == 0, MIXED[row]
+        else:  # the crop's lines in PIL's arithmetic against torch's kernel on the whole image
+            assert difference.max() <= 1 and difference.mean() < 0.01, MIXED[row]
+
+
+def test_pixels_against_the_cpu_path_on_every_photo_and_variant(capsys):
+    """The stage's output against ``ImageDecoder``'s for the same crops, on the real photos in
+    every encoding: mean and worst level difference, reported (the issue's aim: <= 1.5 mean)."""
+    datas = [encoded(photo, variant) for photo in photos() for variant in VARIANTS]
+    lines = []
+    for train in (False, True):
+        keys = [(1, index) for index in range(len(datas))]
+        out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8)
+        on_cpu(train=train).decode_batch(datas, keys, out)
+        cpu = ImageDecoder(224, train=train)
+        means = [mean_abs_diff(out[row].numpy(), cpu(data, key=key)) for row, (data, key) in enumerate(zip(datas, keys))]
+        worst = max(int(np.abs(out[row].numpy().astype(int) - cpu(data, key=key)).max())
+                    for row, (data, key) in enumerate(zip(datas, keys)))
+        lines.append(f"{'train' if train else 'eval'}: mean {np.mean(means):.4f}, worst image mean {max(means):.4f}, "
+                     f"worst pixel {worst} levels over {len(datas)} images")
+        assert np.mean(means) <= 1.5 and max(means) <= 1.5
+    with capsys.disabled():
+        print("\nGPU stage (CPU backend) vs ImageDecoder: " + "; ".join(lines))
 
 
 def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
-    """nvJPEG may decode a truncated file's first rows without an error, as libjpeg does unless
-    strict: a JPEG that does not end with its EOI marker is the CPU path's, and fails there."""
     whole = encoded("china", "jpeg_q90_420")
     truncated = whole[: len(whole) * 2 // 3]
     padded = whole + b"\0" * 8  # zeros after EOI, as some writers leave: still whole
     gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized([whole, truncated, padded], None)
     assert gpu_rows == [0, 2] and cpu_rows == [1]
-    decoder = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, on_cpu = decoder.decode_batch([whole, truncated], [None, None], out)
-    assert on_cpu == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
+    failures, _, fell_back = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
+    assert fell_back == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
 
 
 def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
     """A sample of columns (MDS, litdata) given to the batched decoder fails its own row, with
     ImageDecoder's message, not the batch with a TypeError from slicing a dict."""
     whole = encoded("china", "jpeg_q90_420")
-    decoder = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, on_cpu = decoder.decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
-    assert on_cpu == [1] and list(failures) == [1]
+    failures, _, on_cpu_rows = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
+    assert on_cpu_rows == [1] and list(failures) == [1]
     assert str(failures[1]) == ("ImageDecoder got a dict ('image', 'label'), not an image's bytes: pass "
                                 'decode=Members("image", "label", image=ImageDecoder(...))')
 
 
-@pytest.mark.parametrize("train", [False, True])
-@pytest.mark.parametrize("decode_jpegs", BATCH_DECODERS)
-def test_batch_equals_image_decoder_row_by_row(decode_jpegs, train):
-    datas = [encoded(photo, variant) for photo, variant in MIXED]
-    keys = [(3, index) for index in range(len(datas))]
-    out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8)
-    result = GpuImageDecoder(224, train=train, seed=7, device="cpu", decode_jpegs=decode_jpegs).decode_batch(datas, keys, out)
-    assert result.failures == {} and result.event is None and result.on_cpu == [4, 5, 6, 7]
-    cpu = ImageDecoder(224, train=train, seed=7)
-    for row, (data, key) in enumerate(zip(datas, keys)):
-        # same boxes, same flips, same uint8 kernel: the same pixels
-        np.testing.assert_array_equal(out[row].numpy(), cpu(data, key=key))
+class Refusing:
+    """nvImageCodec, refusing (None) the images of ``refused`` byte lengths, or raising for the
+    whole call when one of ``raising`` is in it (a CUDA out-of-memory)."""
+
+    def __init__(self, refused=(), raising=()) -> None:
+        self.real = RegionDecoder(torch.device("cpu"))
+        self.refused, self.raising, self.calls = set(refused), set(raising), []
+
+    def __call__(self, datas, regions, stream=None):
+        self.calls.append(len(datas))
+        if any(len(data) in self.raising for data in datas):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 11.45 GiB")
+        images = self.real(datas, regions, stream)
+        return [None if len(data) in self.refused else image for data, image in zip(datas, images)]
 
 
-@pytest.mark.parametrize("decode_jpegs", BATCH_DECODERS)
-def test_a_file_the_batch_decode_rejects_goes_to_the_cpu_and_is_reported_alone(decode_jpegs):
+def test_a_jpeg_the_gpu_refuses_goes_alone_to_the_cpu_path():
+    good, refused = encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_q90_420")
+    datas = [good, refused, good]
+    out = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
+    result = on_cpu(64, decode_regions=Refusing(refused=[len(refused)])).decode_batch(datas, [None] * 3, out)
+    assert result.failures == {} and result.on_cpu == [1]
+    for row in range(3):
+        within_a_level(out[row], ImageDecoder(64)(datas[row]))
+
+
+def test_a_file_corrupt_inside_its_scans_never_fails_the_batch():
+    """Zeroed scans behind a valid header, ending with EOI: the GPU decoder (libjpeg-turbo here,
+    not strict, as PIL) decodes it with a warning where the CPU path's strict decode would refuse
+    it; either way the other rows are whole and nothing else fails."""
     good = encoded("china", "jpeg_q90_420")
-    truncated = good[: len(good) // 2]
-    datas = [good, truncated, encoded("flower", "png_rgba"), good]
+    corrupt = good[:2000] + bytes(len(good) - 2000)[:-2] + b"\xff\xd9"
+    datas = [good, corrupt, encoded("flower", "png_rgba"), good]
     out = torch.full((4, 64, 64, 3), 7, dtype=torch.uint8)
-    result = GpuImageDecoder(64, device="cpu", decode_jpegs=decode_jpegs).decode_batch(datas, [None] * 4, out)
-    assert list(result.failures) == [1] and isinstance(result.failures[1], ValueError)
-    assert result.on_cpu == [1, 2]  # the batch call failed; the good JPEGs were retried alone
-    assert (out[1] == 7).all()  # a failed row is left as it was, for the loader to refill
-    reference = ImageDecoder(64)
+    result = on_cpu(64).decode_batch(datas, [None] * 4, out)
+    assert 2 in result.on_cpu and set(result.failures) <= {1}
+    if result.failures:  # refused on the GPU, then by the strict CPU path: the row is left as it was
+        assert (out[1] == 7).all()
     for row in (0, 2, 3):
-        np.testing.assert_array_equal(out[row].numpy(), reference(datas[row]))
+        within_a_level(out[row], ImageDecoder(64)(datas[row]))
 
 
-@cuda
-@pytest.mark.parametrize("train", [False, True])
-def test_nvjpeg_matches_the_cpu_path_within_a_level(train):
-    datas = [encoded(photo, variant) for photo, variant in MIXED]
-    keys = [(0, index) for index in range(len(datas))]
-    out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8, device="cuda")
-    result = GpuImageDecoder(224, train=train).decode_batch(datas, keys, out)
-    torch.cuda.current_stream().wait_event(result.event)
-    assert result.failures == {}
-    cpu = ImageDecoder(224, train=train)
-    for row, (data, key) in enumerate(zip(datas, keys)):
-        difference = np.abs(out[row].cpu().numpy().astype(int) - cpu(data, key=key))
-        # nvJPEG's IDCT and upsampling, and a float resize, against libjpeg-turbo and uint8
-        assert difference.mean() < 1.5, MIXED[row]
+def _large_baseline_jpeg() -> bytes:
+    y, x = np.mgrid[0:2000, 0:2000]
+    image = np.stack([x * 255 // 2000, y * 255 // 2000, (x + y) * 127 // 2000], -1).astype(np.uint8)
+    return simplejpeg.encode_jpeg(image, quality=90)
 
 
-@cuda
-def test_decode_on_a_side_stream_is_ordered_by_its_event():
-    datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_cmyk")] * 32
-    out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
-    expected = ImageDecoder(224)(datas[0]).astype(np.float64).mean()
-    for _ in range(3):
-        out.zero_()
-        side.wait_stream(torch.cuda.current_stream())  # the zeroing happens first
-        result = GpuImageDecoder(224).decode_batch(datas, [None] * len(datas), out, stream=side)
-        torch.cuda.current_stream().wait_event(result.event)  # the consumer waits, not the host
-        means = out.float().mean(dim=(1, 2, 3)).cpu().numpy()
-        assert abs(means[0] - expected) < 1 and (means > 0).all()
+def test_an_out_of_memory_on_the_gpu_sends_that_image_alone_to_the_cpu():
+    """A CUDA out-of-memory fails the whole batched call: the images are retried alone, and the
+    one that fails again is decoded on the CPU; one that fails in the resize goes there too."""
+    large = _large_baseline_jpeg()
+    datas = [encoded("china", "jpeg_q90_420"), large, encoded("flower", "jpeg_progressive")]
+    out = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
+    decoder = on_cpu(64, decode_regions=Refusing(raising=[len(large)]))
+    result = decoder.decode_batch(datas, [None] * 3, out)
+    assert result.failures == {} and result.on_cpu == [1] and decoder.decode_regions.calls == [3, 1, 1, 1]
+    cpu = ImageDecoder(64)
+    for row in range(3):
+        within_a_level(out[row], cpu(datas[row]))
+
+    transform, calls = decoder.transform, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (resize)")
+        return transform(*args)
+
+    decoder.transform = fails_once
+    out.zero_()
+    result = decoder.decode_batch(datas[::2], [None] * 2, out)
+    assert result.failures == {} and result.on_cpu == [0]
+    within_a_level(out[0], cpu(datas[0]))
 
 
-def test_rows_send_a_refill_to_chosen_rows_only():
-    datas = [encoded("flower", "jpeg_q90_420"), encoded("china", "png_rgba")]
+def test_a_jpeg_over_the_limit_goes_to_the_cpu_before_the_gpu_sees_it():
+    good = encoded("china", "jpeg_q90_420")
+    bomb = jpeg_claiming(65500, 65500)  # progressive: refused at any scale
+    large = _large_baseline_jpeg()  # 4 M pixels: over 1 M at full size, 250 k at 1/4
+    datas = [good, bomb, large, good]
+    assert GpuImageDecoder.split_sized(datas, max_pixels=1_000_000)[:2] == ([0, 3], [1, 2])
+    out = torch.full((4, 64, 64, 3), 7, dtype=torch.uint8)
+    regions = Refusing()
+    result = on_cpu(64, max_pixels=1_000_000, decode_regions=regions).decode_batch(datas, [None] * 4, out)
+    assert regions.calls == [2]  # the GPU saw only the two within the budget
+    assert list(result.failures) == [1] and isinstance(result.failures[1], ImageTooLarge)
+    assert "65500x65500" in str(result.failures[1]) and result.on_cpu == [1, 2]
+    assert (out[1] == 7).all()
+    cpu = ImageDecoder(64, max_pixels=1_000_000)
+    for row in (0, 2, 3):
+        within_a_level(out[row], cpu(datas[row]))
+
+
+def test_one_gpu_call_decodes_at_most_max_pixels():
+    datas = [encoded("china", "jpeg_q90_420")] * 5  # 427x640 = 273 k pixels each
+    out = torch.zeros((5, 32, 32, 3), dtype=torch.uint8)
+    regions = Refusing()
+    on_cpu(32, max_pixels=600_000, decode_regions=regions).decode_batch(datas, [None] * 5, out)
+    assert regions.calls == [2, 2, 1]
+    assert chunks([0, 1, 2, 3], {0: 5, 1: 5, 2: 20, 3: 1}, 10) == [[0, 1], [2], [3]]
+    assert chunks([0, 1], {0: 5, 1: 5}, None) == [[0, 1]] and chunks([], {}, 10) == []
+
+
+def test_the_cpu_share_decodes_every_row_on_the_cpu_path_and_is_not_a_fallback():
+    datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "png_rgba")]
     out = torch.zeros((5, 64, 64, 3), dtype=torch.uint8)
-    result = GpuImageDecoder(64, train=True, device="cpu", decode_jpegs=jpeg_decode_on_cpu).decode_batch(
-        datas, [(0, 10), (0, 11)], out, rows=[3, 1])
-    assert result.failures == {} and result.on_cpu == [1]  # numbered as datas
+    regions = Refusing()
+    decoder = on_cpu(64, train=True, decode_regions=regions)
+    result = decoder.decode_batch(datas, [(0, 10), (0, 11)], out, rows=[3, 1], cpu_share=True)
+    assert result.failures == {} and result.on_cpu == [] and regions.calls == []
     cpu = ImageDecoder(64, train=True)
     np.testing.assert_array_equal(out[3].numpy(), cpu(datas[0], key=(0, 10)))
     np.testing.assert_array_equal(out[1].numpy(), cpu(datas[1], key=(0, 11)))
     assert not out[[0, 2, 4]].any()
+    assert decoder.policy.cpu.value is not None and decoder.policy.gpu.value is None  # its rate was measured
 
 
 def test_past_an_8x_shrink_the_boxes_are_the_cpu_path_s_and_the_pixels_within_a_level():
-    # the CPU path decodes at 1/2 scale here and snaps its box to even pixels; the batch decode
-    # is full size but crops the same snapped box
+    # the CPU path decodes at 1/2 scale here and snaps its box to even pixels; the GPU decodes
+    # that snapped box at full size
     data = encoded("china", "jpeg_q90_420")
     keys = [(2, index) for index in range(8)]
     out = torch.zeros((8, 24, 24, 3), dtype=torch.uint8)
-    decoder = GpuImageDecoder(24, train=True, scale=(0.5, 1.0), device="cpu", decode_jpegs=jpeg_decode_on_cpu)
-    decoder.decode_batch([data] * 8, keys, out)
+    on_cpu(24, train=True, scale=(0.5, 1.0)).decode_batch([data] * 8, keys, out)
     cpu = ImageDecoder(24, train=True, scale=(0.5, 1.0))
     reductions = set()
     for row, key in enumerate(keys):
@@ -158,89 +262,77 @@ def test_past_an_8x_shrink_the_boxes_are_the_cpu_path_s_and_the_pixels_within_a_
     assert 2 in reductions
 
 
-# The decode budget (issue 32): nvJPEG decodes at full size, so the limit is checked before it.
-from asyncload.decode.budget import ImageTooLarge  # noqa: E402
-from asyncload.decode.gpu import chunks  # noqa: E402
-from tests.hostile import jpeg_claiming, thin_jpeg  # noqa: E402
-
-
-def _large_baseline_jpeg() -> bytes:
-    y, x = np.mgrid[0:2000, 0:2000]
-    image = np.stack([x * 255 // 2000, y * 255 // 2000, (x + y) * 127 // 2000], -1).astype(np.uint8)
-    return simplejpeg.encode_jpeg(image, quality=90)
-
-
-def test_a_jpeg_over_the_limit_goes_to_the_cpu_which_reduces_it_or_fails_it_alone():
-    good = encoded("china", "jpeg_q90_420")
-    bomb = jpeg_claiming(65500, 65500)  # progressive: refused at any scale
-    large = _large_baseline_jpeg()  # 4 M pixels: over 1 M at full size, 250 k at 1/4
-    datas = [good, bomb, large, good]
-    assert GpuImageDecoder.split_sized(datas, max_pixels=1_000_000)[:2] == ([0, 3], [1, 2])
-    assert GpuImageDecoder.split_sized(datas, None)[:2] == ([0, 1, 2, 3], [])  # no limit: a valid header goes to nvJPEG
-    out = torch.full((4, 64, 64, 3), 7, dtype=torch.uint8)
-    decoder = GpuImageDecoder(64, device="cpu", decode_jpegs=jpeg_decode_on_cpu, max_pixels=1_000_000)
-    result = decoder.decode_batch(datas, [None] * 4, out)
-    assert list(result.failures) == [1] and isinstance(result.failures[1], ImageTooLarge)
-    assert "65500x65500" in str(result.failures[1]) and result.on_cpu == [1, 2]
-    assert (out[1] == 7).all()
-    cpu = ImageDecoder(64, max_pixels=1_000_000)
-    for row in (0, 2, 3):
-        np.testing.assert_array_equal(out[row].numpy(), cpu(datas[row]))
-
-
-def test_one_nvjpeg_call_decodes_at_most_max_pixels():
-    calls = []
-
-    def recording(datas, device):
-        calls.append(len(datas))
-        return jpeg_decode_on_cpu(datas, device)
-
-    datas = [encoded("china", "jpeg_q90_420")] * 5  # 427x640 = 273 k pixels each
-    out = torch.zeros((5, 32, 32, 3), dtype=torch.uint8)
-    GpuImageDecoder(32, device="cpu", decode_jpegs=recording, max_pixels=600_000).decode_batch(datas, [None] * 5, out)
-    assert calls == [2, 2, 1]
-    assert chunks([0, 1, 2, 3], {0: 5, 1: 5, 2: 20, 3: 1}, 10) == [[0, 1], [2], [3]]
-    assert chunks([0, 1], {0: 5, 1: 5}, None) == [[0, 1]] and chunks([], {}, 10) == []
-
-
-def test_an_out_of_memory_on_the_gpu_sends_that_image_alone_to_the_cpu():
-    """A CUDA out-of-memory fails the whole batched call: the images are retried alone, and the
-    one that fails again is decoded on the CPU; one that fails in the resize goes there too."""
-    large = _large_baseline_jpeg()
-
-    def out_of_memory_on_large(datas, device):
-        if any(data.numel() == len(large) for data in datas):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 11.45 GiB")
-        return jpeg_decode_on_cpu(datas, device)
-
-    datas = [encoded("china", "jpeg_q90_420"), large, encoded("flower", "jpeg_progressive")]
-    out = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
-    decoder = GpuImageDecoder(64, device="cpu", decode_jpegs=out_of_memory_on_large)
-    result = decoder.decode_batch(datas, [None] * 3, out)
-    assert result.failures == {} and result.on_cpu == [1]
-    cpu = ImageDecoder(64)
-    for row in range(3):
-        np.testing.assert_array_equal(out[row].numpy(), cpu(datas[row]))
-
-    transform, calls = decoder.transform, []
-
-    def fails_once(image, plan):
-        calls.append(1)
-        if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory (resize)")
-        return transform(image, plan)
-
-    decoder.transform = fails_once
-    out.zero_()
-    result = decoder.decode_batch(datas[::2], [None] * 2, out)
-    assert result.failures == {} and result.on_cpu == [0]
-    np.testing.assert_array_equal(out[0].numpy(), cpu(datas[0]))
-
-
-@pytest.mark.parametrize("shape", [(3, 4000), (4000, 3)])
-def test_a_thin_image_s_eval_resizes_only_the_crop_on_the_device_too(shape):
+@pytest.mark.parametrize("shape", [(3, 4000), (4000, 3), (30, 2000)])
+def test_a_thin_image_s_eval_decodes_and_resizes_only_the_crop_s_lines(shape):
     data = thin_jpeg(*shape)
     out = torch.zeros((1, 224, 224, 3), dtype=torch.uint8)
-    result = GpuImageDecoder(224, device="cpu", decode_jpegs=jpeg_decode_on_cpu).decode_batch([data], [None], out)
+    decoder = on_cpu()
+    result = decoder.decode_batch([data], [None], out)
     assert result.failures == {} and result.on_cpu == []
-    np.testing.assert_array_equal(out[0].numpy(), ImageDecoder(224)(data))
+    region = decoder.region(*shape, None)[1]
+    assert region[2] * region[3] < shape[0] * shape[1]
+    assert np.abs(out[0].numpy().astype(int) - ImageDecoder(224)(data)).max() <= 1
+
+
+def test_the_stage_is_chosen_only_with_cuda_and_the_default_image_decode():
+    cpu_decode, device = ImageDecoder(224, train=True, seed=3), torch.device("cuda", 0)
+    assert decode_stage(cpu_decode, None, "auto", 0) is cpu_decode  # no CUDA: unchanged, no cost
+    assert decode_stage(cpu_decode, device, False, 0) is cpu_decode
+    assert decode_stage(cpu_decode, device, "auto", 2) is cpu_decode  # children decode instead
+    fast = ImageDecoder(antialias=False)
+    assert decode_stage(fast, device, "auto", 0) is fast  # another transform: not the stage's
+    user = object()
+    assert decode_stage(user, device, "auto", 0) is user
+    stage = decode_stage(cpu_decode, device, "auto", 0)
+    assert isinstance(stage, GpuImageDecoder) and stage.policy.mode == "auto" and stage.device == device
+    assert (stage.size, stage.cpu.train, stage.cpu.seed) == (224, True, 3)
+    assert decode_stage(cpu_decode, device, True, 0).policy.mode == "gpu"
+    with pytest.raises(ValueError, match="gpu_decode=True needs device='cuda'"):
+        decode_stage(cpu_decode, None, True, 0)
+    with pytest.raises(ValueError, match="cannot be used with processes=N"):
+        decode_stage(cpu_decode, device, True, 2)
+    with pytest.raises(ValueError, match="needs the default image decode"):
+        decode_stage(user, device, True, 0)
+    with pytest.raises(ValueError, match="gpu_decode must be 'auto', True or False"):
+        decode_stage(cpu_decode, device, "yes", 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA its GPU extensions load (or say why they do not)")
+def test_nvimgcodec_imports_quietly_without_cuda():
+    """Without CUDA its import and a decoder print a paragraph per GPU library they cannot load;
+    ``load()`` keeps standard error clean."""
+    code = ("import torch; from asyncload.decode.nvimgcodec import RegionDecoder; "
+            "RegionDecoder(torch.device('cpu')); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok" and done.stderr == ""
+
+
+@cuda
+@pytest.mark.parametrize("train", [False, True])
+def test_on_cuda_the_gpu_matches_the_cpu_path_within_a_level(train):
+    datas = [encoded(photo, variant) for photo, variant in MIXED]
+    keys = [(0, index) for index in range(len(datas))]
+    out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8, device="cuda")
+    result = GpuImageDecoder(224, train=train).decode_batch(datas, keys, out)
+    torch.cuda.current_stream().wait_event(result.event)
+    assert result.failures == {} and result.on_cpu == ON_CPU
+    cpu = ImageDecoder(224, train=train)
+    for row, (data, key) in enumerate(zip(datas, keys)):
+        # nvJPEG's IDCT and upsampling, and a float resize, against libjpeg-turbo and uint8
+        assert mean_abs_diff(out[row].cpu().numpy(), cpu(data, key=key)) < 1.5, MIXED[row]
+
+
+@cuda
+def test_on_cuda_a_decode_on_a_side_stream_is_ordered_by_its_event():
+    datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_cmyk")] * 32
+    out = torch.zeros((len(datas), 224, 224, 3), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    expected = ImageDecoder(224)(datas[0]).astype(np.float64).mean()
+    decoder = GpuImageDecoder(224)
+    for _ in range(3):
+        out.zero_()
+        side.wait_stream(torch.cuda.current_stream())  # the zeroing happens first
+        result = decoder.decode_batch(datas, [None] * len(datas), out, stream=side)
+        torch.cuda.current_stream().wait_event(result.event)  # the consumer waits, not the host
+        means = out.float().mean(dim=(1, 2, 3)).cpu().numpy()
+        assert abs(means[0] - expected) < 1 and (means > 0).all()

@@ -1,28 +1,39 @@
-"""A batch of JPEGs decoded on the GPU (nvJPEG, through torchvision) and cropped/resized there.
+"""The GPU decode stage: a batch's JPEGs decoded on the GPU, only the crop's region, and resized
+and flipped there, beside the CPU decode threads.
 
-Past what the CPU cores can decode (measured by the team: nvJPEG + antialiased resize 9,113 img/s
-at batch 256 on an H100, 1.5x sixteen cores), the decode moves to the GPU and the CPU stays free
-for the rest of the training step. The crop boxes and flips are ``ImageDecoder``'s, from the same
-``(seed, key)``, so switching between the two paths keeps the augmentation stream. What nvJPEG
-does not decode (CMYK/YCCK JPEGs, any other format, a JPEG it rejects) goes through the CPU path
-into a pinned staging row and is copied up, so a batch never fails for its format. So does a JPEG
-whose full size is over the decode limit (``budget.py``: nvJPEG cannot decode it reduced), and one
-the GPU fails on (a CUDA out-of-memory included), alone: one image never fails the batch.
+Past what the CPU cores can decode (a 16-core H200 node stops at 4,500-6,300 img/s, libjpeg-turbo
+being most of the CPU per image), the decode moves to the GPU: nvImageCodec (``nvimgcodec.py``)
+decodes each batch's JPEGs in one call, only the region the transform reads (the random crop's box
+with ``train=True``, the centre crop's lines in eval), and the antialiased resize (torchvision's
+filter) and the flip run in torch on the same device, into the batch the user gets: no pixel goes
+through host memory. The boxes and flips are ``ImageDecoder``'s, from the same ``(seed, key)``, so
+both paths give the same augmentation stream and a row may be decoded by either.
 
-Streams: torchvision decodes on a stream of its own and makes the *current* stream wait for it, so
-everything here (decode, resize, copies) runs inside ``torch.cuda.stream(stream)``; the returned
-event marks its end, for the consumer's stream to wait on (never the host). Its outputs are
-allocated on the current stream but written on its own, so a batch first waits (on the host, on the
-thread that calls it) for the previous batch's kernels, whose freed memory nvJPEG could reuse. The caller must not hand ``out`` to us while another stream
-may still read it: make ``stream`` wait on the event that released it first.
+What the GPU does not take goes through the CPU path (``ImageDecoder``) into a pinned staging row
+and is copied up, alone, counted in ``stats.decoded_on_cpu``: not a JPEG, a CMYK/YCCK JPEG, a
+truncated one (no EOI marker: nvJPEG might decode it silently), one whose header is over the pixel
+budget (checked before any GPU memory is taken), one nvImageCodec refuses (a ``None`` result:
+lossless, arithmetic coding, ...) or fails on (a CUDA out-of-memory included, after a retry
+alone). One image never fails the batch; one neither path decodes fails as it would without the
+stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header and
+end marker, may decode on the GPU (as with PIL) where the strict CPU path refuses it.
+
+Beside it the loader sends a share of each batch's rows to the CPU decode threads
+(``decode_batch(..., cpu_share=True)``): ``policy`` (``split.py``) chooses the share from the
+measured rates and the training step's time.
+
+Streams: everything here runs inside ``torch.cuda.stream(stream)``; the decode is ordered on it
+too. The returned event marks its end, for the device stage to wait on (never the host).
+nvImageCodec's output memory is freed when its images are; a batch's images are kept until the
+next batch, which first waits (on its decode thread) for the kernels that read them.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
+import time
 from contextlib import nullcontext
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import simplejpeg
@@ -30,26 +41,21 @@ import torch
 
 from ..batch.layout import Field
 from .budget import DEFAULT_MAX_PIXELS
+from .geometry import Box
 from .image import JPEG_MAGIC, ImageDecoder, Plan
-from .resize import WHOLE_RESIZE_LIMIT, centre_crop_lines, centre_crop_offsets, resize_aa, resized_shape
+from .resize import centre_crop_of_region, centre_crop_region, resize_aa
+from .split import SplitPolicy
 
 Key = tuple[int, ...] | None
-JpegBatchDecode = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+RegionDecode = Callable[[Sequence[bytes], Sequence[Box | None], Any], list[torch.Tensor | None]]
 JPEG_END = b"\xff\xd9"  # the EOI marker: a JPEG without it at its end is truncated
-NVJPEG_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
-
-
-def torchvision_decode_jpegs(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """torchvision's batched ``decode_jpeg`` (nvJPEG on a CUDA device): 3xHxW uint8 RGB each."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    return decode_jpeg(datas, mode=ImageReadMode.RGB, device=device)
+GPU_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
 
 
 class BatchResult(NamedTuple):
     """``failures``: row -> the exception that row's bytes raised (its row in ``out`` is left as
     it was); ``event``: recorded on the stream after the last write (None off CUDA); ``on_cpu``:
-    the rows decoded by the CPU path (for the loader's stats: many means the GPU path is idle)."""
+    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share)."""
 
     failures: dict[int, Exception]
     event: torch.cuda.Event | None
@@ -58,38 +64,38 @@ class BatchResult(NamedTuple):
 
 class GpuImageDecoder:
     """A batch of encoded images -> ``out[i]`` = uint8 ``size x size x 3`` RGB on ``device``, the
-    same transform as ``ImageDecoder(size, train, ...)`` (boxes, flips, torchvision's pixels),
-    decoded by nvJPEG (torchvision's batched ``decode_jpeg``) and cropped, resized and flipped on
-    the GPU. What nvJPEG does not decode (CMYK JPEGs, PNG, other formats) goes through
-    ``ImageDecoder`` on the CPU and is copied up. Use it as
-    ``AsyncLoader(source, decode=GpuImageDecoder(224, train=True), device="cuda")``: a CUDA
-    decoder needs the same ``device`` on the loader, and it runs in-process (not with
-    ``processes``).
+    same transform as ``ImageDecoder(size, train, ...)`` (boxes, flips, torchvision's pixels within
+    a level), decoded by nvImageCodec (only the crop's region) and resized and flipped on the GPU.
+
+    The loader uses it by itself with ``device="cuda"`` and the default image decode
+    (``AsyncLoader(gpu_decode="auto")``, see docs/guides/gpu-decode.md); this is the explicit form,
+    e.g. ``AsyncLoader(source, decode=GpuImageDecoder(224, train=True), device="cuda")``. It runs
+    in the loader's process (not in children).
 
     Args:
         size (int, default 224): the side of every output image.
         train (bool, default False): ``ImageDecoder``'s: False is Resize + CenterCrop, True is
             RandomResizedCrop + a random horizontal flip.
-        scale ((float, float), default (0.08, 1.0)): with ``train``, the crop's area range, as
-            ``ImageDecoder``'s.
+        scale ((float, float), default (0.08, 1.0)): with ``train``, the crop's area range.
         ratio ((float, float), default (3/4, 4/3)): with ``train``, the crop's aspect ratio range.
         flip (bool, default True): with ``train``, a horizontal flip with probability 1/2.
         seed (int, default 0): the seed of crops and flips, as ``ImageDecoder``'s: the same seed,
             epoch and sample give the same crop on either decoder.
         device (str or torch.device, default "cuda"): the GPU that decodes, where the images stay.
-            ``"cpu"`` runs the same code on the CPU into host memory (for tests without a GPU).
-        decode_jpegs (callable, default torchvision's batched ``decode_jpeg``): a list of 1-D
-            uint8 tensors of JPEG bytes and a device -> a list of ``3 x H x W`` uint8 RGB tensors;
-            replace it to test without torchvision or to use another batched decoder.
+            ``"cpu"`` runs the same code through nvImageCodec's CPU backend into host memory (for
+            tests and machines without CUDA).
+        split ("auto", "gpu" or "cpu", default "auto"): in the loader, how each batch's rows are
+            shared with the CPU decode threads (``split.py``): measured, all on the GPU, or all
+            on the CPU (pinned, e.g. to compare).
         max_pixels (int or None, default 178,956,970, Pillow's limit): ``ImageDecoder``'s limit,
-            checked from the header before nvJPEG sees the bytes. nvJPEG decodes at full size: a
-            JPEG over the limit goes to the CPU path, where a DCT reduction may bring it under
-            (else it fails alone, ``ImageTooLarge``); one nvJPEG call decodes at most this many
-            pixels (a batch of large images goes in several calls). An image nvJPEG fails on
-            (a CUDA out-of-memory included) is retried alone, then decoded on the CPU.
+            checked from the header before the GPU sees the bytes: a JPEG over it goes to the CPU
+            path (where a DCT reduction may bring it under, else ``ImageTooLarge``, alone); one
+            GPU call decodes at most this many pixels (a batch of large images goes in several).
+        decode_regions (callable, default nvImageCodec): ``(datas, regions, stream)`` -> a list of
+            ``3 x H x W`` uint8 tensors (or None for a refused image); replace it to test failures.
     """
 
-    batched = True  # the loader calls decode_batch once per batch (pipeline/batched.py), not decode_into per row
+    batched = True  # the loader calls decode_batch once per batch share (pipeline/batched.py)
 
     def __init__(
         self,
@@ -101,22 +107,46 @@ class GpuImageDecoder:
         flip: bool = True,
         seed: int = 0,
         device: str | torch.device = "cuda",
-        decode_jpegs: JpegBatchDecode = torchvision_decode_jpegs,
+        split: str = "auto",
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        decode_regions: RegionDecode | None = None,
     ) -> None:
         self.cpu = ImageDecoder(size, train, scale=scale, ratio=ratio, flip=flip, seed=seed, max_pixels=max_pixels)
         self.max_pixels = max_pixels
         self.size = size
         self.device = torch.device(device)
-        self.decode_jpegs = decode_jpegs
-        self._staging: torch.Tensor | None = None  # pinned rows for the CPU fallback
-        self._staging_free: torch.cuda.Event | None = None
-        self._last_batch: torch.cuda.Event | None = None  # the end of the previous decode_batch
-        self._lock = threading.Lock()  # one batch at a time: the staging rows are shared
+        self.policy = SplitPolicy(split)
+        self._decode_regions = decode_regions
+        self._held: tuple[torch.cuda.Event | None, list[Any]] | None = None  # the last batch's images
+        self._lock = threading.Lock()  # one GPU call at a time: nvImageCodec's decoder and _held
+
+    @classmethod
+    def like(cls, decoder: ImageDecoder, device: str | torch.device, split: str = "auto") -> "GpuImageDecoder":
+        """The stage for ``decoder``'s transform (its size, train, crops, flips, seed, budget)."""
+        return cls(decoder.size, decoder.train, scale=decoder.scale, ratio=decoder.ratio, flip=decoder.flip,
+                   seed=decoder.seed, device=device, split=split, max_pixels=decoder.max_pixels)
 
     @property
     def field(self) -> Field:
         return self.cpu.field
+
+    @property
+    def decode_regions(self) -> RegionDecode:
+        """nvImageCodec's batched region decode, made at first use (its import and decoder are slow)."""
+        if self._decode_regions is None:
+            from .nvimgcodec import RegionDecoder
+
+            self._decode_regions = RegionDecoder(self.device)
+        return self._decode_regions
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy starts with its own nvImageCodec decoder and lock
+        state = dict(self.__dict__)
+        state.update(_decode_regions=None, _held=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def decode_batch(
         self,
@@ -125,32 +155,55 @@ class GpuImageDecoder:
         out: torch.Tensor,
         stream: torch.cuda.Stream | None = None,
         rows: Sequence[int] | None = None,
+        cpu_share: bool = False,
     ) -> BatchResult:
         """Decodes ``datas[i]`` with the random choices of ``keys[i]`` into ``out[rows[i]]``
         (``out``: ``[B, size, size, 3]`` uint8 on ``device``; ``rows`` default: ``range``, a
         subset is e.g. the refill of failed rows), on ``stream`` (default: the current one).
-        Failures and ``on_cpu`` are numbered as ``datas``."""
+        ``cpu_share``: the CPU path decodes every row (the loader's CPU share of a batch). Failures
+        and ``on_cpu`` are numbered as ``datas``. Each call's rows and time feed ``policy``."""
         targets = [out[row] for row in (range(len(datas)) if rows is None else rows)]
         failures: dict[int, Exception] = {}
-        gpu_rows, cpu_rows, pixels = self.split_sized(datas, self.max_pixels)
-        with self._lock, torch.cuda.stream(stream) if self.device.type == "cuda" else nullcontext():
-            for chunk in chunks(gpu_rows, pixels, self.max_pixels):
-                self._decode_on_device(datas, keys, targets, chunk, cpu_rows)
+        on_cuda = self.device.type == "cuda"
+        started = time.perf_counter()
+        if cpu_share:
+            with torch.cuda.stream(stream) if on_cuda else nullcontext():
+                self._decode_on_cpu(datas, keys, targets, list(range(len(datas))), failures)
+                event = _recorded() if on_cuda else None
+            self.policy.cpu_done(len(datas), time.perf_counter() - started)
+            return BatchResult(failures, event, [])
+        gpu_rows, cpu_rows, sizes = self.split_sized(datas, self.max_pixels)
+        with self._lock, torch.cuda.stream(stream) if on_cuda else nullcontext():
+            if gpu_rows:
+                self.decode_regions  # noqa: B018 - made (a second or so, once) before the clock starts
+            started = time.perf_counter()  # the GPU's time, not the wait for another batch's call
+            if self._held is not None:
+                # the last batch's images are freed only once the kernels that read them have run
+                if self._held[0] is not None:
+                    self._held[0].synchronize()
+                self._held = None
+            images: list[Any] = []
+            for chunk in chunks(gpu_rows, {row: h * w for row, (h, w) in sizes.items()}, self.max_pixels):
+                images += self._decode_on_device(datas, keys, targets, chunk, sizes, cpu_rows, stream)
+            event = _recorded() if on_cuda else None
+            self._held = (event, images)
+        if gpu_rows:
+            self.policy.gpu_done(len(gpu_rows), time.perf_counter() - started)
+        with torch.cuda.stream(stream) if on_cuda else nullcontext():
             self._decode_on_cpu(datas, keys, targets, cpu_rows, failures)
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-                self._last_batch = event
+            if cpu_rows and on_cuda:
+                event = _recorded()
         return BatchResult(failures, event, sorted(cpu_rows))
 
     @staticmethod
-    def split_sized(datas: Sequence[bytes], max_pixels: int | None) -> tuple[list[int], list[int], dict[int, int]]:
-        """Rows nvJPEG can decode (baseline/progressive YCbCr or grey JPEGs, within
-        ``max_pixels``), the others, and the pixels of each nvJPEG row (from its header). A JPEG
-        that does not end with its EOI marker is truncated: nvJPEG may decode what is there
-        without a word, so it goes to the CPU path, whose strict libjpeg raises the clear error."""
-        gpu_rows, cpu_rows, pixels = [], [], {}
+    def split_sized(datas: Sequence[bytes], max_pixels: int | None
+                    ) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
+        """Rows the GPU may decode (YCbCr, RGB or grey JPEGs, whole, within ``max_pixels``), the
+        others, and the (height, width) of each from its header, read before any GPU memory is
+        taken. A JPEG that does not end with its EOI marker is truncated: the GPU might decode what
+        is there without a word, so it goes to the CPU path, whose strict libjpeg raises the
+        clear error."""
+        gpu_rows, cpu_rows, sizes = [], [], {}
         for row, data in enumerate(datas):
             if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):  # a dict: the CPU path names it
                 cpu_rows.append(row)
@@ -165,75 +218,75 @@ class GpuImageDecoder:
                 continue
             # over the limit at full size: the CPU path decodes it reduced, or raises the clear error
             within = max_pixels is None or height * width <= max_pixels
-            (gpu_rows if colourspace in NVJPEG_COLOURSPACES and within else cpu_rows).append(row)
-            pixels[row] = height * width
-        return gpu_rows, cpu_rows, pixels
+            (gpu_rows if colourspace in GPU_COLOURSPACES and within else cpu_rows).append(row)
+            sizes[row] = (height, width)
+        return gpu_rows, cpu_rows, sizes
+
+    def region(self, height: int, width: int, key: Key) -> tuple[Plan, Box]:
+        """The CPU path's choices for a ``height x width`` JPEG (its box snapped as there for a
+        DCT-scaled decode, so both paths crop the same pixels; the decode here is full size) and
+        the source region the transform reads: the box, or in eval the centre crop's lines."""
+        rng = self.cpu.rng(key) if self.cpu.train else None  # eval draws nothing
+        plan = self.cpu.plan(height, width, rng)
+        return plan, plan.box if plan.box is not None else centre_crop_region(height, width, self.size)
 
     def _decode_on_device(self, datas: Sequence[bytes], keys: Sequence[Key], targets: list[torch.Tensor],
-                          rows: list[int], cpu_rows: list[int]) -> None:
-        """nvJPEG's rows; a row it rejects joins ``cpu_rows``."""
-        if not rows:
-            return
-        if self._last_batch is not None:
-            # torchvision allocates its outputs on the current stream but writes them on a
-            # stream of its own, ordered after nothing of ours: memory our last batch's kernels
-            # freed while still queued could be overwritten under them. Waiting for that batch
-            # (a host wait on this decode thread, never on the training loop) closes the gap.
-            self._last_batch.synchronize()
-        with warnings.catch_warnings():  # the bytes are only read: a read-only buffer is fine
-            warnings.simplefilter("ignore", UserWarning)
-            encoded = [torch.frombuffer(datas[row], dtype=torch.uint8) for row in rows]
+                          rows: list[int], sizes: dict[int, tuple[int, int]], cpu_rows: list[int],
+                          stream: Any) -> list[Any]:
+        """The GPU's rows, each written into its target; a row it refuses or fails on joins
+        ``cpu_rows``. Returns the decoded images, to keep until their kernels have run."""
+        plans = [self.region(*sizes[row], keys[row]) for row in rows]
+        encoded = [datas[row] for row in rows]
+        regions = [region for _, region in plans]
         try:
-            images = self.decode_jpegs(encoded, self.device)
+            images = self.decode_regions(encoded, regions, stream)
         except Exception:  # one bad file (or a CUDA out-of-memory) fails the whole call: retry alone, then the CPU
             images = None
         if images is None or len(images) != len(rows):
-            images = [self._decode_alone(data) for data in encoded]
-        for number, (row, image) in enumerate(zip(rows, images)):
-            images[number] = None  # each decoded image freed as soon as it is written
+            images = [self._decode_alone(data, region, stream) for data, region in zip(encoded, regions)]
+        for row, image, (plan, region) in zip(rows, images, plans):
             try:
                 if image is None:
-                    raise RuntimeError("nvJPEG failed")
-                # the CPU path's box, snapped as there for a DCT-scaled decode, so that both paths
-                # crop the same pixels; the decode here is full size (plan.reduce is unused)
-                rng = self.cpu.rng(keys[row]) if self.cpu.train else None  # eval draws nothing
-                plan = self.cpu.plan(int(image.shape[1]), int(image.shape[2]), rng)
-                targets[row].copy_(self.transform(image, plan))
+                    raise RuntimeError("the GPU decoder refused it")
+                targets[row].copy_(self.transform(image, plan, region, sizes[row]))
             except Exception:  # noqa: BLE001 - e.g. out of GPU memory: this row alone goes to the CPU
                 cpu_rows.append(row)
+        return images
 
-    def _decode_alone(self, data: torch.Tensor) -> torch.Tensor | None:
+    def _decode_alone(self, data: bytes, region: Box, stream: Any) -> torch.Tensor | None:
         try:
-            return self.decode_jpegs([data], self.device)[0]
+            return self.decode_regions([data], [region], stream)[0]
         except Exception:  # noqa: BLE001 - the CPU path decodes it, or raises the clear error
             return None
 
-    def transform(self, image: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """3xHxW uint8 -> size x size x 3: torchvision's Resize + CenterCrop (``plan.box`` None)
-        or crop + resize, then the flip; on the image's device."""
+    def transform(self, image: torch.Tensor, plan: Plan, region: Box, source: tuple[int, int]) -> torch.Tensor:
+        """A decoded ``region`` (3xHxW uint8) of a ``source`` (height, width) image -> size x size
+        x 3: the box resized (``plan.box``), or in eval torchvision's Resize + CenterCrop of the
+        whole image computed from the region's lines; then the flip; on the image's device."""
+        if tuple(image.shape[1:]) != tuple(region[2:]):
+            raise RuntimeError(f"decoded {tuple(image.shape[1:])}, not the region {region[2:]}")
         if plan.box is None:
-            new_h, new_w = resized_shape(int(image.shape[1]), int(image.shape[2]), self.size)
-            top, left = centre_crop_offsets(new_h, new_w, self.size)
-            if max(new_h, new_w) > WHOLE_RESIZE_LIMIT * self.size:  # a thin image: the crop's lines only
-                resized = centre_crop_lines(image, new_h, new_w, self.size)
-            else:
-                resized = resize_aa(image, (new_h, new_w))[:, top : top + self.size, left : left + self.size]
+            resized = centre_crop_of_region(image, region[:2], source, self.size)
         else:
-            top, left, height, width = plan.box
-            resized = resize_aa(image[:, top : top + height, left : left + width], (self.size, self.size))
+            resized = resize_aa(image, (self.size, self.size))
         if plan.flip:
             resized = resized.flip(2)
         return resized.permute(1, 2, 0)
 
     def _decode_on_cpu(self, datas: Sequence[bytes], keys: Sequence[Key], targets: list[torch.Tensor],
                        rows: list[int], failures: dict[int, Exception]) -> None:
-        """The rows nvJPEG left: ImageDecoder into pinned staging rows, then one copy up each."""
+        """``rows`` through ImageDecoder: into the targets on the host, else into pinned staging
+        rows of this call's own (the host allocator keeps them until their copies have run), each
+        copied up."""
         if not rows:
             return
-        on_host = targets[0].device.type == "cpu"
-        staging = None if on_host else self._staging_rows(len(datas), targets[0].device.type == "cuda")
-        for row in sorted(rows):
-            host = targets[row] if staging is None else staging[row]
+        device = targets[0].device
+        staging = None
+        if device.type != "cpu":
+            staging = torch.empty((len(rows), *self.field.shape), dtype=torch.uint8,
+                                  pin_memory=device.type == "cuda")
+        for number, row in enumerate(sorted(rows)):
+            host = targets[row] if staging is None else staging[number]
             try:
                 self.cpu.decode_into(datas[row], host.numpy(), keys[row])
             except Exception as error:  # noqa: BLE001 - reported per row, as the loader does
@@ -241,24 +294,45 @@ class GpuImageDecoder:
                 continue
             if staging is not None:
                 targets[row].copy_(host, non_blocking=True)
-        if targets[0].device.type == "cuda":
-            self._staging_free = torch.cuda.Event()
-            self._staging_free.record()
-
-    def _staging_rows(self, rows: int, pin: bool) -> torch.Tensor:
-        if self._staging_free is not None:
-            self._staging_free.synchronize()  # the last batch's copies have read the rows
-        if self._staging is None or self._staging.shape[0] < rows:
-            shape = (rows, *self.field.shape)
-            self._staging = torch.empty(shape, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
-        return self._staging
 
 
-def jpeg_decode_on_cpu(datas: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """A batched JPEG decode with simplejpeg (strict, as the CPU path), 3xHxW on ``device``: the
-    stand-in for nvJPEG where torchvision is absent, and a reference for it."""
-    images = [simplejpeg.decode_jpeg(np.asarray(data), colorspace="RGB", strict=True) for data in datas]
-    return [torch.from_numpy(image).permute(2, 0, 1).to(device) for image in images]
+def _recorded() -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def decode_stage(decode: Any, device: torch.device | None, gpu_decode: bool | str, processes: int) -> Any:
+    """The decode the loader runs: with ``device`` on CUDA and the default image decode
+    (``ImageDecoder``, antialiased, train or not), the GPU stage (``GpuImageDecoder.like``)
+    unless ``gpu_decode`` is False; ``True`` pins every row on the GPU, ``"auto"`` shares each
+    batch with the CPU threads by measuring. The stage runs in this process: with ``processes``
+    (children), ``"auto"`` leaves the decode to them and ``True`` is an error. Anything else is
+    returned as it is, so a loader without CUDA costs nothing more."""
+    if gpu_decode not in (True, False, "auto"):
+        raise ValueError(f"gpu_decode must be 'auto', True or False, got {gpu_decode!r}")
+    if gpu_decode is False or type(decode) is not ImageDecoder or not decode.antialias:
+        if gpu_decode is True and not isinstance(decode, GpuImageDecoder):
+            raise ValueError("gpu_decode=True needs the default image decode (ImageDecoder, antialias=True): "
+                             f"got decode={type(decode).__name__}")
+        return decode
+    if device is None or device.type != "cuda":
+        if gpu_decode is True:
+            raise ValueError("gpu_decode=True needs device='cuda' (the stage writes the batches there)")
+        return decode
+    if processes:
+        if gpu_decode is True:
+            raise ValueError("gpu_decode=True runs in this process: it cannot be used with processes=N or isolate=True")
+        return decode
+    from .nvimgcodec import available
+
+    if not available():
+        if gpu_decode is True:
+            from .nvimgcodec import load
+
+            load()  # raises the ImportError saying what to install
+        return decode
+    return GpuImageDecoder.like(decode, device, split="gpu" if gpu_decode is True else "auto")
 
 
 def chunks(rows: list[int], pixels: dict[int, int], max_pixels: int | None) -> list[list[int]]:

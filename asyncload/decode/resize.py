@@ -101,14 +101,20 @@ def aa_coefficients(in_size: int, out_size: int, start: int, count: int) -> tupl
 def aa_lines(source: torch.Tensor, dim: int, first: np.ndarray, weights: np.ndarray) -> torch.Tensor:
     """The output lines of ``aa_coefficients`` along ``dim`` of a uint8 tensor (any device) whose
     line 0 is input line 0 of ``first``: uint8, rounded as PIL rounds. One line's worth of int64
-    per tap at a time, so a thin image's pass takes what its output does."""
+    per tap at a time, so a thin image's pass takes what its output does. The taps' indices and
+    weights go to the device in one copy each, from pinned memory on a GPU (a pageable copy would
+    wait for the stream's queued work, once per tap)."""
     shape = [1] * source.dim()
     shape[dim] = len(first)
+    taps = weights.shape[1]
+    indices = np.minimum(first[None, :] + np.arange(taps)[:, None], source.shape[dim] - 1)  # taps x lines
+    indices, weights_t = torch.from_numpy(indices), torch.from_numpy(np.ascontiguousarray(weights.T))
+    if source.is_cuda:
+        indices = indices.pin_memory().to(source.device, non_blocking=True)
+        weights_t = weights_t.pin_memory().to(source.device, non_blocking=True)
     total = None
-    for tap in range(weights.shape[1]):
-        index = torch.from_numpy(np.minimum(first + tap, source.shape[dim] - 1)).to(source.device)
-        weight = torch.from_numpy(weights[:, tap]).to(source.device).view(shape)
-        term = source.index_select(dim, index).to(torch.int64) * weight
+    for tap in range(taps):
+        term = source.index_select(dim, indices[tap]).to(torch.int64) * weights_t[tap].view(shape)
         total = term if total is None else total.add_(term)
     total += 1 << (PRECISION_BITS - 1)
     return (total >> PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
@@ -151,15 +157,36 @@ def resize_aa(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return resized.round_().clamp_(0, 255).to(torch.uint8)
 
 
-def centre_crop_lines(image: torch.Tensor, new_h: int, new_w: int, size: int) -> torch.Tensor:
-    """``resize.centre_crop_lines_into`` for a 3xHxW tensor on any device: ``Resize`` to
-    ``new_h x new_w`` and ``CenterCrop(size)``, resizing only the lines the crop keeps."""
-    _, height, width = image.shape
+def centre_crop_region(height: int, width: int, size: int) -> tuple[int, int, int, int]:
+    """The source pixels (top, left, height, width) that ``Resize(size)`` + ``CenterCrop(size)`` of a
+    ``height x width`` image reads: the whole short axis, and along the long one only the lines
+    the crop's output lines take taps from (``crop_line_range``). A GPU decode of this region
+    alone (``centre_crop_of_region``) gives the whole image's result."""
+    new_h, new_w = resized_shape(height, width, size)
+    top, left = centre_crop_offsets(new_h, new_w, size)
+    if new_w > new_h:
+        low, high = crop_line_range(width, new_w, left, size)
+        return 0, low, height, high - low
+    if new_h > new_w:
+        low, high = crop_line_range(height, new_h, top, size)
+        return low, 0, high - low, width
+    return 0, 0, height, width
+
+
+def centre_crop_of_region(image: torch.Tensor, origin: tuple[int, int], source: tuple[int, int],
+                          size: int) -> torch.Tensor:
+    """``Resize(size)`` + ``CenterCrop(size)`` of a ``source`` (height, width) image, from a 3xHxW
+    tensor (any device) of its ``centre_crop_region`` whose first pixel is source pixel ``origin``
+    (top, left), resizing only the lines the crop keeps, as PIL: the long axis's pass in PIL's
+    arithmetic (``aa_lines``), the short axis's through ``resize_aa``, horizontal first."""
+    height, width = source
+    new_h, new_w = resized_shape(height, width, size)
     top, left = centre_crop_offsets(new_h, new_w, size)
     if new_w > new_h:  # wide: the crop's columns, then the vertical pass
-        first, weights = aa_coefficients(int(width), new_w, left, size)
-        return resize_aa(aa_lines(image, 2, first, weights), (size, size))
-    low, high = crop_line_range(int(height), new_h, top, size)
-    rows = resize_aa(image[:, low:high], (high - low, size))
-    first, weights = aa_coefficients(int(height), new_h, top, size)
-    return aa_lines(rows, 1, first - low, weights)
+        first, weights = aa_coefficients(width, new_w, left, size)
+        return resize_aa(aa_lines(image, 2, first - origin[1], weights), (size, size))
+    if new_h > new_w:  # tall: the horizontal pass on the region's rows, then the crop's rows
+        rows = resize_aa(image, (int(image.shape[1]), size))
+        first, weights = aa_coefficients(height, new_h, top, size)
+        return aa_lines(rows, 1, first - origin[0], weights)
+    return resize_aa(image, (size, size))

@@ -1,6 +1,12 @@
 """Batched decoders (``batched = True``, ``decode_batch`` and ``field``: ``GpuImageDecoder``):
 one decode job per batch instead of one per chunk of rows.
 
+With a decoder that shares its batches with the CPU (a ``policy``: the GPU decode stage,
+``decode/split.py``), the gathered rows are cut in two: the policy's count goes to one GPU call,
+the rest to the CPU decode threads in chunks (``decode_batch(..., cpu_share=True)``), all at
+once, so that the batch is complete when both are. The policy hears of the training step's time
+(``stats.step``) before each cut.
+
 nvJPEG pays off on many images at once, so the rows of a batch are gathered on the event loop
 until none of them is still being read, then go to a decode thread as one ``decode_batch`` call.
 A failed row takes the failure path of every decoder (``row_failed``): with ``on_error="skip"``
@@ -28,6 +34,7 @@ from ..errors import SampleError
 from .jobs import Row, RowFiller, Work, read_on_decode_thread, write_label
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
+MIN_CPU_ROWS = 4  # the CPU share goes to the threads in jobs of at least this many rows: a job costs Python
 
 
 def is_batched(decode: Any) -> bool:
@@ -80,6 +87,7 @@ class BatchJobs:
         self.filler = filler  # the run's decoder, epoch, stats and reporting, shared with per-row jobs
         self.run_job = run_job
         self._gathering: dict[int, _Gathering] = {}  # batch number -> rows waiting; loop only
+        self._steps_seen = 0  # the training steps the split policy has heard of
 
     # ----- the event loop -----
 
@@ -97,14 +105,38 @@ class BatchJobs:
         gathering.holds -= 1
         if gathering.holds == 0:
             del self._gathering[batch.number]
-            if gathering.rows:
-                self.run_job(lambda: self.fill(batch, gathering.rows))
+            for rows, cpu_share in self.shares(gathering.rows):
+                self.run_job(lambda rows=rows, cpu_share=cpu_share: self.fill(batch, rows, cpu_share))
+
+    def shares(self, rows: list[Row]) -> list[tuple[list[Row], bool]]:
+        """The jobs for ``rows``: one call of the whole decoder, or with a split policy its GPU
+        share first, then the CPU share in chunks over the other decode threads."""
+        policy = getattr(self.filler.decode, "policy", None)
+        if not rows or policy is None:
+            return [(rows, False)] if rows else []
+        stats = self.filler.stats
+        threads = max(1, stats.limits.get("num_threads", 1) - 1)  # one waits on the GPU call
+        policy.cpu_threads = threads
+        step = stats.last_step()
+        if step is not None and step[0] != self._steps_seen:
+            self._steps_seen = step[0]
+            policy.step(step[1])
+        on_gpu = policy.gpu_rows(len(rows))
+        jobs = [(rows[:on_gpu], False)] if on_gpu else []
+        rest = rows[on_gpu:]
+        per_job = max(MIN_CPU_ROWS, -(-len(rest) // threads))
+        jobs += [(rest[start:start + per_job], True) for start in range(0, len(rest), per_job)]
+        stats.gpu_decode_choice = policy.describe()
+        if stats.tracer is not None:  # the cut of each batch, and why, on the timeline
+            stats.tracer.instant("gpu split", {"gpu": on_gpu, "cpu": len(rest), "why": policy.why})
+        return jobs
 
     # ----- a decode thread -----
 
-    def fill(self, batch: Work, rows: list[Row]) -> None:
-        """A decode job: reads the local rows, decodes every row with one ``decode_batch`` call,
-        writes the labels, then reports the rows done once and each failure on its own."""
+    def fill(self, batch: Work, rows: list[Row], cpu_share: bool = False) -> None:
+        """A decode job: reads the local rows, decodes every row with one ``decode_batch`` call
+        (``cpu_share``: the decoder's CPU path), writes the labels, then reports the rows done
+        once and each failure on its own."""
         if batch.cancelled:
             self.filler.rows_done(batch, len(rows))
             return
@@ -112,7 +144,7 @@ class BatchJobs:
         try:
             rows, datas = self._read(batch, rows)
             if rows:
-                self._decode(batch, rows, datas)
+                self._decode(batch, rows, datas, cpu_share)
         finally:
             self.filler.stats.level("decodes_running", -1)
 
@@ -142,7 +174,7 @@ class BatchJobs:
             self.filler.stats.add("read", read_s, nbytes, items=reads)
         return ready, datas
 
-    def _decode(self, batch: Work, rows: list[Row], datas: list[Any]) -> None:
+    def _decode(self, batch: Work, rows: list[Row], datas: list[Any], cpu_share: bool = False) -> None:
         """One ``decode_batch`` call for ``rows``, then every row reported exactly once: done, or
         failed with its error. Whatever goes wrong between (the call raises, returns failures
         numbered otherwise than ``datas``, a label does not fit) fails every row rather than
@@ -150,7 +182,7 @@ class BatchJobs:
         buffer = batch.buffer
         started, cpu_started = time.perf_counter(), time.thread_time()
         try:
-            failures, event = self._call(buffer, rows, datas)
+            failures, event = self._call(buffer, rows, datas, cpu_share)
         except Exception as error:  # not one file's fault, but no row may be lost: each one fails
             whole = RuntimeError(f"{type(self.filler.decode).__name__}.decode_batch of {len(rows)} rows failed: "
                                  f"{type(error).__name__}: {error}")
@@ -159,7 +191,8 @@ class BatchJobs:
         ended = time.perf_counter()
         self.filler.stats.add("decode", ended - started, cpu_seconds=time.thread_time() - cpu_started, items=len(rows))
         if self.filler.stats.tracer is not None:  # one call for the batch's rows: one span
-            self.filler.stats.tracer.span("decode", started, ended, f"{len(rows)} rows")
+            share = " (CPU share)" if cpu_share else ""
+            self.filler.stats.tracer.span("decode", started, ended, f"{len(rows)} rows{share}")
         if event is not None:
             buffer.writes.append(event)  # before the rows are done: the batch's copy waits on it
         for number, error in failures.items():
@@ -167,13 +200,15 @@ class BatchJobs:
         if len(rows) > len(failures):
             self.filler.rows_done(batch, len(rows) - len(failures))
 
-    def _call(self, buffer: Any, rows: list[Row], datas: list[Any]) -> tuple[dict[int, Exception], Any]:
+    def _call(self, buffer: Any, rows: list[Row], datas: list[Any], cpu_share: bool
+              ) -> tuple[dict[int, Exception], Any]:
         """``decode_batch`` into ``buffer``, its result checked, the labels written: (failures
         numbered as ``rows``, the event that ends its writes or None)."""
         stream = buffer.on_device.stream if buffer.on_device is not None else None
+        share = {"cpu_share": True} if cpu_share else {}  # a decoder without a policy never gets it
         failures, event, on_cpu = self.filler.decode.decode_batch(
             datas, [(self.filler.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
-            rows=[row.row for row in rows])
+            rows=[row.row for row in rows], **share)
         if not isinstance(failures, dict) or not set(failures) <= set(range(len(rows))):
             raise TypeError(f"its failures must be a dict keyed by positions in datas (0..{len(rows) - 1}), "
                             f"got {failures!r}")

@@ -104,6 +104,9 @@ class LoaderStats:
         self._last_callback = time.perf_counter()
         self.tracer: Tracer | None = None  # with trace=: the timeline (see trace.py)
         self.processes_choice: str | None = None  # processes=None: where the pipeline runs, and why
+        self.gpu_decode_choice: str | None = None  # the GPU decode stage: its split of the batches, and why
+        self._step: tuple[int, float] | None = None  # (batches handed out, the user's last step's seconds)
+        self._handed_out_at: float | None = None
         self._source_counts: tuple[tuple[str, ...], np.ndarray] | None = None  # a mix's names, samples each
 
     # ----- updates from the pipeline -----
@@ -158,14 +161,23 @@ class LoaderStats:
 
     def add_batch(self, samples: int, waited: float, number: int | None = None) -> None:
         """Batch ``number`` of ``samples`` was handed out after the consumer ``waited`` for it."""
+        now = time.perf_counter()
         with self._lock:
             self.batches += 1
             self.samples += samples
             self.consumer_wait_seconds += waited
+            if self._handed_out_at is not None:  # the user's step: from the last hand-out to this next()
+                self._step = (self.batches, max(0.0, now - waited - self._handed_out_at))
+            self._handed_out_at = now
         if self.tracer is not None:
-            now = time.perf_counter()
             self.tracer.span("wait for batch", now - waited, now, f"batch {number}")
         self._maybe_call_back()
+
+    def last_step(self) -> tuple[int, float] | None:
+        """(batches handed out, seconds): the training step's time between the last two batches,
+        from one hand-out to the next ``next()`` call; None before two batches."""
+        with self._lock:
+            return self._step
 
     def add_sources(self, names: tuple[str, ...], source_ids: np.ndarray) -> None:
         """A mix's batch was handed out with these source numbers: one ``bincount`` a batch."""
@@ -192,6 +204,7 @@ class LoaderStats:
     def run_stopped(self) -> None:
         self._gil.stop()
         with self._lock:
+            self._handed_out_at = None  # the time until the next pass's first batch is not a step
             if self._running_since is not None:
                 wall, cpu, system_cpu = self._running_since
                 self._active_seconds += time.perf_counter() - wall
@@ -272,7 +285,7 @@ class LoaderStats:
 
     def report(self) -> str:
         """A compact table of the figures, and the bottleneck with its evidence (``report.py``)."""
-        return report_text(self.snapshot(), self.processes_choice)
+        return report_text(self.snapshot(), self.processes_choice, self.gpu_decode_choice)
 
 
 def with_verdict(snapshot: StatsSnapshot) -> StatsSnapshot:

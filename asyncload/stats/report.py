@@ -7,8 +7,9 @@ from .snapshot import STAGES, StatsSnapshot
 from .verdict import diagnose
 
 
-def report_text(s: StatsSnapshot, processes_choice: str | None) -> str:
-    """The report of snapshot ``s``; ``processes_choice``: the default's line, if it has one."""
+def report_text(s: StatsSnapshot, processes_choice: str | None, gpu_decode_choice: str | None = None) -> str:
+    """The report of snapshot ``s``; ``processes_choice``: the default's line, if it has one;
+    ``gpu_decode_choice``: the GPU decode stage's split and why, if it ran."""
     active = max(s.active_seconds, 1e-9)
     lines = [f"{'stage':<8}{'items':>9}{'busy s':>9}{'ms/item':>9}{'MB':>9}"]
     for name in STAGES:
@@ -27,6 +28,8 @@ def report_text(s: StatsSnapshot, processes_choice: str | None) -> str:
         f"({s.samples / active:.0f}/s), waited {100 * s.consumer_wait_seconds / active:.0f} % of the time; "
         f"CPU {s.cpu_seconds / active:.2f} cores; retries {s.retries} ({s.retry_wait_seconds:.1f} s waiting), failures {s.failures}"
     )
+    if gpu_decode_choice is not None:
+        lines.append(gpu_decode_choice)
     if s.decoded_on_cpu:
         lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")
     name, evidence = diagnose(s.as_dict())

@@ -87,24 +87,22 @@ class AsyncLoadContender(Contender):
         if config.get("decode") == "gpu":
             from asyncload import GpuImageDecoder
 
-            decode = GpuImageDecoder(224, train=True, seed=0, device=device)
+            decode = GpuImageDecoder(224, train=True, seed=0, device=device, split="gpu")
         return AsyncLoader(source, batch_size=workload.batch_size, shuffle=True, seed=0,
                            decode=decode, storage_options=storage_options,
                            device=device, **settings)
 
 
 def _has_nvjpeg() -> bool:
-    """A GPU and a torchvision that loads with this torch (a CUDA-only build fails to import on
-    a CPU one): without both, "gpu-decode" would only measure its CPU fallback."""
+    """A GPU and nvImageCodec (``asyncload[gpu]``): without both, "gpu-decode" would only measure
+    its CPU fallback."""
     import torch
 
     if not torch.cuda.is_available():
         return False
-    try:
-        import torchvision.io  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure means no nvJPEG path here
-        return False
-    return True
+    from asyncload.decode.nvimgcodec import available
+
+    return available()
 
 
 def _has_obstore() -> bool:

@@ -1,0 +1,103 @@
+"""How many rows of each batch the GPU decodes while the CPU decode threads take the rest.
+
+The batch is complete when its slower half is: with the GPU decoding ``g`` rows/s and the CPU
+threads ``c`` rows/s together, both finish at once when the GPU takes ``g / (g + c)`` of the rows.
+That is the split while the loader is what the training step waits for. When the step is the
+slower one (the loader sees its time between ``next()`` calls), there is no point decoding faster
+than it consumes, and GPU decode only takes from the step (the CUDA decode uses SMs; the hardware
+engines do not, but their copies and resize do): the GPU then takes only what the CPU cannot
+decode in one step's time. A slower step (GPU decode slowing it included) so shrinks the GPU's
+share, down to none when the CPU keeps up alone.
+
+The rates are smoothed (exponential means of rows/s per call), from the calls of both kinds the
+stage makes; until both are known the split is half and half. A pure class: fed events, no clock,
+no thread, so its tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMOOTHING = 0.3  # the weight of the newest measurement in each exponential mean
+HEADROOM = 0.8  # under a slower step, the CPU is counted for this share of what it decoded: room for jitter
+
+
+@dataclass
+class Rate:
+    """An exponential mean of rows per second (None until the first measurement)."""
+
+    value: float | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        rate = rows / seconds
+        self.value = rate if self.value is None else (1 - SMOOTHING) * self.value + SMOOTHING * rate
+
+
+class SplitPolicy:
+    """The GPU's share of each batch: ``gpu_rows(batch_rows)``; fed ``gpu_done`` / ``cpu_done``
+    (rows decoded and the wall seconds one call took) and ``step`` (the training step's seconds
+    between batches). ``mode``: ``"auto"`` (measured, the default), ``"gpu"`` (every row; per-sample
+    fallbacks still go to the CPU) or ``"cpu"`` (none). ``cpu_threads``: the decode threads the CPU
+    share is spread over (one CPU call's rate times these is the CPU's rate)."""
+
+    def __init__(self, mode: str = "auto", cpu_threads: int = 1) -> None:
+        if mode not in ("auto", "gpu", "cpu"):
+            raise ValueError(f"mode must be 'auto', 'gpu' or 'cpu', got {mode!r}")
+        self.mode = mode
+        self.cpu_threads = max(1, cpu_threads)
+        self.gpu = Rate()
+        self.cpu = Rate()  # of one thread
+        self.step_s = Rate()  # batches per second of the step, stored as a rate of 1 batch
+        self.rows = {"gpu": 0, "cpu": 0}  # rows given to each side so far
+        self.why = "half and half until both rates are measured" if mode == "auto" else f"pinned: {mode} only"
+
+    # ----- events -----
+
+    def gpu_done(self, rows: int, seconds: float) -> None:
+        self.gpu.add(rows, seconds)
+
+    def cpu_done(self, rows: int, seconds: float) -> None:
+        self.cpu.add(rows, seconds)
+
+    def step(self, seconds: float) -> None:
+        """The training step took ``seconds`` between two batches (the loader's wait excluded)."""
+        self.step_s.add(1, seconds)
+
+    # ----- the decision -----
+
+    def gpu_rows(self, batch_rows: int) -> int:
+        """How many of ``batch_rows`` the GPU decodes, the rest going to the CPU threads."""
+        count = self._choose(batch_rows)
+        self.rows["gpu"] += count
+        self.rows["cpu"] += batch_rows - count
+        return count
+
+    def _choose(self, batch_rows: int) -> int:
+        if self.mode == "gpu":
+            return batch_rows
+        if self.mode == "cpu":
+            return 0
+        if self.gpu.value is None or self.cpu.value is None:
+            self.why = "half and half until both rates are measured"
+            return (batch_rows + 1) // 2
+        gpu, cpu = self.gpu.value, self.cpu.value * self.cpu_threads
+        balanced = round(batch_rows * gpu / (gpu + cpu))
+        rates = f"GPU {gpu:,.0f} rows/s, CPU {cpu:,.0f} rows/s ({self.cpu_threads} threads)"
+        if self.step_s.value is not None:
+            step = 1 / self.step_s.value
+            cpu_alone = cpu * step * HEADROOM  # what the CPU decodes while one step runs
+            needed = max(0, batch_rows - int(cpu_alone))
+            if needed < balanced:
+                self.why = (f"{rates}; the step ({1000 * step:.0f} ms) is slower than the balanced batch: "
+                            f"the GPU takes only what the CPU cannot decode in one step")
+                return needed
+        self.why = f"{rates}: both finish a batch at once"
+        return max(0, min(batch_rows, balanced))
+
+    def describe(self) -> str:
+        """One line for ``stats.report()``: the share each side decoded and why."""
+        total = self.rows["gpu"] + self.rows["cpu"]
+        share = 100 * self.rows["gpu"] / total if total else 0.0
+        return f"GPU decode ({self.mode}): GPU {share:.0f} % of {total} rows, CPU the rest; {self.why}"

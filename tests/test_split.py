@@ -1,0 +1,83 @@
+"""SplitPolicy: the GPU's share of each batch from fed events (rows and seconds of each side's
+calls, the training step's seconds); no thread, no clock."""
+
+import pytest
+
+from asyncload.decode.split import SplitPolicy
+
+
+def measured(gpu_rate: float, cpu_rate_per_thread: float, threads: int) -> SplitPolicy:
+    policy = SplitPolicy("auto", cpu_threads=threads)
+    policy.gpu_done(100, 100 / gpu_rate)
+    policy.cpu_done(10, 10 / cpu_rate_per_thread)
+    return policy
+
+
+def test_half_and_half_until_both_rates_are_measured():
+    policy = SplitPolicy("auto", cpu_threads=4)
+    assert policy.gpu_rows(256) == 128 and "until both rates" in policy.why
+    policy.gpu_done(128, 0.1)
+    assert policy.gpu_rows(255) == 128
+
+
+def test_the_split_makes_both_sides_finish_a_batch_at_once():
+    policy = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)  # GPU 6,000 rows/s, CPU 2,000
+    gpu = policy.gpu_rows(256)
+    assert gpu == 192  # 3/4: 192 rows / 6,000 = 64 rows / 2,000
+    assert gpu / 6000 == pytest.approx((256 - gpu) / 2000)
+    assert "both finish a batch at once" in policy.why
+    assert "GPU 6,000 rows/s, CPU 2,000 rows/s (4 threads)" in policy.why
+
+
+def test_the_rates_are_smoothed_so_one_slow_call_moves_the_split_a_little():
+    policy = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)
+    policy.gpu_done(100, 100 / 2000)  # one slow GPU call
+    assert policy.gpu.value == pytest.approx(0.7 * 6000 + 0.3 * 2000)
+    assert 160 < policy.gpu_rows(256) < 192
+
+
+def test_a_step_slower_than_the_loader_shrinks_the_gpu_share_to_what_the_cpu_cannot_do():
+    policy = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)
+    policy.step(0.01)  # a fast step: the loader is the limit, the balanced split stands
+    assert policy.gpu_rows(256) == 192
+    slow = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)
+    slow.step(0.1)  # the CPU decodes 2,000 * 0.1 * 0.8 = 160 rows in one step: the GPU takes the rest
+    assert slow.gpu_rows(256) == 96 and "the step (100 ms) is slower" in slow.why
+    slower = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)
+    slower.step(0.5)  # the CPU keeps up alone: the GPU is left to the training step
+    assert slower.gpu_rows(256) == 0
+
+
+def test_when_gpu_decode_slows_the_step_the_share_shrinks_step_after_step():
+    policy = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)
+    shares = []
+    for step_s in (0.05, 0.09, 0.12, 0.15):  # the step slows as the GPU decodes beside it
+        policy.step(step_s)
+        shares.append(policy.gpu_rows(256))
+    assert shares == sorted(shares, reverse=True) and shares[-1] < shares[0]
+
+
+@pytest.mark.parametrize("mode, expected", [("gpu", 256), ("cpu", 0)])
+def test_a_pinned_mode_ignores_the_measurements(mode, expected):
+    policy = SplitPolicy(mode, cpu_threads=4)
+    policy.gpu_done(100, 1.0)
+    policy.cpu_done(100, 0.01)
+    policy.step(10.0)
+    assert policy.gpu_rows(256) == expected and f"pinned: {mode} only" in policy.describe()
+
+
+def test_describe_counts_the_rows_each_side_took():
+    policy = measured(gpu_rate=6000, cpu_rate_per_thread=500, threads=4)
+    policy.gpu_rows(256)
+    policy.gpu_rows(256)
+    assert policy.rows == {"gpu": 384, "cpu": 128}
+    assert policy.describe().startswith("GPU decode (auto): GPU 75 % of 512 rows, CPU the rest; GPU 6,000 rows/s")
+
+
+def test_bad_mode_and_empty_measurements():
+    with pytest.raises(ValueError, match="mode must be 'auto', 'gpu' or 'cpu'"):
+        SplitPolicy("half")
+    policy = SplitPolicy()
+    policy.gpu_done(0, 0.1)
+    policy.cpu_done(5, 0.0)
+    assert policy.gpu.value is None and policy.cpu.value is None
