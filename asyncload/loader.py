@@ -156,6 +156,8 @@ class AsyncLoader:
     stops its threads and processes.
     """
 
+    prefetch_factor = None  # a DataLoader's without workers: Accelerate's skip_first_batches copies it (trainers.py)
+
     def __init__(
         self,
         source: Sequence[Any],
