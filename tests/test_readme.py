@@ -89,6 +89,7 @@ def run_page(page: Path, s3_options: dict, cache: Path) -> dict:
     """Runs the page's blocks in order in one namespace; returns it."""
     scope: dict = {"opts": dict(s3_options), "__name__": f"docs:{page.name}"}
     changes = (*HERE, ("opts = {}", f"opts = {s3_options!r}"), (CACHE, str(cache)), (RUNS, str(cache / "runs")))
+    (cache / "runs").mkdir(exist_ok=True)
     for why, code in blocks(page):
         if why is not None and not why.startswith("run as: "):
             assert why.strip(), f"{page}: a block marked 'not run' must say why"
