@@ -276,12 +276,12 @@ class AsyncLoader:
         """One pass, which begins at the first ``next()`` (as a ``DataLoader``'s sampler does): an
         iterator dropped before it reads nothing and uses up no epoch (Lightning makes one to check
         the loader is iterable), and ``set_epoch`` between ``iter()`` and the first ``next()``
-        applies. The pass gives the epoch's batches (``len(self)``, fewer only where ``on_error="skip"`` left
-        none to fill a batch), prepared ``prefetch`` ahead. The pass runs ``set_epoch``'s epoch,
-        else the rest of a ``load_state_dict`` epoch, else the epoch after the last pass (whether
-        that pass ended or was left early, as a new pass of ``DataLoader(shuffle=True)`` is a new
-        order). A new pass ends one still running. Leaving the loop (``break``, an exception)
-        stops the threads; a batch stays valid while you hold it."""
+        applies. The pass gives the epoch's batches (``len(self)``, fewer only where
+        ``on_error="skip"`` left none to fill a batch), prepared ``prefetch`` ahead. The pass runs
+        ``set_epoch``'s epoch, else the rest of a ``load_state_dict`` epoch, else the epoch after
+        the last pass (whether that pass ended or was left early, as a new pass of
+        ``DataLoader(shuffle=True)`` is a new order). A new pass ends one still running at its first ``next()``. Leaving the
+        loop (``break``, an exception) stops the threads; a batch stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         return self._pass()
@@ -302,7 +302,10 @@ class AsyncLoader:
         padding; and the settings that decide the order, which ``load_state_dict`` checks. Taken
         in the loop, or after leaving it early, it describes the epoch of that pass; after a pass
         that ended, the next epoch, with nothing delivered yet; after an elastic resume (another
-        world size), an ``elastic`` entry, what recomputes its rest. Small: save one per rank."""
+        world size), an ``elastic`` entry, what recomputes its rest. Small. ``in_step``: batches
+        come in order and no sample was skipped, so any rank that handed out as many batches
+        stands at the same positions of its own part: rank 0's state alone resumes every rank
+        (DDP keeps them in step); else save every rank's (``load_state_dict`` takes the list)."""
         self._settle_ranks(strict=True)
         in_step = self._settings.in_order and not self._settings.skip_errors
         return self._epochs.state(self.sampler, self._order_identity, in_step)
@@ -312,10 +315,13 @@ class AsyncLoader:
         else ``ValueError`` names the difference): the next pass runs the saved epoch and delivers
         what it had not yet delivered, batch for batch as the uninterrupted run would have, with no
         delivered sample read again. ``set_epoch`` with the saved epoch keeps this; the pass after
-        it is the next epoch. At another world size than the state's, pass the list of every old
-        rank's ``state_dict()`` (the same list on every new rank): the pass then runs the samples
-        no old rank delivered or skipped, each once, in a seeded order dealt to the new ranks
-        (equal batch counts, fewer than ``len(loader)``); the next epoch is the new world size's."""
+        it is the next epoch. Another rank's state at the same world size resumes this rank where
+        it is ``in_step`` (a checkpoint written by rank 0 alone); else ``ValueError`` says how to
+        gather every rank's. Nothing here waits on the other ranks. At another world size than the
+        state's, pass the list of every old rank's ``state_dict()`` (the same list on every new
+        rank): the pass then runs the samples no old rank delivered or skipped, each once, in a
+        seeded order dealt to the new ranks (equal batch counts, fewer than ``len(loader)``); the
+        next epoch is the new world size's."""
         state, elastic = resume_point(state, self.sampler, self.state_dict())  # state_dict() settles the ranks
         if elastic is not None:
             elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()

@@ -45,7 +45,8 @@ HERE = (  # (what the page says, what runs here)
 def blocks(page: Path) -> list[tuple[str | None, str]]:
     """The page's Python blocks: (why it is not run, or None; its code). A script's ``why`` is
     ``"run as: <command>"``."""
-    return [(m["why"] if m["how"] is None else f"run as: {m['how']}", m["code"]) for m in BLOCK.finditer(page.read_text())]
+    return [(m["why"] if m["how"] is None else f"run as: {m['how']}", m["code"])
+            for m in BLOCK.finditer(page.read_text())]
 
 
 def run_script(code: str, how: str, folder: Path) -> None:
@@ -58,7 +59,8 @@ def run_script(code: str, how: str, folder: Path) -> None:
                else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max_restarts=0", *arguments])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
         output, _ = process.communicate(timeout=SCRIPT_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -103,6 +105,7 @@ def run_page(page: Path, s3_options: dict, cache: Path) -> dict:
     return scope
 
 
+@pytest.mark.timeout(2 * SCRIPT_TIMEOUT)  # a trainer's page runs a 2-process script besides its blocks
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_examples_run(page, s3_options, bucket, tmp_path):
     scope = run_page(page, s3_options, tmp_path)

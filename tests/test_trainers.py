@@ -23,6 +23,7 @@ from tests import accelerate_run, lightning_ddp
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 240.0  # seconds; a rank left waiting for another fails the test instead of hanging it
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)  # a 2-process run starts Python, torch and the trainer twice
 
 
 def index_sample(i: int) -> np.ndarray:
@@ -82,7 +83,7 @@ def test_lightning_epoch_e_is_asyncload_epoch_e_and_every_evaluation_is_complete
         epoch: train.sampler.order(epoch).tolist() for epoch in range(3)}
     assert all(sorted(seen) == list(range(30)) for seen in model.seen["train"].values())
     assert fit_val == {epoch: list(range(10)) for epoch in range(3)}, "each epoch validates every sample once"
-    assert model.seen["val"] == model.seen["test"] == {0: list(range(10))} and model.seen["predict"] == {0: list(range(10))}
+    assert model.seen["val"] == model.seen["test"] == model.seen["predict"] == {0: list(range(10))}
 
 
 def run_script(command: list[str], out: Path) -> str:
