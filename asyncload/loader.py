@@ -280,8 +280,9 @@ class AsyncLoader:
         ``on_error="skip"`` left none to fill a batch), prepared ``prefetch`` ahead. The pass runs
         ``set_epoch``'s epoch, else the rest of a ``load_state_dict`` epoch, else the epoch after
         the last pass (whether that pass ended or was left early, as a new pass of
-        ``DataLoader(shuffle=True)`` is a new order). A new pass ends one still running at its first ``next()``. Leaving the
-        loop (``break``, an exception) stops the threads; a batch stays valid while you hold it."""
+        ``DataLoader(shuffle=True)`` is a new order). A new pass ends one still running, at its
+        first ``next()``. Leaving the loop (``break``, an exception) stops the threads; a batch
+        stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         return self._pass()
