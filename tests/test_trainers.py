@@ -164,3 +164,21 @@ def test_accelerate_prepare_keeps_the_loader_and_skip_first_batches_names_the_re
     for rank in accelerate_ranks:
         assert rank["prepare_returns_it"]
         assert "register_for_checkpointing" in rank["skip_first_batches"]
+
+
+def test_what_the_trainers_read_has_honest_values():
+    """``sampler.set_epoch`` is the loader's; ``batch_sampler`` lists the next pass's batches of
+    source indices; ``dataset`` is the source's items and refuses to be read by a DataLoader."""
+    with AsyncLoader(list(range(10)), batch_size=4, shuffle=True, seed=2, read=False, decode=index_sample,
+                     drop_last=False) as loader:
+        assert (loader.batch_size, loader.drop_last, len(loader.dataset)) == (4, False, 10)
+        assert len(loader.batch_sampler) == len(loader) == 3
+        assert loader.batch_sampler.sampler is loader.sampler
+        loader.sampler.set_epoch(4)  # what Lightning calls
+        planned = list(loader.batch_sampler)
+        assert planned == [batch.tolist() for batch in loader.sampler.batches(4)]
+        assert [batch[:, 0].long().tolist() for batch in loader] == planned
+        assert list(loader.batch_sampler) == [batch.tolist() for batch in loader.sampler.batches(5)], "the next pass's"
+        assert loader.dataset.items == list(range(10))
+        with pytest.raises(TypeError, match="register_for_checkpointing"):
+            loader.dataset[0]
