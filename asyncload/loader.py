@@ -17,13 +17,15 @@ from .device import resolve_device
 from .epoch.passes import Passes
 from .epoch.progress import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
-from .order.sampler import distributed_defaults, source_digest
+from .order.ranks import find_ranks, settle
+from .order.sampler import source_digest
 from .pipeline.pipes import Backend
 from .procs.processes import process_count
 from .sources.shards import ShardSource
 from .stats.machine import usable_cores
 from .stats.trace import DEFAULT_EVENTS, Tracer
 from .switch import adaptive_switch
+from .trainers import EpochBatches, SourceDataset
 
 
 class AsyncLoader:
@@ -85,9 +87,14 @@ class AsyncLoader:
         rank (int, default None): which part of each epoch this process takes, as with
             ``DistributedSampler``: ranks get disjoint parts of equal length, so every rank gives
             ``len(loader)`` batches (DDP does not hang). None: from an initialised
-            ``torch.distributed``, else torchrun's ``RANK``, else 0.
+            ``torch.distributed``, else from the launcher's variables (torchrun's ``RANK``,
+            SLURM's ``SLURM_PROCID``, ``mpirun``'s), else 0. Not from a process group yet: it is
+            looked at again at the first ``next()`` (Lightning builds the loader before it starts
+            the other ranks); ``LOCAL_RANK``/``WORLD_SIZE`` without ``RANK`` (Lightning's launcher)
+            leave it unknown until then, and an error names the fix if it still is.
         world_size (int, default None): how many parts (ranks) each epoch is dealt into. None:
-            from ``torch.distributed``, else torchrun's ``WORLD_SIZE``, else 1.
+            as ``rank``: ``torch.distributed``, else ``WORLD_SIZE`` (or ``SLURM_NTASKS``, ...),
+            else 1, looked at again at the first ``next()``.
         max_failures (int or float, default 0.01): with ``on_error="skip"``, the samples an epoch
             may lose before ``TooManyFailures``: a count, or a fraction of the epoch.
         progress (bool, default False): a tqdm bar per pass on standard error, with samples/s and
@@ -150,10 +157,14 @@ class AsyncLoader:
             ``processes=N`` the children decode instead). See docs/guides/gpu-decode.md.
 
     Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
-    ``sampler`` (``sampler.order(epoch)``), ``epoch`` (what ``state_dict()`` records), ``device``,
+    ``sampler`` (``sampler.order(epoch)``; ``sampler.set_epoch`` is the loader's, for Lightning),
+    ``batch_sampler`` (each batch's source indices), ``dataset`` (the source's items),
+    ``batch_size``, ``drop_last``, ``epoch`` (what ``state_dict()`` records), ``device``,
     ``tuner`` (with ``"auto"`` settings). ``close()``, or ``with AsyncLoader(...) as loader:``,
     stops its threads and processes.
     """
+
+    prefetch_factor = None  # a DataLoader's without workers: Accelerate's skip_first_batches copies it (trainers.py)
 
     def __init__(
         self,
@@ -197,10 +208,14 @@ class AsyncLoader:
         threads = cores if auto_threads or num_threads is None else int(num_threads)
         io = initial_reads(io_concurrency, isinstance(source, ShardSource))
         self.device = resolve_device(device)
-        rank, world_size = distributed_defaults(rank, world_size)
-        self.sampler = make_sampler(source, batch_size, read, decode, shuffle=shuffle, seed=seed,
-                                    drop_last=drop_last, rank=rank, world_size=world_size)
+        self._given = (rank, world_size)
+        self._ranks = find_ranks(rank, world_size)  # provisional unless given or from torch.distributed
+        self.sampler = make_sampler(source, batch_size, read, decode, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                    rank=self._ranks.rank or 0, world_size=self._ranks.world_size)
         self._epochs = Epochs()  # which epoch a pass runs, and what it handed out
+        self.sampler.follow = self._epochs.choose  # Lightning's sampler.set_epoch (no reference to the loader)
+        self.dataset = SourceDataset(source)  # what the trainers read (trainers.py)
+        self.batch_sampler = EpochBatches(self.sampler, self._epochs.upcoming)
         self._order_identity = {**self.sampler.identity(), "source": source_digest(source)}
         self._passes = Passes(self._epochs)  # the pass running, if any
         self._closed = False
@@ -231,7 +246,27 @@ class AsyncLoader:
 
     def __len__(self) -> int:
         """Batches in one epoch for this rank (the same on every rank)."""
+        self._settle_ranks(strict=False)
         return len(self.sampler)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch (the last batch of an epoch may have fewer, unless ``drop_last``)."""
+        return self.sampler.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self.sampler.drop_last
+
+    def _settle_ranks(self, strict: bool) -> None:
+        """Provisional ranks (from the environment, or none) give way to an initialised
+        ``torch.distributed``'s once the loader is used: Lightning builds the loader in rank 0
+        before it launches the other ranks and initialises the group. ``strict``: a pass or a
+        state needs the rank, so an unknown one is an error that names the fix."""
+        if not self._ranks.settled:
+            self._ranks = settle(self._ranks, self._given, strict)
+            if self._ranks.rank is not None:
+                self.sampler.rank, self.sampler.world_size = self._ranks.rank, self._ranks.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Makes the next pass over the loader epoch ``epoch``: its shuffle (from ``(seed,
@@ -248,16 +283,28 @@ class AsyncLoader:
         return self._epochs.epoch
 
     def __iter__(self) -> Iterator[Any]:
-        """One pass: the epoch's batches (``len(self)``, fewer only where ``on_error="skip"`` left
-        none to fill a batch), prepared ``prefetch`` ahead. The pass runs ``set_epoch``'s epoch,
-        else the rest of a ``load_state_dict`` epoch, else the epoch after the last pass (whether
-        that pass ended or was left early, as a new pass of ``DataLoader(shuffle=True)`` is a new
-        order). A new pass ends one still running. Leaving the loop (``break``, an exception)
-        stops the threads; a batch stays valid while you hold it."""
+        """One pass, which begins at the first ``next()`` (as a ``DataLoader``'s sampler does): an
+        iterator dropped before it reads nothing and uses up no epoch (Lightning makes one to check
+        the loader is iterable), and ``set_epoch`` between ``iter()`` and the first ``next()``
+        applies. The pass gives the epoch's batches (``len(self)``, fewer only where
+        ``on_error="skip"`` left none to fill a batch), prepared ``prefetch`` ahead. The pass runs
+        ``set_epoch``'s epoch, else the rest of a ``load_state_dict`` epoch, else the epoch after
+        the last pass (whether that pass ended or was left early, as a new pass of
+        ``DataLoader(shuffle=True)`` is a new order). A new pass ends one still running, at its
+        first ``next()``. Leaving the loop (``break``, an exception) stops the threads; a batch
+        stays valid while you hold it."""
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
-        return self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress, self,
-                                  self._switch)
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        """The body runs at the first ``next()``: only then does the pass start (its first
+        batches under way at once, ``prefetch`` ahead)."""
+        if self._closed:
+            raise RuntimeError("this AsyncLoader is closed")
+        self._settle_ranks(strict=True)  # Lightning has initialised the process group by now
+        yield from self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress, self,
+                                      self._switch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands, to save with a checkpoint: ``epoch`` and which positions of its
@@ -266,19 +313,27 @@ class AsyncLoader:
         padding; and the settings that decide the order, which ``load_state_dict`` checks. Taken
         in the loop, or after leaving it early, it describes the epoch of that pass; after a pass
         that ended, the next epoch, with nothing delivered yet; after an elastic resume (another
-        world size), an ``elastic`` entry, what recomputes its rest. Small: save one per rank."""
-        return self._epochs.state(self.sampler, self._order_identity)
+        world size), an ``elastic`` entry, what recomputes its rest. Small. ``in_step``: batches
+        come in order and no sample was skipped, so any rank that handed out as many batches
+        stands at the same positions of its own part: rank 0's state alone resumes every rank
+        (DDP keeps them in step); else save every rank's (``load_state_dict`` takes the list)."""
+        self._settle_ranks(strict=True)
+        in_step = self._settings.in_order and not self._settings.skip_errors
+        return self._epochs.state(self.sampler, self._order_identity, in_step)
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Resumes from ``state_dict()`` (of a loader with the same source and order settings;
         else ``ValueError`` names the difference): the next pass runs the saved epoch and delivers
         what it had not yet delivered, batch for batch as the uninterrupted run would have, with no
         delivered sample read again. ``set_epoch`` with the saved epoch keeps this; the pass after
-        it is the next epoch. At another world size than the state's, pass the list of every old
-        rank's ``state_dict()`` (the same list on every new rank): the pass then runs the samples
-        no old rank delivered or skipped, each once, in a seeded order dealt to the new ranks
-        (equal batch counts, fewer than ``len(loader)``); the next epoch is the new world size's."""
-        state, elastic = resume_point(state, self.sampler, self.state_dict())
+        it is the next epoch. Another rank's state at the same world size resumes this rank where
+        it is ``in_step`` (a checkpoint written by rank 0 alone); else ``ValueError`` says how to
+        gather every rank's. Nothing here waits on the other ranks. At another world size than the
+        state's, pass the list of every old rank's ``state_dict()`` (the same list on every new
+        rank): the pass then runs the samples no old rank delivered or skipped, each once, in a
+        seeded order dealt to the new ranks (equal batch counts, fewer than ``len(loader)``); the
+        next epoch is the new world size's."""
+        state, elastic = resume_point(state, self.sampler, self.state_dict())  # state_dict() settles the ranks
         if elastic is not None:
             elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()
         self._epochs.load(state, self.sampler.batch_size, elastic)

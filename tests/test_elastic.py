@@ -211,3 +211,43 @@ def test_a_list_at_the_same_world_size_resumes_this_rank():
             listed.load_state_dict(states)
             assert [ints(b) for b in listed] == [ints(b) for b in single]
             assert "elastic" not in listed.state_dict()
+
+
+@pytest.mark.parametrize("processes", MODES)
+def test_rank_0s_state_alone_resumes_every_rank_at_the_same_world_size(processes):
+    """What a checkpoint saved on rank 0 alone gives (Lightning, Accelerate, ``if rank == 0:
+    torch.save(...)``): ranks in step stand at the same positions of their own orders."""
+    whole = []
+    for rank in range(2):
+        with int_loader(26, rank, 2, processes) as loader:
+            loader.set_epoch(3)
+            whole.append([ints(batch) for batch in loader])
+    with int_loader(26, 0, 2, processes) as loader:
+        loader.set_epoch(3)
+        batches = iter(loader)
+        head = [ints(next(batches)) for _ in range(2)]
+        saved = loader.state_dict()
+        del batches
+    assert head == whole[0][:2] and saved["in_step"]
+    for rank in range(2):
+        with int_loader(26, rank, 2, processes) as loader:
+            loader.load_state_dict(saved)
+            assert [ints(batch) for batch in loader] == whole[rank][2:], f"rank {rank} goes on where it stood"
+
+
+def test_a_state_of_ranks_that_may_have_moved_apart_names_the_list_form():
+    """With on_error="skip" each rank's positions are its own: another rank's state is refused,
+    naming how to gather every rank's; the rank whose state it is resumes (no collective)."""
+    with int_loader(20, 0, 2, decode=FailsOn({3}), on_error="skip", max_failures=5) as loader:
+        batches = iter(loader)
+        next(batches)
+        saved = loader.state_dict()
+        del batches
+    assert not saved["in_step"]
+    with int_loader(20, 1, 2, decode=FailsOn({3}), on_error="skip", max_failures=5) as loader:
+        with pytest.raises(ValueError, match=r"rank 0's of 2, and this loader is rank 1: .*list of all 2"
+                                             r".*all_gather_object"):
+            loader.load_state_dict(saved)
+    with int_loader(20, 0, 2, decode=FailsOn({3}), on_error="skip", max_failures=5) as loader:
+        loader.load_state_dict(saved)
+        assert len(list(loader)) == len(loader) - 1

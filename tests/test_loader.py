@@ -445,13 +445,26 @@ def test_native_libraries_run_one_thread_per_decode_thread_and_the_users_setting
         cv2.setNumThreads(-1)
 
 
-def test_an_iterator_dropped_before_its_first_next_stops_the_threads():
-    with index_loader(n=40, batch_size=4) as loader:
+def test_a_pass_starts_at_the_first_next_not_at_iter():
+    """As a DataLoader's sampler: Lightning makes an iterator to check the loader and drops it;
+    that reads nothing and uses up no epoch, and set_epoch after iter() applies."""
+    reads = []
+
+    def decode(i):
+        reads.append(i)
+        return np.full(3, i, np.int64)
+
+    with AsyncLoader(list(range(40)), batch_size=4, read=False, decode=decode, shuffle=True, seed=3) as loader:
         iterator = iter(loader)
-        assert asyncload_threads()
+        assert not asyncload_threads(), "iter() starts no thread"
         del iterator
-        assert not asyncload_threads(), "iter(loader) dropped unused left threads running"
-        assert len(list(loader)) == 10
+        assert reads == [] and loader.epoch == 0
+        first = delivered(loader)
+        assert first == loader.sampler.order(0).tolist(), "the dropped iterator used up no epoch"
+        iterator = iter(loader)
+        loader.set_epoch(5)  # between iter() and the first next(): applies
+        assert delivered(iterator) == loader.sampler.order(5).tolist()
+    assert not asyncload_threads()
 
 
 @pytest.mark.parametrize("n, bad, full_batches", [

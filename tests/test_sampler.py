@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from asyncload.order.sampler import EpochSampler, distributed_defaults
+from asyncload.order.sampler import EpochSampler
 
 
 def sampler(n=10, batch_size=3, shuffle=True, seed=0, drop_last=False, rank=0, world_size=1):
@@ -50,25 +50,6 @@ def test_drop_last_with_shards_drops_the_uneven_tail():
     shards = [sampler(n=10, rank=r, world_size=3, drop_last=True).order(0) for r in range(3)]
     together = np.concatenate(shards).tolist()
     assert len(together) == 9 and len(set(together)) == 9
-
-
-def test_rank_outside_world_is_rejected():
-    with pytest.raises(ValueError, match="rank must be in"):
-        distributed_defaults(2, 2)
-
-
-def test_defaults_without_torch_distributed():
-    assert distributed_defaults(None, None) == (0, 1)
-
-
-def test_rank_and_world_size_come_from_torchrun_before_init_process_group(monkeypatch):
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    assert distributed_defaults(None, None) == (1, 4)
-    assert distributed_defaults(0, None) == (0, 4)
-    monkeypatch.delenv("RANK")
-    monkeypatch.delenv("WORLD_SIZE")
-    assert distributed_defaults(None, None) == (0, 1)
 
 
 class Key:

@@ -47,6 +47,7 @@ class EpochDriver:
         self.assigned = 0
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
+        self._drained = False  # drain(): exhausted for a switch of backends, not at the epoch's end
         self.handout = HandOut(settings, self.stats, order)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
@@ -257,7 +258,14 @@ class EpochDriver:
 
     def drain(self) -> None:
         """Assigns no more batches: the iteration ends after those under way (a switch of backends)."""
-        self.exhausted = True
+        self.exhausted = self._drained = True
+
+    @property
+    def at_end(self) -> bool:
+        """No batch comes after the one being handed out: the epoch's plan is used up and none is
+        under way (Accelerate's ``end_of_dataloader``). A batch that skips leave empty is dropped
+        after the fact, so with ``on_error="skip"`` the end may go unannounced."""
+        return self.exhausted and not self._drained and self.taken >= self.assigned
 
     def _drop(self, batch: InFlight) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from ..pipeline.pipes import Backend
 from ..stats.bar import ProgressBar
+from ..trainers import EpochEnd
 from .driver import EpochDriver
 from .progress import Epochs, Progress
 from .settings import Settings
@@ -50,6 +51,7 @@ class Passes:
     def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: Settings,
                  tuner: Any, bar_stats: Any, owner: Any, switch: Any) -> Iterator[Any]:  # owner: kept alive
         bar = ProgressBar.for_pass(bar_stats, sampler, progress, epoch) if bar_stats is not None else None
+        end = EpochEnd()  # Accelerate's gradient accumulation syncs at the epoch's last batch
         try:
             while True:
                 draining = False
@@ -58,6 +60,8 @@ class Passes:
                         tuner.observe()
                     if bar is not None:
                         bar.advance(len(positions))
+                    if driver.at_end:
+                        end.last()
                     yield batch
                     del batch  # not kept by this frame while the next one is awaited: its buffer may be reused
                     if not draining and switch is not None and switch.due():
@@ -72,6 +76,7 @@ class Passes:
             if bar is not None:
                 bar.complete()
         finally:
+            end.end()
             driver.stop()
             if self.driver is driver and driver._stop_done:  # else close() finishes the stop
                 self.driver = None

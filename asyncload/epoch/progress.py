@@ -73,6 +73,8 @@ def resume_point(saved: dict[str, Any] | list[dict[str, Any]], sampler: Any,
     ``state_dict()`` (same world size), or the list of every old rank's (any world size; one
     rank's alone cannot say what the others delivered). ``ValueError`` names what is wrong."""
     if isinstance(saved, dict) and saved["world_size"] == sampler.world_size:
+        if saved["rank"] != sampler.rank:
+            saved = as_rank(saved, sampler.rank)
         check_resumable(saved, mine)
         return saved, Elastic.from_state(saved.get("elastic"))
     states = [saved] if isinstance(saved, dict) else list(saved)
@@ -112,6 +114,31 @@ def resume_point(saved: dict[str, Any] | list[dict[str, Any]], sampler: Any,
     return fresh, Elastic(old, states, earlier)
 
 
+def as_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Another rank's ``state`` (same world size) as this ``rank``'s: what a checkpoint saved on
+    rank 0 alone gives every rank (Lightning, Accelerate, ``if rank == 0: torch.save(...)``). DDP
+    keeps the ranks in step, so where the state is ``in_step`` this rank handed out the same
+    positions of its own order; else (skips, batches out of order) only every rank's state says
+    where each stands: ``ValueError`` says how to gather them. No collective here: a rank that
+    refuses leaves none of the others waiting in one of ours."""
+    if state.get("in_step"):
+        return {**state, "rank": rank}
+    if state.get("skipped") or state.get("padded"):
+        why = "it skipped samples, which moves a rank's positions apart from the others'"
+    elif "in_step" not in state:
+        why = "it was saved by an older asyncload, which did not record whether the ranks were in step"
+    else:
+        why = ("with on_error='skip' or in_order=False, or after an elastic resume, each rank's positions are "
+               "its own")
+    world = state["world_size"]
+    raise ValueError(
+        f"this state_dict is rank {state['rank']}'s of {world}, and this loader is rank {rank}: {why}, so rank "
+        f"{state['rank']}'s state does not say where rank {rank} stands. Save every rank's state_dict() and give "
+        f"load_state_dict the list of all {world} (the same list on every rank): e.g. on every rank, states = "
+        f"[None] * {world}; torch.distributed.all_gather_object(states, loader.state_dict()), then save states "
+        f"from rank 0; or save one file per rank")
+
+
 class Epochs:
     """Which epoch each pass over the loader runs, and what it handed out so far (``progress``).
 
@@ -136,12 +163,23 @@ class Epochs:
             self.progress, self.resume, self.elastic = Progress(), False, None
         self.chosen = True
 
-    def state(self, sampler: Any, order_identity: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict()``: the epoch, its progress and the settings that decide its order."""
+    def state(self, sampler: Any, order_identity: dict[str, Any], in_step: bool = False) -> dict[str, Any]:
+        """``state_dict()``: the epoch, its progress and the settings that decide its order.
+        ``in_step``: batches come in order and a failure raises (no skip), so every rank that
+        handed out as many batches of the epoch stands at the same positions of its own order:
+        this state then resumes any rank (``in_step``)."""
+        progress = self.progress
+        contiguous = progress.done.intervals() in ([], [[0, len(progress.done)]])
         return {"epoch": self.epoch, "seed": sampler.seed, "samples_per_rank": sampler.samples_per_rank,
                 "batch_size": sampler.batch_size, "rank": sampler.rank, "world_size": sampler.world_size,
-                **self.progress.as_state(), "order": dict(order_identity),
-                **({} if self.elastic is None else {"elastic": self.elastic.as_state()})}
+                **progress.as_state(), "order": dict(order_identity),
+                **({} if self.elastic is None else {"elastic": self.elastic.as_state()}),
+                "in_step": bool(in_step and contiguous and self.elastic is None and not len(progress.skipped)
+                                      and not len(progress.repeated))}
+
+    def upcoming(self) -> int:
+        """The epoch the next pass runs (unless ``set_epoch`` or ``load_state_dict`` says otherwise)."""
+        return self.epoch if self.chosen else self.epoch + 1
 
     def load(self, state: dict[str, Any], batch_size: int, elastic: Elastic | None = None) -> None:
         """Resume ``state``; with ``elastic``, its positions are those of that rest's order."""

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -36,24 +35,6 @@ def _stable_text(item: Any) -> str:
     return type(item).__qualname__
 
 
-def distributed_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size: the given ones, else those of an initialised torch.distributed, else
-    those torchrun put in the environment (``RANK``, ``WORLD_SIZE``: a loader built before
-    ``init_process_group`` must not read the whole dataset on every rank), else 0/1."""
-    if rank is None or world_size is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            found = dist.get_rank(), dist.get_world_size()
-        else:
-            found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        rank = found[0] if rank is None else rank
-        world_size = found[1] if world_size is None else world_size
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-    return rank, world_size
-
-
 class EpochSampler:
     """Splits an epoch's order into this rank's batches of source indices.
 
@@ -83,6 +64,14 @@ class EpochSampler:
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
+        self.follow: Callable[[int], None] | None = None  # the loader's set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The loader's ``set_epoch``: PyTorch Lightning calls ``loader.sampler.set_epoch`` each
+        epoch (as a ``DistributedSampler``'s), never the loader's own."""
+        if self.follow is None:
+            raise RuntimeError("this sampler belongs to no AsyncLoader: call the loader's set_epoch")
+        self.follow(epoch)
 
     @property
     def size(self) -> EpochSize:

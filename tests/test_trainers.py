@@ -1,0 +1,184 @@
+"""An AsyncLoader inside the real trainers, used as their docs use a DataLoader: PyTorch
+Lightning (one device in this process; DDP on 2 CPU processes, gloo, ``lightning_ddp.py``) and
+Hugging Face Accelerate (2 processes under torchrun, ``accelerate_run.py``). Every sample's
+content is its index, so each delivered sample is identified."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from asyncload import AsyncLoader
+from asyncload.order.sampler import EpochSampler
+from tests import accelerate_run, lightning_ddp
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT = 240.0  # seconds; a rank left waiting for another fails the test instead of hanging it
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)  # a 2-process run starts Python, torch and the trainer twice
+
+
+def index_sample(i: int) -> np.ndarray:
+    return np.full(2, i, np.float32)
+
+
+class Recorder(L.LightningModule):
+    """Records the sample indices each step sees, per epoch (validation outside the sanity check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.seen: dict[str, dict[int, list[int]]] = {"train": {}, "val": {}, "test": {}, "predict": {}}
+
+    def _record(self, stage: str, batch: torch.Tensor) -> torch.Tensor:
+        self.seen[stage].setdefault(self.current_epoch, []).extend(batch[:, 0].long().tolist())
+        return self.layer(batch).sum() * 0.0
+
+    def training_step(self, batch, index):
+        return self._record("train", batch)
+
+    def validation_step(self, batch, index):
+        if not self.trainer.sanity_checking:
+            self._record("val", batch)
+
+    def test_step(self, batch, index):
+        self._record("test", batch)
+
+    def predict_step(self, batch, index):
+        return self._record("predict", batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def trainer(**kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+def test_lightning_epoch_e_is_asyncload_epoch_e_and_every_evaluation_is_complete():
+    """Lightning checks a loader by making an iterator and dropping it, and sets the epoch through
+    ``loader.sampler.set_epoch``: trainer epoch e gets epoch e's order, every sample once; its
+    validation, test and predict paths take the loader (``batch_sampler``, ``dataset``)."""
+    train = AsyncLoader(list(range(30)), batch_size=4, shuffle=True, seed=7, read=False, decode=index_sample,
+                        num_threads=1)
+    val = AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False, decode=index_sample, num_threads=1)
+    model = Recorder()
+    with train, val:
+        trainer(max_epochs=3).fit(model, train_dataloaders=train, val_dataloaders=val)
+        fit_val, model.seen["val"] = model.seen["val"], {}
+        run = trainer()
+        run.validate(model, val)
+        run.test(model, val)
+        run.predict(model, val)
+    assert {epoch: seen for epoch, seen in model.seen["train"].items()} == {
+        epoch: train.sampler.order(epoch).tolist() for epoch in range(3)}
+    assert all(sorted(seen) == list(range(30)) for seen in model.seen["train"].values())
+    assert fit_val == {epoch: list(range(10)) for epoch in range(3)}, "each epoch validates every sample once"
+    assert model.seen["val"] == model.seen["test"] == model.seen["predict"] == {0: list(range(10))}
+
+
+def run_script(command: list[str], out: Path) -> str:
+    """Runs a 2-process script; kills it and every process it started if it outlives RUN_TIMEOUT.
+    Returns its output; fails the test (with the output) unless it exited with 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen(command, env=env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT:.0f} s:\n{output[-4000:]}", pytrace=False)
+    if process.returncode != 0:
+        pytest.fail(f"exit status {process.returncode}:\n{output[-4000:]}", pytrace=False)
+    return output
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("lightning")
+    run_script([sys.executable, str(Path(lightning_ddp.__file__).resolve()), str(out)], out)
+    return {fit: [json.loads((out / f"{fit}.rank{rank}.json").read_text()) for rank in range(2)]
+            for fit in ("stopped", "resumed")}
+
+
+def rank_order(rank: int, epoch: int) -> list[int]:
+    """Rank ``rank`` of 2's order of ``epoch`` in ``lightning_ddp.py``'s training loader."""
+    return EpochSampler(lightning_ddp.ITEMS, lightning_ddp.BATCH, shuffle=True, seed=5, drop_last=False, rank=rank,
+                        world_size=2).order(epoch).tolist()
+
+
+def test_lightning_ddp_ranks_take_disjoint_equal_halves_of_a_loader_built_before_fit(lightning_run):
+    """Rank 0 built its loader with no distributed environment, rank 1 with Lightning's
+    ``LOCAL_RANK``/``WORLD_SIZE`` and no ``RANK``: at the first batch both are ranks of 2."""
+    first = lightning_run["stopped"]
+    assert [rank["batches"] for rank in first] == [5, 5]
+    halves = [rank["train"]["0"] for rank in first]
+    assert halves == [rank_order(0, 0), rank_order(1, 0)], "trainer epoch 0 is asyncload's epoch 0 on each rank"
+    assert sorted(halves[0] + halves[1]) == list(range(lightning_ddp.ITEMS))
+    assert sorted(first[0]["val"]["0"] + first[1]["val"]["0"]) == list(range(lightning_ddp.VAL_ITEMS))
+
+
+def test_lightning_ddp_resumes_both_ranks_from_rank_0s_checkpoint(lightning_run):
+    """The checkpoint holds rank 0's loader state alone; both ranks go on where they stood."""
+    stopped, resumed = lightning_run["stopped"], lightning_run["resumed"]
+    for rank in range(2):
+        assert list(resumed[rank]["train"]) == ["1"]
+        assert stopped[rank]["train"]["1"] + resumed[rank]["train"]["1"] == rank_order(rank, 1)
+
+
+@pytest.fixture(scope="module")
+def accelerate_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("accelerate")
+    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "--max_restarts=0", str(Path(accelerate_run.__file__).resolve()), str(out)], out)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_accelerate_accumulation_syncs_where_a_prepared_dataloader_does(accelerate_ranks):
+    for rank in accelerate_ranks:
+        assert rank["dataloader_syncs"] == [[2, 5, 7], [2, 5, 7]]
+        assert rank["asyncload_syncs"] == rank["dataloader_syncs"], "the epoch's end syncs, every epoch"
+
+
+def test_accelerate_save_state_on_rank_0_resumes_every_rank(accelerate_ranks):
+    for rank in accelerate_ranks:
+        assert rank["before"] + rank["after"] == rank["epoch_order"]
+        assert len(rank["before"]) == accelerate_run.SAVE_AFTER * accelerate_run.BATCH
+    assert sorted(accelerate_ranks[0]["epoch_order"] + accelerate_ranks[1]["epoch_order"]) == list(
+        range(accelerate_run.ITEMS))
+
+
+def test_accelerate_prepare_keeps_the_loader_and_skip_first_batches_names_the_resume(accelerate_ranks):
+    for rank in accelerate_ranks:
+        assert rank["prepare_returns_it"]
+        assert "register_for_checkpointing" in rank["skip_first_batches"]
+
+
+def test_what_the_trainers_read_has_honest_values():
+    """``sampler.set_epoch`` is the loader's; ``batch_sampler`` lists the next pass's batches of
+    source indices; ``dataset`` is the source's items and refuses to be read by a DataLoader."""
+    with AsyncLoader(list(range(10)), batch_size=4, shuffle=True, seed=2, read=False, decode=index_sample,
+                     drop_last=False) as loader:
+        assert (loader.batch_size, loader.drop_last, len(loader.dataset)) == (4, False, 10)
+        assert len(loader.batch_sampler) == len(loader) == 3
+        assert loader.batch_sampler.sampler is loader.sampler
+        loader.sampler.set_epoch(4)  # what Lightning calls
+        planned = list(loader.batch_sampler)
+        assert planned == [batch.tolist() for batch in loader.sampler.batches(4)]
+        assert [batch[:, 0].long().tolist() for batch in loader] == planned
+        assert list(loader.batch_sampler) == [batch.tolist() for batch in loader.sampler.batches(5)], "the next pass's"
+        assert loader.dataset.items == list(range(10))
+        with pytest.raises(TypeError, match="register_for_checkpointing"):
+            loader.dataset[0]
