@@ -32,6 +32,7 @@ from .guard import guard_advice, refuse_while_bootstrapping
 from .merged import ProcessStats
 from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
                        Stopped, Unmap, pickled_arguments)
+from .script import needs_main, script_refusal
 from .segments import SegmentRing
 from .start import start_child
 
@@ -50,6 +51,9 @@ class ProcessPool:
         if reason:
             raise RuntimeError(reason)
         payload = pickled_arguments(arguments)
+        refusal = script_refusal(payload, arguments)  # before any child could run the script's top level
+        if refusal is not None:
+            raise RuntimeError(f"asyncload: processes={count} cannot start child processes: {refusal}")
         self.stats = stats
         self.conns: list[Any] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -58,8 +62,9 @@ class ProcessPool:
         # The finalizer must not reach this object (the ring's callbacks do): only plain parts.
         self._finalizer = weakref.finalize(self, _shut_down, self.processes, self.conns, self.send_locks,
                                            self.ring.segments, device)
+        main = needs_main(payload) is not None  # else the children never import the user's script
         for index in range(count):
-            conn, process = start_child(index, payload)
+            conn, process = start_child(index, payload, main)
             self.conns.append(conn)
             self.processes.append(process)
         self._stopping: dict[int, tuple[set[int], list[Any]]] = {}  # run -> (children yet to answer, buffers)
@@ -156,7 +161,7 @@ class ProcessPool:
         if message.trace is not None and self.stats.tracer is not None:
             self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
         if isinstance(message, Broken):
-            self._broken = ("a loader process could not build its pipeline", message.error)
+            self._broken = (message.what, message.error)
             self.check()
         if isinstance(message, Ready):
             self._ready += 1
