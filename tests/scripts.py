@@ -38,7 +38,7 @@ class Script:
         self.path = folder / "train.py"
         self.marks = folder / "marks"
         self.marks.mkdir()
-        self.path.write_text(textwrap.dedent(text).replace("MARKS", repr(str(self.marks))))
+        self.path.write_text(textwrap.dedent(text).replace("{marks}", repr(str(self.marks))))
         self.tag = uuid.uuid4().hex
         self.process: subprocess.Popen | None = None
 

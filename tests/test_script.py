@@ -19,7 +19,7 @@ UNGUARDED_MODULE_DECODE = """
     import os, pathlib
     from asyncload import AsyncLoader
     from tests.test_procs import pid_sample
-    pathlib.Path(MARKS, f"top-{os.getpid()}").touch()
+    pathlib.Path({marks}, f"top-{os.getpid()}").touch()
     {switch}
     loader = AsyncLoader(list(range(64)), batch_size=4, shuffle=False, read=False, decode=pid_sample,
                          processes={processes})
@@ -27,7 +27,7 @@ UNGUARDED_MODULE_DECODE = """
     for batch in loader:
         pids.update(int(pid) for pid in batch[:, 1])
     for pid in pids:
-        pathlib.Path(MARKS, f"decoded-{pid}").touch()
+        pathlib.Path({marks}, f"decoded-{pid}").touch()
     print("finished", flush=True)
 """
 
@@ -35,11 +35,11 @@ UNGUARDED_MAIN_DECODE = """
     import os, pathlib
     import numpy as np
     from asyncload import AsyncLoader
-    pathlib.Path(MARKS, f"top-{os.getpid()}").touch()
+    pathlib.Path({marks}, f"top-{os.getpid()}").touch()
     {switch}
 
     def make_item(i):
-        pathlib.Path(MARKS, f"decoded-{os.getpid()}").touch()
+        pathlib.Path({marks}, f"decoded-{os.getpid()}").touch()
         return np.array([i, os.getpid()], np.int64)
 
     loader = AsyncLoader(list(range(64)), batch_size=4, shuffle=False, read=False, decode=make_item,
@@ -55,11 +55,11 @@ GUARDED_MAIN_DECODE = """
     from asyncload import AsyncLoader
 
     def make_item(i):
-        pathlib.Path(MARKS, f"decoded-{os.getpid()}").touch()
+        pathlib.Path({marks}, f"decoded-{os.getpid()}").touch()
         return np.array([i, os.getpid()], np.int64)
 
     if __name__ == "__main__":
-        pathlib.Path(MARKS, f"top-{os.getpid()}").touch()
+        pathlib.Path({marks}, f"top-{os.getpid()}").touch()
         {switch}
         loader = AsyncLoader(list(range(64)), batch_size=4, shuffle=False, read=False, decode=make_item,
                              processes={processes})

@@ -99,7 +99,7 @@ def _exit_with_parent() -> None:
     if parent is None:
         return
     multiprocessing.connection.wait([parent.sentinel])  # ready once the parent has exited
-    end_group(os.getpid())
+    end_group(os.getpid())  # this process included
 
 
 def _exit(code: int) -> None:

@@ -57,7 +57,7 @@ def lead_group() -> bool:
 
 
 def leads_group(pid: int) -> bool:
-    """Whether ``pid`` leads its own process group (so ending the group ends only its own)."""
+    """Whether ``pid`` leads its own process group."""
     try:
         return os.getpgid(pid) == pid
     except OSError:
@@ -65,13 +65,12 @@ def leads_group(pid: int) -> bool:
 
 
 def end_group(pid: int) -> None:
-    """SIGKILL to the group ``pid`` leads, ``pid`` included; to ``pid`` alone if it leads none
-    (never to a group that is not a child's own, such as the user's shell's)."""
+    """SIGKILL to ``pid`` and to the process group it leads, if it leads one. ``pid`` must be
+    a process not yet waited for (alive or a zombie), so that the number is still its own."""
     with contextlib.suppress(OSError):
-        if leads_group(pid):
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)  # no such group (it never led one): nothing to end there
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def end_others_in_group() -> None:

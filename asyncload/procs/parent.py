@@ -6,7 +6,8 @@ it can carry descriptors). All reading of the pipes is done by the user's thread
 for a batch; nothing runs in the background here.
 
 Shutdown: ``close()``/garbage collection tell the children to stop, wait briefly, then kill
-them; a child exits by itself when its parent dies (its lifeline thread); if a child dies, the
+them with their process groups; a child ends itself and its group when its parent dies, however
+(``lifetime.py``); if a child dies, the
 parent raises a ``RuntimeError`` that says how, rather than wait. Segments need no cleanup in
 any of these cases (they are memfds: the kernel frees them with their last mapping).
 """
@@ -29,6 +30,7 @@ from ..pipeline.settings import share
 from ..redact import shown
 from . import shm
 from .guard import guard_advice, refuse_while_bootstrapping
+from .lifetime import end_group
 from .merged import ProcessStats
 from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
                        Stopped, Unmap, pickled_arguments)
@@ -286,8 +288,8 @@ def _shut_down(processes: list[Any], conns: list[Any], send_locks: list[threadin
     deadline = time.monotonic() + CLOSE_TIMEOUT_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-        if process.exitcode is None:
-            process.kill()
+        if process.exitcode is None:  # not waited for yet: its pid is still its own
+            end_group(process.pid)  # with what it started (a child leads its process group)
             process.join()
     for conn in conns:
         conn.close()

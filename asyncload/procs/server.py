@@ -40,7 +40,7 @@ def _end_children() -> None:
         pids = [child.pid for child in psutil.Process().children()]
     except psutil.Error:
         return
-    for pid in pids:
+    for pid in pids:  # not waited for yet: the server's SIGCHLD handler cannot run any more
         end_group(pid)
 
 
