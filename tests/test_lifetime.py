@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.scripts import BOUND_S, Script, force_switch_lines
@@ -100,19 +101,35 @@ def test_nothing_outlives_the_script_however_it_ends(tmp_path, processes, how):
         run.kill_all()
 
 
-def test_a_child_started_from_a_thread_that_ends_stays_until_its_loader_closes():
-    """The fork server's children die with the fork server, not with the thread that asked for
-    them (``PR_SET_PDEATHSIG`` follows the forking thread): a loader created on a thread that
-    then ends keeps its children."""
+def lifetime_facts(i):
+    """A child's pid and whether it leads its process group."""
+    return np.array([os.getpid(), os.getpgid(0) == os.getpid()], np.int64)
+
+
+def test_children_lead_their_groups_and_die_with_the_fork_server_not_with_the_thread_that_made_them():
+    """``PR_SET_PDEATHSIG`` follows the thread that forked, not the process: it is set in the
+    fork server's children (its one thread forks them), never for the fork server (started from
+    whichever thread of this process first needed it). So a loader made on a thread that then
+    ends keeps its children; and they end with the fork server, were it killed alone (a new one
+    starts for the next loader)."""
     from asyncload import AsyncLoader
-    from tests.test_procs import pid_sample
 
     made = []
     thread = threading.Thread(target=lambda: made.append(AsyncLoader(list(range(16)), batch_size=4, read=False,
-                                                                     decode=pid_sample, processes=2)))
+                                                                     decode=lifetime_facts, processes=2)))
     thread.start()
     thread.join()
     loader = made[0]
-    pids = {int(row[1]) for batch in loader for row in batch}
+    facts = {tuple(int(value) for value in row) for batch in loader for row in batch}
+    pids = {pid for pid, _ in facts}
     assert len(pids) == 2 and os.getpid() not in pids
-    loader.close()
+    assert {leads for _, leads in facts} == {1}
+    children = [psutil.Process(pid) for pid in pids]
+    servers = {child.ppid() for child in children}
+    assert len(servers) == 1 and os.getpid() not in servers
+    try:
+        psutil.Process(servers.pop()).kill()
+        _, alive = psutil.wait_procs(children, timeout=BOUND_S)
+        assert alive == [], "the children died with the fork server"
+    finally:
+        loader.close()

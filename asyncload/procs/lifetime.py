@@ -22,25 +22,34 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl() -> Any:
+    """libc's ``prctl``, looked up once (from the symbols already loaded: no search for the
+    library, which would start a process); None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
 
 
 def die_with_parent(parent: int) -> None:
     """On Linux: this process gets SIGKILL when the thread that forked it ends (the fork
     server's only thread: the server's end). ``parent``: its pid before the fork; if the
     parent ended before the signal was armed, the process ends now (the race the man page
-    warns of)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+    warns of). Called right after a fork, so it does nothing but a system call."""
+    if _PRCTL is None or _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return
     if os.getppid() != parent:
         os._exit(1)
