@@ -7,8 +7,6 @@ process that decodes; the test then knows what ran where. Scripts are run as use
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.scripts import Script, force_switch_lines
@@ -167,4 +165,3 @@ def test_a_script_whose_top_level_only_defines_things_is_not_a_hazard(tmp_path, 
     assert hazard("import os\nfor i in range(3):\n    pass\n") == "its top level runs `for i in range(3): ...` at line 2"
     assert hazard("def main():\n    pass\nmain()\n") == "its top level runs `main()` at line 3"
     assert hazard("import sys\nif sys.argv:\n    print('x')\n") == "its top level runs `print('x')` at line 3"
-    assert os.path.exists(tmp_path)

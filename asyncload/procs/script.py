@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
+from multiprocessing import process
 from typing import Any
 
 GUARD = 'if __name__ == "__main__":'
@@ -44,6 +45,8 @@ def rerun_hazard() -> str | None:
     path = getattr(main, "__file__", None)
     if main is None or path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
         return None  # multiprocessing itself skips IPython's launcher
+    if not os.path.isabs(path) and process.ORIGINAL_DIR is not None:
+        path = os.path.join(process.ORIGINAL_DIR, path)  # where multiprocessing looks for it too
     try:
         with open(path, "rb") as file:
             tree = ast.parse(file.read(), path)

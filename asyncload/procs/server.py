@@ -7,7 +7,9 @@ group of each child it forked (``lifetime.end_group``): the children, and whatev
 are gone before it is. Each child it forks also dies with it (``lifetime.die_with_parent``,
 set right after the fork, before the child imports anything), should it be killed instead.
 
-Nothing happens where this module is imported outside a fork server (``_in_fork_server``).
+Nothing happens where this module is imported outside a fork server (``_in_fork_server``). A
+fork server that something else started first (without this module) lacks both: the children's
+own lifeline and process groups (``child.py``) remain.
 """
 
 from __future__ import annotations
