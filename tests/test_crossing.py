@@ -51,6 +51,16 @@ def pickles_once(i):
     return {"x": np.full(2, i, np.int64), "m": PicklesOnce()}
 
 
+class Fatal(BaseException):
+    """Not an ``Exception``: no sample's error handling catches it, so it ends the decode thread."""
+
+
+def fatal_after_the_first_batch(i):
+    if i >= 4:
+        raise Fatal(f"item {i} ended its thread")
+    return {"x": np.full(2, i, np.int64), "m": b"%d" % i}
+
+
 def xs(batches) -> list[int]:
     return [int(row[0]) for batch in batches for row in batch["x"]]
 
@@ -86,6 +96,16 @@ def test_an_answer_that_cannot_be_sent_is_an_error_in_the_parent_not_a_hang():
         with pytest.raises(RuntimeError, match="a loader process cannot go on") as caught:
             list(loader)
     assert "could not send its Done answer: TypeError: this object pickles only once" in str(caught.value.__cause__)
+
+
+def test_a_decode_thread_of_a_child_that_dies_is_an_error_in_the_parent_not_a_hang():
+    with AsyncLoader(ITEMS, batch_size=4, shuffle=False, read=False, decode=fatal_after_the_first_batch,
+                     processes=2, decode_timeout=600) as loader:
+        with pytest.raises(RuntimeError, match="a loader process cannot go on") as caught:
+            list(loader)
+    cause = str(caught.value.__cause__)
+    assert re.match(r"thread asyncload-decode-\d+ of a loader process \(pid \d+\) died: Fatal: item \d+ ended its "
+                    r"thread", cause), cause
 
 
 def test_in_this_process_such_values_are_handed_out_as_they_are():

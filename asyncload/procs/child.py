@@ -169,12 +169,14 @@ class _Child:
 
     def thread_died(self, args: threading.ExceptHookArgs) -> None:
         """``threading.excepthook``: a thread of this process ended with an exception nothing
-        caught. Its work (a fill, a run) would never be answered: the parent is told, and
-        raises it, rather than wait for ever."""
+        caught. One of the pipeline's (a decode thread that a ``BaseException`` from user code
+        went through, say) leaves its work (a fill, a run) never answered: the parent is told,
+        and raises it, rather than wait for ever. A thread the user's code started is the
+        user's: its traceback is printed, as anywhere."""
         threading.__excepthook__(args)  # its traceback on stderr, as before
-        if args.exc_value is None or isinstance(args.exc_value, SystemExit):
+        name = args.thread.name if args.thread is not None else ""
+        if args.exc_value is None or isinstance(args.exc_value, SystemExit) or not name.startswith("asyncload"):
             return
-        name = args.thread.name if args.thread is not None else "a thread"
         error = RuntimeError(f"thread {name} of a loader process (pid {os.getpid()}) died: "
                              f"{type(args.exc_value).__name__}: {args.exc_value}")
         self.send(Broken(portable(error), what="a loader process cannot go on"))

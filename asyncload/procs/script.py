@@ -45,6 +45,9 @@ def rerun_hazard() -> str | None:
     path = getattr(main, "__file__", None)
     if main is None or path is None or os.path.splitext(os.path.basename(path))[0] == "ipython":
         return None  # multiprocessing itself skips IPython's launcher
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return None  # ``python -m package``: multiprocessing never runs a package's __main__ again
     if not os.path.isabs(path) and process.ORIGINAL_DIR is not None:
         path = os.path.join(process.ORIGINAL_DIR, path)  # where multiprocessing looks for it too
     try:
