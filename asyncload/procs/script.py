@@ -74,7 +74,7 @@ def hazard_advice(name: str, value: Any, hazard: str) -> str:
     if not defined and getattr(type(value), "__module__", None) == "__main__":
         defined = type(value).__qualname__
     what = defined or "the functions and classes it uses"
-    return (f"{name}= needs {what} from {script}, so each child process would import {script} again, and "
+    return (f"{name}= needs {what} from {script}, so each child process would import the script again, and "
             f"{hazard} outside `{GUARD}`, which would run again in every child: put the script's top-level "
             f"code under `{GUARD}`, or define {what} in a module of its own")
 
