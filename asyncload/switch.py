@@ -24,6 +24,7 @@ import torch
 from .adapt import THRESHOLDS, Policy, Step
 from .autotune import _interval_figures
 from .backend import build_backend
+from .batch.crossing import unportable
 from .epoch.settings import Settings
 from .errors import describe
 from .pipeline.batched import image_placement, is_batched
@@ -143,7 +144,10 @@ class Switch:
         return backend
 
     def _start(self, count: int, why: str, armed: bool = True) -> None:
-        blocked = children_blocked(vars(self.settings.pipeline(count, self.thread_limit)))
+        ring = self.backend.ring  # in this process: values its samples put aside must be able to travel
+        aside = ring.aside_values() if hasattr(ring, "aside_values") else []  # from children: they did
+        blocked = (children_blocked(vars(self.settings.pipeline(count, self.thread_limit)))
+                   or unportable(ring.layout, aside))
         if blocked is not None:
             self._cannot(blocked, count)
             return

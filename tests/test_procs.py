@@ -400,32 +400,6 @@ def test_the_children_exit_when_the_parent_dies():
         parent.stdout.close()
 
 
-def test_a_script_without_a_main_guard_gets_an_error_that_says_so(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
-        from asyncload import AsyncLoader
-        from tests.test_procs import index_sample
-        loader = AsyncLoader(list(range(100)), batch_size=4, read=False, decode=index_sample, processes=2)
-        for batch in loader:
-            pass
-        print("finished")
-    """))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=90)
-    assert result.returncode != 0 and "finished" not in result.stdout
-    # The traceback's last line; the other child may print its own advice after it (it is still
-    # importing the script when the parent, told by the first, raises).
-    raised = [line for line in result.stderr.splitlines() if line.startswith("RuntimeError: ")]
-    assert len(raised) == 1, result.stderr
-    last = raised[0]
-    assert last.startswith("RuntimeError: asyncload: processes=") and 'if __name__ == "__main__":' in last
-    assert str(script) in last
-    assert "bootstrapping phase" not in result.stderr, "not multiprocessing's own message"
-    assert time.monotonic() - started < 60
-
-
 def test_ctrl_c_and_close_from_another_thread_while_waiting_for_a_batch(ctrl_c_raises):
     loader = AsyncLoader(list(range(100)), batch_size=4, read=slow_read, decode=np.asarray, io_concurrency=2,
                          processes=2)

@@ -84,6 +84,7 @@ class BatchBuffer:
         self._handed: list[weakref.ref] = []  # the NumPy views under the tensors the user got
         self._with_user = False  # handed out pinned, and the user has not moved on yet
         self.side: dict[tuple[int, int], Any] = {}  # (row, leaf) -> a value not in the arrays (batch/ragged.py)
+        self.crosses = False  # a child's view of a shared segment: what goes aside must pickle (batch/crossing.py)
 
     def _allocate(self, index: int, field: Field, pin_memory: bool) -> torch.Tensor:
         shape, dtype = (self.capacity, *field.shape), torch_dtype(field.dtype)
@@ -228,6 +229,12 @@ class BufferRing:
             self._buffers.append(buffer)  # most recently used goes last
             self._forget_held_buffers()
             return buffer
+
+    def aside_values(self) -> list[tuple[int, Any]]:
+        """``(leaf, value)`` for what the rows of this ring's buffers put aside (the batches
+        lately filled): what children would have to send (``switch.py``)."""
+        with self._lock:
+            return [(leaf, value) for buffer in self._buffers for (_, leaf), value in list(buffer.side.items())]
 
     def _new_buffer(self) -> BatchBuffer:
         assert self.layout is not None

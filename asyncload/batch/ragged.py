@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .crossing import must_cross
 from .layout import (Field, Leaf, SampleLayout, first_difference, flatten_any_named, in_key_order, is_numeric,
                      leaf_names, structure_words)
 
@@ -60,6 +61,8 @@ def write_any(buffer: Any, row: int, sample: Any) -> None:
     for number, (leaf, value) in enumerate(zip(leaves, values)):
         where = place(leaf, value, layout, number)
         if where == "aside":
+            if buffer.crosses:  # written in a child: the value must travel to the parent
+                must_cross(layout, number, value)
             aside.append((number, value))
         else:
             writes.append((leaf, value))

@@ -4,8 +4,12 @@
 The child builds no ``AsyncLoader``: the parent's driver owns the epoch (order, cursor, failure
 budget, resume state) and sends the pipeline's messages (``protocol.py``). Three kinds of
 thread: the main thread reads the parent's messages; the pipeline's event loop and decode
-threads do the work and send the answers; and a lifeline thread that does nothing but exit the
-process when the parent is gone.
+threads do the work and send the answers; and a lifeline thread that does nothing but end the
+process, and what it started, when the parent is gone (``lifetime.py``).
+
+A thread of the child that dies of an exception nobody expected (a bug, or an answer that
+cannot be pickled) would leave the parent waiting for an answer that never comes: it is sent
+to the parent as ``Broken`` instead, and the parent raises it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..pipeline.settings import PipelineSettings
 from ..stats.figures import LoaderStats
 from ..stats.trace import Tracer
 from . import shm
+from .lifetime import end_group, end_others_in_group, lead_group
 from .protocol import Broken, Close, Done, Failed, Limits, Map, Probed, Ready, Start, Stop, Unmap, portable, unpickle
 
 CLOSE_WAIT_S = 1.5  # Close: how long the pipeline's threads may take to end (the parent kills at 2 s)
@@ -37,13 +42,15 @@ def child_main(conn: Any, payload: dict[str, bytes], environ: dict[str, str]) ->
     """The child process: builds its filler, then serves the parent until it closes or dies.
     ``environ``: the parent's environment when it started this child (a fork server's own is
     the one it started with: ``start.py``)."""
+    lead_group()  # first: what this process starts is in its group, and ends with it
+    threading.Thread(target=_exit_with_parent, name="asyncload-lifeline", daemon=True).start()
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent handles it
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # no CUDA context here: the parent pins and copies
     _lower_priority()
-    threading.Thread(target=_exit_with_parent, name="asyncload-lifeline", daemon=True).start()
     child = _Child(conn)
+    threading.excepthook = child.thread_died
     try:
         settings = PipelineSettings(**{name: unpickle(name, data) for name, data in payload.items()})
         child.stats.limits.update(io_concurrency=settings.io_concurrency, num_threads=settings.num_threads)
@@ -85,17 +92,20 @@ def _lower_priority() -> None:
 
 
 def _exit_with_parent() -> None:
-    """Exits as soon as the parent process is gone, whatever the other threads are doing: the
-    control thread may be waiting for a stuck decode."""
+    """Ends this process's group (this process and whatever it started) as soon as the parent
+    process is gone, whatever the other threads are doing: the control thread may be waiting
+    for a stuck decode, and a decode may have started processes of its own."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
     multiprocessing.connection.wait([parent.sentinel])  # ready once the parent has exited
-    _exit(0)
+    end_group(os.getpid())  # this process included
 
 
 def _exit(code: int) -> None:
-    """Leaves without the interpreter's teardown (a second or more with torch loaded)."""
+    """Leaves without the interpreter's teardown (a second or more with torch loaded), and
+    without leaving behind what this process started."""
+    end_others_in_group()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -127,6 +137,7 @@ class _Child:
                     try:
                         buffer = shm.buffer_on(fd, message.layout, message.capacity)
                         buffer.number = message.segment  # the name a Poisoned answer gives it back by
+                        buffer.crosses = True  # what its rows put aside travels to the parent
                         self.segments[message.segment] = buffer
                     finally:
                         os.close(fd)
@@ -156,9 +167,25 @@ class _Child:
             self.started.discard(message.run)
             self.stats.run_stopped()
 
+    def thread_died(self, args: threading.ExceptHookArgs) -> None:
+        """``threading.excepthook``: a thread of this process ended with an exception nothing
+        caught. One of the pipeline's (a decode thread that a ``BaseException`` from user code
+        went through, say) leaves its work (a fill, a run) never answered: the parent is told,
+        and raises it, rather than wait for ever. A thread the user's code started is the
+        user's: its traceback is printed, as anywhere."""
+        threading.__excepthook__(args)  # its traceback on stderr, as before
+        name = args.thread.name if args.thread is not None else ""
+        if args.exc_value is None or isinstance(args.exc_value, SystemExit) or not name.startswith("asyncload"):
+            return
+        error = RuntimeError(f"thread {name} of a loader process (pid {os.getpid()}) died: "
+                             f"{type(args.exc_value).__name__}: {args.exc_value}")
+        self.send(Broken(portable(error), what="a loader process cannot go on"))
+
     def send(self, message: Any) -> None:
         """Sends ``message`` with the current stats (any thread); errors go as they can cross.
-        A broken pipe means the parent is gone: the lifeline thread ends the process."""
+        A broken pipe means the parent is gone: the lifeline thread ends the process. A message
+        that does not pickle (a bug: samples never travel, and what goes aside was checked when
+        it was written) goes as ``Broken``, so the parent raises instead of waiting for it."""
         if isinstance(message, Done) and message.failures:
             message.failures = [(row, portable(error)) for row, error in message.failures]  # type: ignore[misc]
         elif isinstance(message, Failed):
@@ -169,7 +196,13 @@ class _Child:
         if self.stats.tracer is not None:
             message.trace = self.stats.tracer.drain()
         try:
+            data = reduction.ForkingPickler.dumps(message)
+        except Exception as error:
+            data = reduction.ForkingPickler.dumps(Broken(RuntimeError(
+                f"a loader process (pid {os.getpid()}) could not send its {type(message).__name__} answer: "
+                f"{type(error).__name__}: {error}"), what="a loader process cannot go on"))
+        try:
             with self.send_lock:
-                self.conn.send(message)
+                self.conn.send_bytes(data)
         except (OSError, ValueError):
             pass

@@ -17,6 +17,7 @@ import psutil
 from ..errors import describe
 from ..redact import unpicklable
 from . import shm
+from .script import script_refusal
 
 CHILD_BYTES_GUESS = 400 * 2**20  # a child's own memory (PSS) before one was measured: torch and the pipeline
 RESERVE_SHARE = 0.1  # of the machine's memory, never taken by children: the training process grows too
@@ -27,6 +28,7 @@ def children_blocked(arguments: dict[str, Any]) -> str | None:
     """Why child processes cannot run this loader's pipeline, as one line; None when they can.
     ``arguments``: what a child would get (``source``, ``read``, ``decode``, ...)."""
     no_script = getattr(sys.modules.get("__main__"), "__file__", None) is None
+    payload = {}
     for name, value in arguments.items():
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -37,6 +39,10 @@ def children_blocked(arguments: dict[str, Any]) -> str | None:
         if no_script and b"__main__" in data:
             return (f"{name}={unpicklable(value)} is defined in an interactive session's __main__, which a child "
                     f"process cannot import: define it in a module")
+        payload[name] = data
+    refusal = script_refusal(payload, arguments)
+    if refusal is not None:
+        return refusal
     if "spawn" not in multiprocessing.get_all_start_methods():
         return "this platform has no 'spawn' start method"
     reason = shm.supported()

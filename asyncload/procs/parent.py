@@ -6,7 +6,8 @@ it can carry descriptors). All reading of the pipes is done by the user's thread
 for a batch; nothing runs in the background here.
 
 Shutdown: ``close()``/garbage collection tell the children to stop, wait briefly, then kill
-them; a child exits by itself when its parent dies (its lifeline thread); if a child dies, the
+them with their process groups; a child ends itself and its group when its parent dies, however
+(``lifetime.py``); if a child dies, the
 parent raises a ``RuntimeError`` that says how, rather than wait. Segments need no cleanup in
 any of these cases (they are memfds: the kernel frees them with their last mapping).
 """
@@ -29,9 +30,11 @@ from ..pipeline.settings import share
 from ..redact import shown
 from . import shm
 from .guard import guard_advice, refuse_while_bootstrapping
+from .lifetime import end_group
 from .merged import ProcessStats
 from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
                        Stopped, Unmap, pickled_arguments)
+from .script import needs_main, script_refusal
 from .segments import SegmentRing
 from .start import start_child
 
@@ -50,6 +53,9 @@ class ProcessPool:
         if reason:
             raise RuntimeError(reason)
         payload = pickled_arguments(arguments)
+        refusal = script_refusal(payload, arguments)  # before any child could run the script's top level
+        if refusal is not None:
+            raise RuntimeError(f"asyncload: processes={count} cannot start child processes: {refusal}")
         self.stats = stats
         self.conns: list[Any] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
@@ -58,8 +64,9 @@ class ProcessPool:
         # The finalizer must not reach this object (the ring's callbacks do): only plain parts.
         self._finalizer = weakref.finalize(self, _shut_down, self.processes, self.conns, self.send_locks,
                                            self.ring.segments, device)
+        main = needs_main(payload) is not None  # else the children never import the user's script
         for index in range(count):
-            conn, process = start_child(index, payload)
+            conn, process = start_child(index, payload, main)
             self.conns.append(conn)
             self.processes.append(process)
         self._stopping: dict[int, tuple[set[int], list[Any]]] = {}  # run -> (children yet to answer, buffers)
@@ -156,7 +163,7 @@ class ProcessPool:
         if message.trace is not None and self.stats.tracer is not None:
             self.stats.tracer.merge(*message.trace, process_name=f"asyncload-{index}")
         if isinstance(message, Broken):
-            self._broken = ("a loader process could not build its pipeline", message.error)
+            self._broken = (message.what, message.error)
             self.check()
         if isinstance(message, Ready):
             self._ready += 1
@@ -281,8 +288,8 @@ def _shut_down(processes: list[Any], conns: list[Any], send_locks: list[threadin
     deadline = time.monotonic() + CLOSE_TIMEOUT_S
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-        if process.exitcode is None:
-            process.kill()
+        if process.exitcode is None:  # not waited for yet: its pid is still its own
+            end_group(process.pid)  # with what it started (a child leads its process group)
             process.join()
     for conn in conns:
         conn.close()

@@ -61,11 +61,13 @@ class Close:
 
 @dataclass
 class Broken:
-    """The child could not build its pipeline (``error`` says why); it waits for ``Close``."""
+    """The child could not build its pipeline, or cannot go on (``what``; ``error`` says why):
+    the parent raises; the child waits for ``Close`` or its end."""
 
     error: BaseException
     figures: dict[str, Any] | None = field(default=None)
     trace: Any = None
+    what: str = "a loader process could not build its pipeline"
 
 
 @dataclass
