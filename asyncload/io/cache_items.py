@@ -52,6 +52,7 @@ RESCAN_FRACTION = 0.125  # peers add bytes too: scan again after adding this fra
 SEGMENTS_PER_BUDGET = 8  # a segment is at most this fraction of cache_bytes: eviction stays fine-grained
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 PENDING_BYTES = 64 << 20  # downloads waiting to be written past this: reads wait for the write under way
+REFRESH_HITS = 4096  # hits between two looks at the folder (a peer's evicted segments are let go)
 THREAD_POLL_S = 0.5  # a decode thread waiting on the loop looks this often whether it still runs
 FINISH_S = 10.0  # how long closing waits for the write under way before giving up on what is left
 
@@ -99,6 +100,8 @@ class ItemCache:
         self._refreshing = False
         self._disk = asyncio.Lock()  # one of refresh/append/evict at a time (bound to a loop at first use)
         self._added = 0  # bytes written since the last scan
+        self._hits = 0
+        self._background: asyncio.Future | None = None  # the last refresh started by hits
         self._writable = True
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -120,8 +123,12 @@ class ItemCache:
         (``read`` then serves it)."""
         if not self._usable:
             return None
+        self._hits += 1
+        if self._hits % REFRESH_HITS == 0:  # segments peers evicted: closed, so that their room is freed
+            self._background = asyncio.ensure_future(self._refresh())
         entry = self.store.lookup(url)
-        if entry is None or not self._current(url, index, entry):
+        if entry is None or not self._current(url, index, entry) or \
+                (self.reader.max_bytes is not None and entry.size > self.reader.max_bytes):
             return None
         return CopyRead(self, url, index, entry)
 
@@ -314,6 +321,8 @@ class ItemCache:
         peer's writes)."""
         if not self._usable:
             return
+        if self._background is not None:
+            await asyncio.gather(self._background, return_exceptions=True)
         if self._writing is not None:
             writing = self._writing
             await asyncio.wait([writing], timeout=min(FINISH_S, self.reader.timeout))
