@@ -6,7 +6,8 @@ Why segments: a file per object (plus its record and its lock) cost the cold epo
 its throughput on small objects (three creates, two renames and a lock per object), and an
 eviction that scanned a folder of a million files per evicted copy was quadratic. Here a process
 appends the objects it downloaded, a batch at a time (one write, no lock: the segment is its own),
-to a segment of its own, ``asyncload-items-<id>.seg``, which it holds with an exclusive ``flock``
+to a segment of its own, ``asyncload-items-<id>.seg`` (``<id>``: its creation time in hex, then
+random hex: names sort in the order segments were made), which it holds with an exclusive ``flock``
 while it writes it and lets go of (sealed) once it reaches ``segment_bytes`` or the run ends.
 
 A segment starts with ``FILE_MAGIC``; each record is a header (``RECORD``: its magic, the lengths
@@ -146,7 +147,7 @@ class SegmentStore:
         if now - segment.touched > TOUCH_S:  # least recently used: the access time, set now and then
             segment.touched = now
             try:
-                os.utime(segment.fd)
+                os.utime(segment.fd, ns=(time.time_ns(), os.fstat(segment.fd).st_mtime_ns))
             except OSError:
                 pass  # another user's segment, readable but not ours to mark: it only ages
         return data
@@ -184,8 +185,9 @@ class SegmentStore:
 
     def _full_refresh(self) -> None:
         found = self._scan()
-        # oldest written first: of two records of one URL (a copy downloaded again), the newer is kept
-        for name, (path, info) in sorted(found.items(), key=lambda item: item[1][1].st_mtime_ns):
+        # oldest first (a name starts with its creation time): of two records of one URL (a copy
+        # downloaded again), the newer is kept
+        for name, (path, info) in sorted(found.items()):
             segment = self.segments.get(name)
             if segment is not None and segment.inode != info.st_ino:
                 self._drop(name)
@@ -347,7 +349,7 @@ class SegmentStore:
             segment.fd = -1
 
     def _start_segment(self) -> None:
-        name = uuid.uuid4().hex
+        name = f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"  # sorts by creation time
         path = self.directory / f"asyncload-items-{name}.seg"
         fd = os.open(path, NEW_FLAGS, 0o666)
         try:
