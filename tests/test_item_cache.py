@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, list_files, manifest
 from asyncload.io.cache_segments import FILE_MAGIC, SegmentStore
@@ -190,3 +191,24 @@ def test_cache_bytes_bounds_the_folder(bucket, s3_options, tmp_path):
     assert sum(p.stat().st_size for p in segments(cache) if p != lookalike) <= 8_000
     assert (cache / "notes.txt").read_text() == "mine"
     assert lookalike.read_bytes() == b"a user's file" * 1000
+
+
+def test_a_batched_decoder_decodes_the_kept_copies(bucket, s3_options, tmp_path):
+    """A hit is read by the decode thread (no trip through the loop), for a batched decoder
+    (``GpuImageDecoder``, simplejpeg standing in for nvJPEG) as for a per-row one: epoch 2 reads
+    nothing from the bucket and gives epoch 1's pixels."""
+    from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu
+
+    url, _, _ = bucket
+    source = make_source("image_folder", url, s3_options, tmp_path / "cache", tmp_path)
+    decode = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
+    with AsyncLoader(source, batch_size=5, decode=decode, storage_options=s3_options, processes=0,
+                     shuffle=False) as loader:
+        first = [(images.clone(), labels.clone()) for images, labels in loader]
+        before = loader.stats.as_dict()
+        second = [(images.clone(), labels.clone()) for images, labels in loader]
+        after = loader.stats.as_dict()
+    assert len(first) == len(second) == 5
+    for (images, labels), (again, labels_again) in zip(first, second):
+        assert torch.equal(images, again) and torch.equal(labels, labels_again)
+    assert after["read/items"] == before["read/items"] and after["read/bytes"] == before["read/bytes"]
