@@ -68,8 +68,8 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
 
 
 def evict_to(directory: Path, target: int, max_bytes: int, keep: set[Path]) -> tuple[int, bool]:
-    """``evict``, down to ``target`` bytes; returns the bytes left and whether they pass
-    ``max_bytes`` (the item cache frees more than it must, to scan less often)."""
+    """``evict``, down to ``target`` bytes (one scan of the folder, closed); returns the bytes
+    left and whether they pass ``max_bytes``."""
     copies, parts, others = [], [], set()
     with os.scandir(directory) as entries:
         for entry in entries:
