@@ -51,7 +51,9 @@ SLACK = 0.1  # an eviction frees this fraction of cache_bytes more than it must
 RESCAN_FRACTION = 0.125  # peers add bytes too: scan again after adding this fraction of cache_bytes
 SEGMENTS_PER_BUDGET = 8  # a segment is at most this fraction of cache_bytes: eviction stays fine-grained
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
-PENDING_BYTES = 64 << 20  # downloads waiting to be written past this: reads wait for the write under way
+BATCH_OBJECTS = 32  # a batch is written once it has this many objects...
+BATCH_BYTES = 4 << 20  # ...or bytes...
+BATCH_WAIT_S = 0.005  # ...or has waited this long for more (each read waits for its batch's write)
 REFRESH_HITS = 4096  # hits between two looks at the folder (a peer's evicted segments are let go)
 THREAD_POLL_S = 0.5  # a decode thread waiting on the loop looks this often whether it still runs
 FINISH_S = 10.0  # how long closing waits for the write under way before giving up on what is left
@@ -96,6 +98,7 @@ class ItemCache:
         self._pending_bytes = 0
         self._next_write: asyncio.Future | None = None  # the write the pending objects go to
         self._writing: asyncio.Future | None = None  # the write under way
+        self._batch_full: asyncio.Future | None = None  # set once the batch gathering is big enough
         self._refresh_wanted: asyncio.Future | None = None  # the refresh misses wait for
         self._refreshing = False
         self._disk = asyncio.Lock()  # one of refresh/append/evict at a time (bound to a loop at first use)
@@ -233,6 +236,10 @@ class ItemCache:
         disk failed: then it is not kept, and the read still has its bytes)."""
         self._pending[url] = (version, data)
         self._pending_bytes += len(data)
+        full = self._batch_full
+        if full is not None and not full.done() and \
+                (len(self._pending) >= BATCH_OBJECTS or self._pending_bytes >= BATCH_BYTES):
+            full.set_result(None)
         if self._next_write is None:
             self._next_write = asyncio.get_running_loop().create_future()
         batch = self._next_write
@@ -244,6 +251,11 @@ class ItemCache:
         """Writes the pending objects, a batch at a time, until none are left."""
         try:
             while self._pending:
+                if len(self._pending) < BATCH_OBJECTS and self._pending_bytes < BATCH_BYTES:
+                    # a thread trip per batch, not per object: the downloads just behind join it
+                    self._batch_full = asyncio.get_running_loop().create_future()
+                    await asyncio.wait([self._batch_full], timeout=BATCH_WAIT_S)
+                    self._batch_full = None
                 batch, done = self._pending, self._next_write
                 self._pending, self._pending_bytes, self._next_write = {}, 0, None
                 try:
@@ -277,7 +289,13 @@ class ItemCache:
 
     async def _refresh(self) -> None:
         """Indexes what peers wrote since this process last looked: a refresh that starts after
-        the call (one at a time; the misses that come while one runs share the next)."""
+        the call (one at a time; the misses that come while one runs share the next); none when
+        the folder says nothing can have changed (``SegmentStore.quiet``: one ``stat`` here)."""
+        try:
+            if self.store.quiet():
+                return
+        except OSError:
+            pass
         if self._refresh_wanted is None:
             self._refresh_wanted = asyncio.get_running_loop().create_future()
         wanted = self._refresh_wanted

@@ -169,6 +169,18 @@ class SegmentStore:
             if name != own and not segment.sealed and segment.fd >= 0:
                 self._follow(name, segment, os.fstat(segment.fd).st_size)
 
+    def quiet(self) -> bool:
+        """Whether a ``refresh`` now would find nothing new: the folder's names cannot have
+        changed since the last scan (its modification time is the one seen, and was old enough
+        then to tell) and no other process still writes a segment this process knows."""
+        writer = self.writer
+        own = writer.segment if writer is not None else None
+        # a copy (one C call under the GIL): the disk thread may add or drop segments meanwhile
+        if any(not segment.sealed and name != own for name, segment in list(self.segments.items())):
+            return False
+        seen, scanned = self._folder_seen
+        return os.stat(self.directory).st_mtime_ns == seen and scanned - seen >= WINDOW_NS
+
     def _follow(self, name: str, segment: Segment, size: int) -> None:
         """Indexes a peer's segment up to ``size``; notes it sealed once no writer holds it."""
         if not segment.sealed:
@@ -240,6 +252,9 @@ class SegmentStore:
         """Lets go of this process's segment: no more is written to it, any process may evict it."""
         if self.writer is not None:
             os.close(self.writer.fd)  # also releases its flock
+            segment = self.segments.get(self.writer.segment)
+            if segment is not None:
+                segment.sealed = True
             self.writer = None
 
     def evict(self, target: int) -> int:
