@@ -210,6 +210,7 @@ class SegmentStore:
                     continue
             if self.writer is None or name != self.writer.segment:
                 self._follow(name, segment, info.st_size)
+        self.total = sum(found[name][1].st_size for name in list(self.segments) if name in found)
         for name in [name for name in self.segments if name not in found]:
             self._drop(name)
 
@@ -263,6 +264,14 @@ class SegmentStore:
         found = self._scan()
         candidates, total = [], 0
         for name, (path, info) in found.items():
+            segment = self.segments.get(name)
+            if segment is not None and segment.inode != info.st_ino:
+                self._drop(name)  # replaced since: another file now
+                segment = None
+            if segment is None:
+                segment = self._open(name, path, info)  # indexed at the next refresh
+            if segment is None:
+                continue  # not ours (no FILE_MAGIC), or not yet: neither counted nor deleted
             total += info.st_size
             candidates.append((info.st_atime_ns, name, path, info))
         candidates.sort(key=lambda candidate: candidate[:2])
@@ -298,7 +307,6 @@ class SegmentStore:
                     continue
                 if stat.S_ISREG(info.st_mode):
                     found[match.group(1)] = (Path(entry.path), info)
-        self.total = sum(info.st_size for _, info in found.values())
         return found
 
     def _open(self, name: str, path: Path, info: os.stat_result) -> Segment | None:
