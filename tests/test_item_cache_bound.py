@@ -179,3 +179,33 @@ def test_a_writer_killed_mid_batch_leaves_a_tail_nobody_reads(tmp_path):
     later.refresh()
     assert {url: later.read(entry) for url, entry in later.entries.items()} == {"s3://b/a": b"a" * 100}
     later.close()
+
+
+def test_a_hit_whose_segment_is_evicted_before_its_read_is_downloaded_again(s3_options, tmp_path):
+    """The pipeline hands a hit to a decode thread, which reads it later: if its segment was
+    evicted meanwhile (by this process or a peer), the decode thread has the object read again
+    through the cache on the loop (downloaded), and gets its exact bytes."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-bound/gone", 2)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            cache = ItemCache(str(folder), 1 << 20, reader, None)
+            for index, url in enumerate(urls):
+                assert await cache.read(url, index) == objects[url]
+            hit = cache.hit(urls[0], 0)
+            assert hit is not None
+            before = reader.stats.as_dict()["read/items"]
+            await reader.run_blocking(cache.store.seal)
+            await reader.run_blocking(cache.store.evict, 0)  # what a peer's eviction would do
+            assert owned(folder) == 0
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, hit.read) == objects[urls[0]]  # as a decode thread
+            assert reader.stats.as_dict()["read/items"] == before + 1
+            await cache.aclose()
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())
