@@ -5,10 +5,11 @@ local disk and not a byte from the bucket.
 The objects are packed into segment files (``cache_segments``: the format, the index, eviction),
 not a file each: a file, a record and a lock per object cost the cold epoch more than half its
 throughput. A read that misses downloads the object (one GET, as uncached) and hands it to the
-batch being written: the objects downloaded while a write runs go together in the next one, one
-trip to a thread and one write for the lot, and each read returns once its object is on disk, so
-a peer process that looks next finds it. A miss first looks at what peers wrote since this
-process last looked (``SegmentStore.refresh``: one scan, shared by the misses waiting meanwhile).
+batch being gathered (up to ``BATCH_OBJECTS`` or ``BATCH_BYTES``, for at most ``BATCH_WAIT_S``):
+one trip to a thread and one ``pwritev`` for the lot, and each read returns once its object is on
+disk, so a peer process that looks next finds it. A miss first looks at what peers wrote since
+this process last looked (``SegmentStore.refresh``, shared by the misses waiting meanwhile; no
+more than a ``stat`` of the folder, on the loop, while no peer writes: ``SegmentStore.quiet``).
 Two processes that miss the same object at once both download it (no per-object lock: the ranks
 of a node read disjoint parts of an epoch); both copies are sound, the older ages out.
 
