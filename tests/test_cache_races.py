@@ -233,3 +233,22 @@ def test_concurrent_downloads_keep_every_copys_meta(tmp_path):
         asyncio.run(main(folder))
         lost = [url for url in urls if cache_files.read_meta(shard_files(folder, url).meta) is None]
         assert not lost, f"copies left without their meta: {lost}"
+
+
+def test_an_eviction_scans_the_folder_once_and_closes_it(tmp_path, monkeypatch):
+    """Evicting 200 copies is one scan of the folder, closed (it was one more scan per meta
+    file left, 201 in all, most of them left open)."""
+    from tests.test_item_cache_bound import CountedScans
+
+    urls = [f"s3://bucket/shard-{index:06d}.tar" for index in range(200)]
+    for url in urls:
+        names = shard_files(tmp_path, url)
+        partial = names.new_part()
+        crc = cache_files.write_new(partial, b"x" * 100)
+        install(names, partial, {"url": url, "size": 100, "version": "v1", "crc32": crc})
+        os.close(try_lock(names.lock))
+    counted = CountedScans()
+    monkeypatch.setattr(cache_evict.os, "scandir", counted)
+    assert evict(tmp_path, 0, set()) is False
+    assert counted.scans == 1 and counted.open == set()
+    assert list(tmp_path.iterdir()) == []

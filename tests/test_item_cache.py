@@ -10,9 +10,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, list_files, manifest
-from asyncload.io.cache_files import shard_files
+from asyncload.io.cache_segments import FILE_MAGIC, SegmentStore
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, identify, make_bucket, setup_s3fs
 from tests.test_cache import closed_port_options, small_disk  # noqa: F401 (a fixture)
 
@@ -58,21 +59,34 @@ def epochs(source, options, processes=0, count=2, **kwargs) -> tuple[list, list]
     return samples, reads
 
 
-def copies(cache: Path) -> list[Path]:
-    return sorted(p for p in cache.iterdir() if p.name.startswith("asyncload-") and p.name.endswith(".jpg")
-                  and p.is_file() and not p.is_symlink())
+def kept(cache: Path) -> dict[str, bytes]:
+    """url -> the bytes the cache keeps for it, as a new process finds them."""
+    store = SegmentStore(cache, 1 << 30)
+    try:
+        store.refresh()
+        return {url: store.read(entry) for url, entry in store.entries.items()}
+    finally:
+        store.close()
+
+
+def segments(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if p.name.startswith("asyncload-items-") and p.is_file()
+                  and not p.is_symlink())
 
 
 @pytest.mark.parametrize("processes", [0, 2])
 @pytest.mark.parametrize("kind", ["image_folder", "list_files", "manifest"])
 def test_epoch_two_reads_no_byte_from_the_bucket(bucket, s3_options, tmp_path, kind, processes):
-    url, _, _ = bucket
+    url, fs, _ = bucket
     source = make_source(kind, url, s3_options, tmp_path / "cache", tmp_path)
     samples, reads = epochs(source, s3_options, processes)
     assert samples == [ALL, ALL]  # every sample once, in order, each epoch
     assert reads[0][1] == len(ALL) and reads[0][0] > 0
     assert reads[1] == (0, 0)
-    assert len(copies(tmp_path / "cache")) == len(ALL)
+    assert kept(tmp_path / "cache") == {source.url(i): fs.cat_file(source.url(i)) for i in range(len(ALL))}
+    # packed: a segment per process that wrote (a file, a record and a lock per object before)
+    assert set((tmp_path / "cache").iterdir()) == set(segments(tmp_path / "cache"))
+    assert len(segments(tmp_path / "cache")) <= max(processes, 1)
 
 
 def test_a_new_run_reads_the_copies_and_a_rewritten_object_again(bucket, s3_options, tmp_path):
@@ -93,48 +107,61 @@ def test_a_new_run_reads_the_copies_and_a_rewritten_object_again(bucket, s3_opti
 
 @pytest.mark.parametrize("processes", [0, 2])
 def test_a_damaged_copy_is_downloaded_again(bucket, s3_options, tmp_path, processes):
-    url, _, _ = bucket
+    url, fs, _ = bucket
     cache = tmp_path / "cache"
     source = make_source("image_folder", url, s3_options, cache, tmp_path)
     epochs(source, s3_options, count=1)
-    damaged = shard_files(cache, source.url(3)).shard
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    store = SegmentStore(cache, 1 << 30)
+    store.refresh()
+    entry = store.entries[source.url(3)]
+    damaged = store.segments[entry.segment].path
+    store.close()
     stat = damaged.stat()
-    damaged.write_bytes(bytes(data))
-    os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot: same size and time
+    with open(damaged, "r+b") as segment:  # bit rot in one object: same size and time
+        segment.seek(entry.offset + entry.size // 2)
+        byte = segment.read(1)
+        segment.seek(entry.offset + entry.size // 2)
+        segment.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     samples, reads = epochs(source, s3_options, processes, count=1)
     assert samples == [ALL]
-    assert reads == [(len(data), 1)]
+    assert reads == [(entry.size, 1)]
+    assert kept(cache)[source.url(3)] == fs.cat_file(source.url(3))
 
 
 def test_a_planted_symlink_is_not_followed(bucket, s3_options, tmp_path):
-    """A symlink at a copy's name (a peer's, or an attacker's) is neither read nor written
-    through: the object is read from the bucket, and the link's target is left as it was."""
+    """A symlink named as a segment (a peer's, or an attacker's) is neither read, written
+    through nor deleted, even when it points at a well-formed segment that holds other bytes
+    for an object: the objects are read from the bucket, and the link's target is left as it was."""
     url, _, _ = bucket
-    cache = tmp_path / "cache"
-    cache.mkdir()
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     source = make_source("image_folder", url, s3_options, cache, tmp_path)
-    outside = tmp_path / "outside.jpg"
-    outside.write_bytes(b"not a jpeg")
-    planted = shard_files(cache, source.url(0))
-    planted.shard.symlink_to(outside)
-    planted.meta.symlink_to(tmp_path / "outside.meta")
+    store = SegmentStore(elsewhere, 1 << 30)
+    elsewhere.mkdir()
+    size, version = source.listed(0)
+    store.append([(source.url(0), version, b"\xff" * size)])  # listed size and version, not a JPEG
+    store.close()
+    (outside,) = segments(elsewhere)
+    planted = outside.read_bytes()
+    cache.mkdir()
+    (cache / outside.name).symlink_to(outside)
     samples, _ = epochs(source, s3_options, count=2)
     assert samples == [ALL, ALL]
-    assert outside.read_bytes() == b"not a jpeg" and not (tmp_path / "outside.meta").exists()
+    assert outside.read_bytes() == planted and (cache / outside.name).is_symlink()
 
 
 @pytest.mark.parametrize("processes", [0, 2])
 def test_a_full_disk_sends_reads_to_storage(bucket, s3_options, small_disk, processes):
-    url, _, _ = bucket
+    url, fs, _ = bucket
+    (small_disk / "filler").write_bytes(bytes(24 << 10))  # a user's file: 8 KiB left, less than the objects
     source = make_source("image_folder", url, s3_options, small_disk, small_disk, cache_bytes=1 << 30)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         samples, reads = epochs(source, s3_options, processes, count=2)
     assert samples == [ALL, ALL]
     assert reads[1][1] > 0  # what did not fit is read from storage, not lost
-    assert not [p for p in small_disk.iterdir() if p.name.endswith(".part")]
+    assert all(data == fs.cat_file(url) for url, data in kept(small_disk).items())  # no torn record served
+    assert (small_disk / "filler").read_bytes() == bytes(24 << 10)
 
 
 def test_storage_down_serves_the_kept_copies(bucket, s3_options, tmp_path):
@@ -155,8 +182,33 @@ def test_cache_bytes_bounds_the_folder(bucket, s3_options, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "notes.txt").write_text("mine")
+    lookalike = cache / f"asyncload-items-{'0' * 32}.seg"  # named as ours, not written by us
+    lookalike.write_bytes(b"a user's file" * 1000)
+    os.utime(lookalike, ns=(0, 0))  # the least recently used of all
     source = make_source("image_folder", url, s3_options, cache, tmp_path, cache_bytes=8_000)
     samples, _ = epochs(source, s3_options, count=2)
     assert samples == [ALL, ALL]
-    assert sum(p.stat().st_size for p in copies(cache)) <= 8_000
+    assert sum(p.stat().st_size for p in segments(cache) if p != lookalike) <= 8_000
     assert (cache / "notes.txt").read_text() == "mine"
+    assert lookalike.read_bytes() == b"a user's file" * 1000
+
+
+def test_a_batched_decoder_decodes_the_kept_copies(bucket, s3_options, tmp_path):
+    """A hit is read by the decode thread (no trip through the loop), for a batched decoder
+    (``GpuImageDecoder``, simplejpeg standing in for nvJPEG) as for a per-row one: epoch 2 reads
+    nothing from the bucket and gives epoch 1's pixels."""
+    from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu
+
+    url, _, _ = bucket
+    source = make_source("image_folder", url, s3_options, tmp_path / "cache", tmp_path)
+    decode = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
+    with AsyncLoader(source, batch_size=5, decode=decode, storage_options=s3_options, processes=0,
+                     shuffle=False) as loader:
+        first = [(images.clone(), labels.clone()) for images, labels in loader]
+        before = loader.stats.as_dict()
+        second = [(images.clone(), labels.clone()) for images, labels in loader]
+        after = loader.stats.as_dict()
+    assert len(first) == len(second) == 5
+    for (images, labels), (again, labels_again) in zip(first, second):
+        assert torch.equal(images, again) and torch.equal(labels, labels_again)
+    assert after["read/items"] == before["read/items"] and after["read/bytes"] == before["read/bytes"]

@@ -1,21 +1,19 @@
-"""cache_bytes bounds the item cache's folder once a run has ended, whatever the timing
-(io/cache_items.py, io/cache.py ``aclose``). The item cache counts what it downloads and scans the
-folder only when its count says it may pass cache_bytes; a count misses copies a peer (another
-process or run on the node) installs meanwhile, and objects downloaded but not yet on disk while
-one of its own scans ran (the scan's total replaces the count). So the end of a run always scans,
-even with no download under way. Both cases on the real S3 server: the writes of the second held,
-by a wrapper around the reader's thread pool, until a scan has run."""
+"""cache_bytes bounds the item cache's folder (io/cache_items.py, io/cache_segments.py), at a cost
+linear in what it evicts: whole segments go, one scan at a time, every scan's iterator closed. And
+the folder is shared: a new run (or another process) finds what a run wrote, byte for byte; a
+writer killed mid-batch leaves a tail nobody reads. All on the real S3 server, with the real
+reader; ``os.scandir`` is wrapped only to count the scans and see that each is closed."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
-from typing import Any
+import pytest
 
-from asyncload.io import cache_files
-from asyncload.io.cache_evict import evict_to
+from asyncload.io import cache_segments
 from asyncload.io.cache_items import ItemCache
+from asyncload.io.cache_segments import SegmentStore
 from asyncload.io.reader import Reader
 from asyncload.stats.figures import LoaderStats
 from tests.conftest import make_bucket, setup_s3fs
@@ -24,9 +22,9 @@ SIZE = 1000
 CAP = 8 * SIZE
 
 
-def put_objects(s3_options, prefix: str, count: int) -> dict[str, bytes]:
-    """``count`` objects of ``SIZE`` random bytes under ``prefix``: url -> bytes."""
-    objects = {f"{prefix}/{index}.bin": os.urandom(SIZE) for index in range(count)}
+def put_objects(s3_options, prefix: str, count: int, size: int = SIZE) -> dict[str, bytes]:
+    """``count`` objects of ``size`` random bytes under ``prefix``: url -> bytes."""
+    objects = {f"{prefix}/{index}.bin": os.urandom(size) for index in range(count)}
     with setup_s3fs(s3_options) as fs:
         make_bucket(fs)
         fs.pipe(objects)
@@ -34,27 +32,32 @@ def put_objects(s3_options, prefix: str, count: int) -> dict[str, bytes]:
 
 
 def owned(folder) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("asyncload-")
-               and not p.name.endswith((".meta", ".lock")))
+    return sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("asyncload-items-"))
 
 
-def test_a_peers_copies_are_evicted_at_the_end_of_a_run(s3_options, tmp_path):
+def new_reader(s3_options) -> Reader:
+    return Reader(asyncio.get_running_loop(), storage_options=s3_options, timeout=30.0, retries=2,
+                  io_concurrency=8, stats=LoaderStats())
+
+
+def test_a_peers_segments_are_evicted_at_the_end_of_a_run(s3_options, tmp_path):
+    """A count of this process's own writes misses a peer's (another process or run on the node):
+    the end of a run scans and evicts whatever passes cache_bytes."""
     objects = put_objects(s3_options, "asyncload-test/item-cache-bound/peer", 9)
     urls = list(objects)
     folder = tmp_path / "cache"
 
     async def main() -> None:
-        reader = Reader(asyncio.get_running_loop(), storage_options=s3_options, timeout=30.0, retries=2,
-                        io_concurrency=8, stats=LoaderStats())
+        reader = new_reader(s3_options)
         try:
             late = ItemCache(str(folder), CAP, reader, None)  # counts the folder now: empty
             peer = ItemCache(str(folder), 1 << 20, reader, None)  # another run's budget
             for index, url in enumerate(urls[:8]):
                 assert await peer.read(url, index) == objects[url]
             await peer.aclose()
-            assert owned(folder) == CAP  # the peer's copies, unknown to late's count
+            assert owned(folder) > CAP  # the peer's segment, unknown to late's count
             assert await late.read(urls[8], 8) == objects[urls[8]]
-            await late.aclose()  # no download under way: the count alone would not scan
+            await late.aclose()
             assert owned(folder) <= CAP
         finally:
             await reader.aclose()
@@ -62,59 +65,147 @@ def test_a_peers_copies_are_evicted_at_the_end_of_a_run(s3_options, tmp_path):
     asyncio.run(main())
 
 
-class WritesHeldForAScan:
-    """The real reader, whose thread work (``run_blocking``) holds the cache's writes of new
-    copies, once ``arm``ed, until a scan of the folder (``evict_to``) has run after them."""
+class CountedScans:
+    """``os.scandir`` as it is, counting the scans and the iterators not closed at the end."""
 
-    def __init__(self, reader: Reader) -> None:
-        self.reader = reader
-        self.armed = False
-        self.held = 0
-        self.scanned = asyncio.Event()
+    def __init__(self) -> None:
+        self.real = os.scandir
+        self.scans = 0
+        self.open: set[int] = set()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.reader, name)
+    def __call__(self, path):
+        iterator = self.real(path)
+        self.scans += 1
+        number = self.scans
+        self.open.add(number)
+        scans = self
 
-    async def run_blocking(self, function: Any, *args: Any) -> Any:
-        if function is cache_files.write_new and self.armed:
-            self.held += 1
-            await self.scanned.wait()
-        result = await self.reader.run_blocking(function, *args)
-        if function is evict_to and self.armed and self.held:
-            self.armed = False
-            self.scanned.set()
-        return result
+        class Closed:
+            def __enter__(self):
+                iterator.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                scans.open.discard(number)
+                return iterator.__exit__(*exc)
+
+            def __iter__(self):
+                return iter(iterator)
+
+            def close(self):
+                scans.open.discard(number)
+                iterator.close()
+
+        return Closed()
 
 
-def test_copies_written_while_a_scan_ran_are_evicted_at_the_end_of_a_run(s3_options, tmp_path):
-    """Two objects downloaded (and counted) but not yet written when a scan runs: the scan's
-    total, without them, replaces the count, which then says the folder fits when it does not."""
-    objects = put_objects(s3_options, "asyncload-test/item-cache-bound/scan", 9)
+@pytest.mark.parametrize("concurrent", [1, 32])
+def test_eviction_scans_the_folder_a_few_times_per_segment_not_per_copy(s3_options, tmp_path, monkeypatch, concurrent):
+    """1,500 objects of 1 KiB through a cache of half their size: each eviction is one scan for
+    a segment's worth of copies (it was one scan per evicted copy, plus one per download under
+    way: quadratic), and every scan's iterator is closed (1,088 were left open)."""
+    count = 1500
+    objects = put_objects(s3_options, f"asyncload-test/item-cache-bound/scans-{concurrent}", count, 1024)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+    counted = CountedScans()
+    monkeypatch.setattr(cache_segments.os, "scandir", counted)
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            cache = ItemCache(str(folder), count * 1024 // 2, reader, None)
+            for start in range(0, count, concurrent):
+                part = list(enumerate(urls))[start:start + concurrent]
+                got = await asyncio.gather(*(cache.read(url, index) for index, url in part))
+                assert got == [objects[url] for _, url in part]
+            await cache.aclose()
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())
+    left = SegmentStore(folder, 1 << 30)
+    left.refresh()
+    left.close()
+    evicted = count - len(left.entries)
+    assert owned(folder) <= count * 1024 // 2
+    assert evicted >= count // 3
+    assert counted.scans * 8 <= evicted, f"{counted.scans} scans for {evicted} evicted copies"
+    assert counted.open == set(), f"{len(counted.open)} scans left open"
+
+
+def test_a_new_run_and_a_peer_read_exactly_what_was_written(s3_options, tmp_path):
+    """Two caches on one folder (two processes of a node contend as these do: a segment's flock
+    belongs to its open file): each serves the other's copies without a request once it looks,
+    and a third opened afterwards (a new run) serves them all, byte for byte."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-bound/share", 20)
     urls = list(objects)
     folder = tmp_path / "cache"
 
     async def main() -> None:
-        real = Reader(asyncio.get_running_loop(), storage_options=s3_options, timeout=30.0, retries=2,
-                      io_concurrency=8, stats=LoaderStats())
-        reader = WritesHeldForAScan(real)
+        reader = new_reader(s3_options)
         try:
-            cache = ItemCache(str(folder), CAP, reader, None)
-            for index, url in enumerate(urls[:6]):
-                await cache.read(url, index)
-            reader.armed = True
-            held = [asyncio.ensure_future(cache.read(url, 6 + index)) for index, url in enumerate(urls[6:8])]
-            for _ in range(3000):  # until both are downloaded and counted, their writes held
-                if reader.held == len(held) or any(task.done() for task in held):
-                    break
-                await asyncio.sleep(0.01)
-            assert reader.held == len(held)
-            assert await cache.read(urls[8], 8) == objects[urls[8]]  # it scans first: the held two are not on disk
-            assert await asyncio.gather(*held) == [objects[url] for url in urls[6:8]]
-            assert reader.scanned.is_set()
-            assert owned(folder) > CAP  # what the count missed: no later download would scan
-            await cache.aclose()
-            assert owned(folder) <= CAP
+            first = ItemCache(str(folder), 1 << 20, reader, None)
+            second = ItemCache(str(folder), 1 << 20, reader, None)
+            for index, url in enumerate(urls):
+                assert await (first if index % 2 else second).read(url, index) == objects[url]
+            before = reader.stats.as_dict()["read/items"]
+            for index, url in enumerate(urls):
+                assert await (second if index % 2 else first).read(url, index) == objects[url]
+            assert reader.stats.as_dict()["read/items"] == before  # found in the peer's segment
+            await first.aclose()
+            await second.aclose()
+            third = ItemCache(str(folder), 1 << 20, reader, None)
+            for index, url in enumerate(urls):
+                assert await third.read(url, index) == objects[url]
+            assert reader.stats.as_dict()["read/items"] == before
+            await third.aclose()
         finally:
-            await real.aclose()
+            await reader.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_writer_killed_mid_batch_leaves_a_tail_nobody_reads(tmp_path):
+    """A segment cut in the middle of a record (its writer killed) serves the records before
+    the cut and nothing after it."""
+    store = SegmentStore(tmp_path, 1 << 20)
+    store.append([("s3://b/a", "v", b"a" * 100), ("s3://b/b", "v", b"b" * 100)])
+    (segment,) = [p for p in tmp_path.iterdir()]
+    whole = segment.stat().st_size
+    store.close()
+    os.truncate(segment, whole - 10)
+    later = SegmentStore(tmp_path, 1 << 20)
+    later.refresh()
+    assert {url: later.read(entry) for url, entry in later.entries.items()} == {"s3://b/a": b"a" * 100}
+    later.close()
+
+
+def test_a_hit_whose_segment_is_evicted_before_its_read_is_downloaded_again(s3_options, tmp_path):
+    """The pipeline hands a hit to a decode thread, which reads it later: if its segment was
+    evicted meanwhile (by this process or a peer), the decode thread has the object read again
+    through the cache on the loop (downloaded), and gets its exact bytes."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-bound/gone", 2)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            cache = ItemCache(str(folder), 1 << 20, reader, None)
+            for index, url in enumerate(urls):
+                assert await cache.read(url, index) == objects[url]
+            hit = cache.hit(urls[0], 0)
+            assert hit is not None
+            before = reader.stats.as_dict()["read/items"]
+            await reader.run_blocking(cache.store.seal)
+            await reader.run_blocking(cache.store.evict, 0)  # what a peer's eviction would do
+            assert owned(folder) == 0
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, hit.read) == objects[urls[0]]  # as a decode thread
+            assert reader.stats.as_dict()["read/items"] == before + 1
+            await cache.aclose()
+        finally:
+            await reader.aclose()
 
     asyncio.run(main())

@@ -103,8 +103,8 @@ class ShardCache(ShardDownloads):
         copy must still be kept for the next epoch) for up to ``FINISH_S``, then cancels those
         left (their partial files are removed), before the reader they use closes; then scans
         the folder and evicts whatever passes ``max_bytes``, whether or not a download was under
-        way: an eviction during the run may have kept copies then in use, or (the item cache's
-        count) not seen a copy written while it scanned, and no later read would retry it."""
+        way: an eviction during the run may have kept copies then in use, and no later read
+        would retry it."""
         pending = list(self._downloads.values())
         if pending:
             await asyncio.wait(pending, timeout=min(FINISH_S, self.locks.timeout))
@@ -143,9 +143,6 @@ class ShardCache(ShardDownloads):
                         ensuring.add_done_callback(_retrieved)
                 if not kept:
                     break
-                fresh = self._just_downloaded(url, start, end)
-                if fresh is not None:
-                    return fresh, None
                 try:
                     return await self._from_copy(url, start, end, size)
                 except FileNotFoundError:
@@ -163,11 +160,6 @@ class ShardCache(ShardDownloads):
     async def _from_copy(self, url: str, start: int, end: int, size: int) -> tuple[bytes, files.CopyId]:
         """Bytes ``[start, end)`` of the kept copy of ``url``; FileNotFoundError if it is gone."""
         return await self.run_blocking(files.read_copy_range, self.path(url), start, end, size)
-
-    def _just_downloaded(self, url: str, start: int, end: int) -> bytes | None:
-        """The bytes a download of this process has just fetched, if it kept them (the item
-        cache does, for the read that asked: no read back from the disk); None here."""
-        return None
 
     async def damaged(self, url: str, size: int, copy: files.CopyId) -> bool:
         """Whether bytes that failed to decode (or parse), read from ``copy`` of ``url``, may
@@ -226,8 +218,8 @@ class ShardCache(ShardDownloads):
         return "" if self.version is None else await self.version(url)
 
     async def _evict(self, room: int, scan: bool = False) -> None:
-        """Evicts until ``room`` more bytes fit ``max_bytes`` (every call scans the folder here;
-        ``scan``: even where a subclass's count says it need not)."""
+        """Evicts until ``room`` more bytes fit ``max_bytes`` (every call scans the folder once;
+        ``scan`` is the end of a run's call)."""
         try:
             self._over_size = await self.run_blocking(evict, self.directory, self.max_bytes - room,
                                                       set(self._in_use))

@@ -30,7 +30,7 @@ class CacheWriteError(Exception):
 
 class ShardDownloads:
     """The download half of ``ShardCache`` (which sets these attributes and the methods below
-    that it declares); a subclass (the item cache) overrides ``_fetch_to`` and ``_try_lock``."""
+    that it declares)."""
 
     directory: Path
     download: ReadRange

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .cache_files import OURS, ShardFiles, try_lock, unlink
+from .cache_files import OURS, ShardFiles, read_meta, shard_files, try_lock, unlink
 
 DEFAULT_CAP = 64 << 30  # cache_bytes=None: at most this...
 FREE_FRACTION = 0.5  # ...and at most this fraction of the disk's free space plus what the cache keeps
@@ -45,10 +45,18 @@ def _inode(path: Path) -> int | None:
 
 
 def _copy_of(names: ShardFiles) -> bool:
-    """Whether a copy of ``names``' shard is in the folder now (its readable name is unknown
-    here: any ``asyncload-<hash>-...``)."""
-    start = f"asyncload-{names.digest}-"
-    return any(entry.name.startswith(start) for entry in os.scandir(names.directory))
+    """Whether a copy of ``names``' shard is in the folder now, as its meta file names it (a copy
+    without its meta is of no use: ``current`` refuses it). No scan: a scan per meta file made
+    an eviction quadratic in the folder's files."""
+    meta = read_meta(names.meta)
+    url = None if meta is None else meta.get("url")
+    if not isinstance(url, str):
+        return False
+    try:
+        os.lstat(shard_files(names.directory, url).shard)
+    except OSError:
+        return False
+    return True
 
 
 def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
@@ -60,24 +68,25 @@ def evict(directory: Path, max_bytes: int, keep: set[Path]) -> bool:
 
 
 def evict_to(directory: Path, target: int, max_bytes: int, keep: set[Path]) -> tuple[int, bool]:
-    """``evict``, down to ``target`` bytes; returns the bytes left and whether they pass
-    ``max_bytes`` (the item cache frees more than it must, to scan less often)."""
+    """``evict``, down to ``target`` bytes (one scan of the folder, closed); returns the bytes
+    left and whether they pass ``max_bytes``."""
     copies, parts, others = [], [], set()
-    for entry in os.scandir(directory):
-        match = OURS.match(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
-            continue  # not ours: never counted, never deleted
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:  # another eviction (this process's or another's) took it
-            continue
-        names, kind, path = ShardFiles(directory, match.group(1), ""), match.group(2), Path(entry.path)
-        if kind.startswith("-"):
-            copies.append((info.st_atime_ns, info.st_size, path, names, info.st_ino))
-        elif kind.endswith(".part"):
-            parts.append((info.st_size, path, names))
-        else:
-            others.add(names)
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = OURS.match(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue  # not ours: never counted, never deleted
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # another eviction (this process's or another's) took it
+                continue
+            names, kind, path = ShardFiles(directory, match.group(1), ""), match.group(2), Path(entry.path)
+            if kind.startswith("-"):
+                copies.append((info.st_atime_ns, info.st_size, path, names, info.st_ino))
+            elif kind.endswith(".part"):
+                parts.append((info.st_size, path, names))
+            else:
+                others.add(names)
     total = sum(size for size, path, names in parts if not _unlink_if_free(names, path))
     total += sum(copy[1] for copy in copies)
     kept = set()
@@ -95,13 +104,14 @@ def evict_to(directory: Path, target: int, max_bytes: int, keep: set[Path]) -> t
 def owned_bytes(directory: Path) -> int:
     """Bytes of the cache's files in ``directory``: its copies and the downloads under way."""
     total = 0
-    for entry in os.scandir(directory):
-        match = OURS.match(entry.name)
-        if match is not None and entry.is_file(follow_symlinks=False):
-            try:
-                total += entry.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
-                pass
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = OURS.match(entry.name)
+            if match is not None and entry.is_file(follow_symlinks=False):
+                try:
+                    total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    pass
     return total
 
 

@@ -2,159 +2,374 @@
 every object read once is kept whole in ``cache_dir``, so the next epochs (and runs) read it from
 local disk and not a byte from the bucket.
 
-It is the shard cache (``cache.py``) with each object as one "shard": the same folder and names
-(``cache_files``), the same least-recently-used eviction under ``cache_bytes`` (``cache_evict``),
-the same per-object locks shared by the processes and users of a node (``cache_lock``), the same
-rules: no symlink followed, a copy checked against its checksum once per process (a damaged one is
-downloaded again), a full disk or an unwritable folder sends reads to storage, a copy is served
-while storage cannot be asked, and nothing the cache did not write is touched.
+The objects are packed into segment files (``cache_segments``: the format, the index, eviction),
+not a file each: a file, a record and a lock per object cost the cold epoch more than half its
+throughput. A read that misses downloads the object (one GET, as uncached) and hands it to the
+batch being gathered (up to ``BATCH_OBJECTS`` or ``BATCH_BYTES``, for at most ``BATCH_WAIT_S``):
+one trip to a thread and one ``pwritev`` for the lot, and each read returns once its object is on
+disk, so a peer process that looks next finds it. A miss first looks at what peers wrote since
+this process last looked (``SegmentStore.refresh``, shared by the misses waiting meanwhile; no
+more than a ``stat`` of the folder, on the loop, while no peer writes: ``SegmentStore.quiet``).
+Two processes that miss the same object at once both download it (no per-object lock: the ranks
+of a node read disjoint parts of an epoch); both copies are sound, the older ages out.
 
-What differs is how a copy is known to be current. ``image_folder`` and ``list_files`` list the
-bucket once when called, which gives every object's size and version (ETag): a copy is checked
-against the listing, with no request. A manifest's items are not listed: the first read of each
-in a process asks storage (one metadata request) for its size and version. Either way a copy,
-once checked, is used unasked for the rest of the process's life, so epoch 2 sends no request.
+A hit costs no trip through the event loop: ``hit`` gives the pipeline a ``CopyRead`` that the
+decode thread reads itself (``os.pread`` and a checksum); a copy it finds gone or damaged is read
+through ``read`` again, on the loop, which downloads it.
 
-Eviction scans the folder; with thousands of small objects a scan per download would cost more
-than the downloads, so this process counts what it added and scans only when that may pass
-``cache_bytes``, then frees ``SLACK`` of it more, so that the next scan is many downloads away;
-and once at the end of a run, as the count can be short (a peer's copies; objects downloaded but
-not yet on disk while a scan ran, whose total then replaced the count).
+How a copy is known to be current: ``image_folder`` and ``list_files`` list the bucket once, which
+gives every object's size and version (ETag), checked against the copy's record with no request.
+A manifest's items are not listed: the first read of each in a process asks storage (one metadata
+request) for its size and version; then the copy is used unasked for the rest of the process's
+life. While storage cannot be asked (a transient error after the retries), a copy whose checksum
+holds is used for ``OFFLINE_S`` without asking. A full disk or a folder that cannot be written
+sends what is not kept to storage (one warning); nothing the cache did not write is touched.
+
+Eviction: this process counts what the folder holds (its last scan plus its own writes) and, past
+``cache_bytes``, deletes least recently used segments down to ``SLACK`` below it (one scan); it
+scans again after adding ``RESCAN_FRACTION`` of ``cache_bytes`` (peers write too) and once at the
+end of a run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-import zlib
+import time
+import warnings
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import TimeoutError as FuturesTimeout
+from pathlib import Path
 from typing import Any, Callable
 
-from . import cache_files as files
-from .cache import ShardCache
-from .cache_evict import evict_to, owned_bytes
+from ..errors import describe
+from ..redact import shown
+from .cache_evict import DEFAULT_CAP, FREE_FRACTION
+from .cache_segments import CopyGone, Entry, SegmentStore, owned_bytes
+from .retries import is_transient
 
-WHOLE = 1 << 62  # the download's "chunk": an object is read in one GET
 SLACK = 0.1  # an eviction frees this fraction of cache_bytes more than it must
 RESCAN_FRACTION = 0.125  # peers add bytes too: scan again after adding this fraction of cache_bytes
+SEGMENTS_PER_BUDGET = 8  # a segment is at most this fraction of cache_bytes: eviction stays fine-grained
+OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
+BATCH_OBJECTS = 32  # a batch is written once it has this many objects...
+BATCH_BYTES = 4 << 20  # ...or bytes...
+BATCH_WAIT_S = 0.005  # ...or has waited this long for more (each read waits for its batch's write)
+REFRESH_HITS = 4096  # hits between two looks at the folder (a peer's evicted segments are let go)
+THREAD_POLL_S = 0.5  # a decode thread waiting on the loop looks this often whether it still runs
+FINISH_S = 10.0  # how long closing waits for the write under way before giving up on what is left
 
 Listed = Callable[[int], "tuple[int, str] | None"]  # source index -> (size, version) from the listing
+_UNKNOWN = object()  # an unlisted object not yet asked about in this process
+
+_warned: set[tuple[str, str]] = set()  # (folder, reason): each warned once per process
 
 
-class ItemChanged(Exception):
-    """The object's size is not the one listed: it was rewritten since; read it uncached."""
+class CopyRead:
+    """A hit, read by the decode thread that decodes it (``read``): no trip through the loop."""
+
+    __slots__ = ("cache", "url", "index", "entry")
+
+    def __init__(self, cache: "ItemCache", url: str, index: int, entry: Entry) -> None:
+        self.cache, self.url, self.index, self.entry = cache, url, index, entry
+
+    def read(self) -> bytes:
+        """The copy's bytes; if it is gone or damaged, the object read again through the cache
+        on the loop (downloaded), waited for here."""
+        try:
+            return self.cache.store.read(self.entry)
+        except (CopyGone, OSError):
+            return self.cache.read_from_thread(self.url, self.index, self.entry)
 
 
-class ItemCache(ShardCache):
+class ItemCache:
     """``read(url, index)``: the bytes of the object at ``url`` (item ``index`` of the source),
-    from its local copy, downloaded whole at its first read."""
+    from its local copy, downloaded whole at its first read; ``hit(url, index)``: a ``CopyRead``
+    when a current copy is known now."""
 
     def __init__(self, directory: str, max_bytes: int | None, reader: Any, listed: Listed | None) -> None:
+        self.directory = Path(directory)
         self.reader = reader
         self.listed = listed
-        self._known: dict[str, str] = {}  # url -> its version, from the listing or a metadata request
-        self._sizes: dict[str, int] = {}  # unlisted urls checked in this process -> their size
-        self._fresh: dict[str, bytes] = {}  # url -> the object just downloaded, for the read that asked
-        self._added = 0  # bytes this process downloaded since its last scan of the folder
-        self._estimate = 0  # the folder's bytes at the last scan, plus _added
-        super().__init__(directory, max_bytes, self._get, WHOLE, reader.run_blocking,
-                         version=self._version, timeout=reader.timeout)
-        self.streaming = None  # an object is one read: it takes the bytes just downloaded (_fresh)
-        if self._usable:
-            self._estimate = _owned(self.directory)
+        self.max_bytes = 0
+        self._versions: dict[str, Any] = {}  # unlisted url -> its version (None: offline, any will do)
+        self._sizes: dict[str, int] = {}  # unlisted url -> its size, as asked
+        self._offline_until = 0.0
+        self._pending: dict[str, tuple[str, bytes]] = {}  # downloaded, to be written in the next batch
+        self._pending_bytes = 0
+        self._next_write: asyncio.Future | None = None  # the write the pending objects go to
+        self._writing: asyncio.Future | None = None  # the write under way
+        self._batch_full: asyncio.Future | None = None  # set once the batch gathering is big enough
+        self._refresh_wanted: asyncio.Future | None = None  # the refresh misses wait for
+        self._refreshing = False
+        self._disk = asyncio.Lock()  # one of refresh/append/evict at a time (bound to a loop at first use)
+        self._added = 0  # bytes written since the last scan
+        self._hits = 0
+        self._background: asyncio.Future | None = None  # the last refresh started by hits
+        self._writable = True
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.max_bytes = max_bytes if max_bytes is not None else _default_budget(self.directory)
+            self.store = SegmentStore(self.directory, self.max_bytes // SEGMENTS_PER_BUDGET)
+            self.store.refresh()
+            self.store.evict(self.max_bytes)  # a run that downloads nothing cleans up too
+        except OSError as error:
+            self.store = SegmentStore(self.directory, 1)
+            self._warn("folder", f"cannot use {error}; objects are read from storage")
+            self._usable = False
+        else:
+            self._usable = True
+
+    # --- hits ---------------------------------------------------------------------------------
+
+    def hit(self, url: str, index: int) -> CopyRead | None:
+        """On the loop: a ``CopyRead`` of ``url``'s copy if one known now is current, else None
+        (``read`` then serves it)."""
+        if not self._usable:
+            return None
+        self._hits += 1
+        if self._hits % REFRESH_HITS == 0:  # segments peers evicted: closed, so that their room is freed
+            self._background = asyncio.ensure_future(self._refresh())
+        entry = self.store.lookup(url)
+        if entry is None or not self._current(url, index, entry) or \
+                (self.reader.max_bytes is not None and entry.size > self.reader.max_bytes):
+            return None
+        return CopyRead(self, url, index, entry)
+
+    def _current(self, url: str, index: int, entry: Entry) -> bool:
+        listed = self.listed(index) if self.listed is not None else None
+        if listed is not None:
+            return entry.size == listed[0] and entry.version == listed[1]
+        version = self._versions.get(url, _UNKNOWN)
+        if version is _UNKNOWN:
+            return False
+        if version is None:  # storage could not be asked: any sound copy, for a while
+            return time.monotonic() < self._offline_until
+        return entry.size == self._sizes.get(url) and entry.version == version
+
+    def read_from_thread(self, url: str, index: int, gone: Entry) -> bytes:
+        """``read`` from a decode thread, for a hit whose copy could not serve (``CopyRead``)."""
+        self.store.forget(url, gone)
+        loop = self.reader.loop
+        try:
+            future: ThreadFuture = asyncio.run_coroutine_threadsafe(self.read(url, index), loop)
+        except RuntimeError as error:  # the loop is closed
+            raise CopyGone(f"{url}: its cached copy is gone and the loader is closing") from error
+        while True:  # the read is bounded by the reader's timeouts; a loop stopped under it is not
+            try:
+                return future.result(timeout=THREAD_POLL_S)
+            except FuturesTimeout:
+                if not loop.is_running():
+                    future.cancel()
+                    raise CopyGone(f"{url}: its cached copy is gone and the loader is closing") from None
+
+    # --- misses -------------------------------------------------------------------------------
 
     async def read(self, url: str, index: int) -> bytes:
         listed = self.listed(index) if self.listed is not None else None
         if self.reader.max_bytes is not None and listed is not None and listed[0] > self.reader.max_bytes:
             return await self.reader.read(url)  # too large to read: fails there, as uncached
-        try:
-            if listed is not None:
-                size, self._known[url] = listed
-            else:
-                size = self._sizes.get(url)
-                if size is None:
-                    size = await self._size_of(url)
-                    if size is None:
-                        return await self.reader.read(url)  # storage down, no copy: its error
-                    self._sizes[url] = size
-            return (await self.read_copy(url, 0, size, size))[0]
-        except ItemChanged:
-            self._checked.pop(url, None)
-            self._sizes.pop(url, None)
+        if not self._usable:
             return await self.reader.read(url)
-        finally:
-            self._known.pop(url, None)
-            self._fresh.pop(url, None)  # a download whose install failed: not kept
-
-    async def _from_copy(self, url: str, start: int, end: int, size: int) -> tuple[bytes, files.CopyId]:
-        """The whole kept copy, its checksum checked at every read (30 us for 100 KB, against
-        milliseconds to decode it): a copy damaged on disk is deleted and downloaded again, as
-        no decode failure could tell whether the copy or the object is bad."""
-        return await self.run_blocking(read_checked, files.shard_files(self.directory, url), size)
-
-    async def _size_of(self, url: str) -> int | None:
-        """An unlisted object's size: from a metadata request (its version is kept for the check
-        that follows), else, while storage cannot be asked, from its kept copy's record."""
-        version = await self._remote_version(url)
-        if version is not None:
-            self._known[url] = version
-            return _size_in(version)
-        meta = files.read_meta(files.shard_files(self.directory, url).meta)
-        size = None if meta is None or meta.get("url") != url else meta.get("size")
-        return size if isinstance(size, int) else None
-
-    async def _version(self, url: str) -> str:
-        known = self._known.get(url)
-        return known if known is not None else await self.reader.version(url)
-
-    async def _get(self, url: str, start: int, end: int) -> bytes:
-        """The whole object (one GET, as uncached), which must be the ``end`` bytes expected."""
+        if listed is not None:
+            size, version = listed
+        else:
+            known = await self._ask(url)
+            if known is None:
+                return await self.reader.read(url)  # storage down, no copy: its error
+            size, version = known
+        pending = self._pending.get(url)
+        if pending is not None and len(pending[1]) == size:
+            return pending[1]
+        for attempt in range(2):
+            entry = self.store.lookup(url)
+            if entry is not None and self._current(url, index, entry):
+                try:
+                    return self.store.read(entry)
+                except (CopyGone, OSError):
+                    self.store.forget(url, entry)
+            if attempt == 0:
+                await self._refresh()
+        if version is None:  # no copy to fall back on: ask (and fail after the retries) anyway
+            version = await self.reader.version(url)
+            self._versions[url] = version
         data = await self.reader.read(url)
-        if len(data) != end - start:
-            raise ItemChanged(url)
-        self._added += len(data)
-        self._estimate += len(data)
-        self._fresh[url] = data
+        if len(data) != size:
+            self._sizes.pop(url, None)
+            self._versions.pop(url, None)
+            return data  # rewritten since it was listed (or asked about): read it uncached
+        if self._writable:
+            await self._keep(url, version, data)
         return data
 
-    async def _fetch_to(self, url: str, size: int, partial: Any) -> int:
-        """The object in one GET, written in one trip to a thread (a download per object: the
-        shard cache's several trips cost the cold epoch a millisecond of CPU per object)."""
-        data = await self.download(url, 0, size)
-        return await self._on_disk(files.write_new, partial, data)
+    async def _ask(self, url: str) -> tuple[int, Any] | None:
+        """An unlisted object's size and version: asked once per process (one metadata request),
+        else, while storage cannot be asked, from its kept copy's record (version None)."""
+        version = self._versions.get(url, _UNKNOWN)
+        if version is not _UNKNOWN and (version is not None or time.monotonic() < self._offline_until):
+            return self._sizes[url], version
+        if time.monotonic() >= self._offline_until:
+            try:
+                version = await self.reader.version(url)
+            except Exception as error:
+                if not is_transient(error):  # gone, denied, or a bug: not storage that cannot be asked
+                    raise
+                self._offline_until = time.monotonic() + OFFLINE_S
+                self._warn("offline", f"storage could not be asked about {shown(url)} ({describe(error)}); kept "
+                                      f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
+            else:
+                size = _size_in(version)
+                if size is None:
+                    return None
+                self._versions[url], self._sizes[url] = version, size
+                return size, version
+        entry = self.store.lookup(url)
+        if entry is None:
+            await self._refresh()
+            entry = self.store.lookup(url)
+        if entry is None:
+            return None
+        self._versions[url], self._sizes[url] = None, entry.size
+        return entry.size, None
 
-    async def _try_lock(self, path: Any) -> int | None:
-        """On a thread: creating a lock file per object waits for the folder while the threads
-        write copies into it (measured: 2 ms each, which stalled every read on the loop). A cancel
-        lets the attempt end, and closes a lock it took."""
-        return await self._finish(files.try_lock, path, undo=os.close)
+    async def _keep(self, url: str, version: str, data: bytes) -> None:
+        """Adds the object to the next batch written, and returns once it is on disk (or the
+        disk failed: then it is not kept, and the read still has its bytes)."""
+        self._pending[url] = (version, data)
+        self._pending_bytes += len(data)
+        full = self._batch_full
+        if full is not None and not full.done() and \
+                (len(self._pending) >= BATCH_OBJECTS or self._pending_bytes >= BATCH_BYTES):
+            full.set_result(None)
+        if self._next_write is None:
+            self._next_write = asyncio.get_running_loop().create_future()
+        batch = self._next_write
+        if self._writing is None:
+            self._writing = asyncio.ensure_future(self._write_batches())
+        await asyncio.shield(batch)
 
-    def _just_downloaded(self, url: str, start: int, end: int) -> bytes | None:
-        return self._fresh.pop(url, None)
-
-    async def _evict(self, room: int, scan: bool = False) -> None:
-        """Scans (and evicts) only when this process's count says the folder may not have
-        ``room``, or it added enough since its last scan that peers may have too, or ``scan``
-        (the end of a run: the count misses peers' copies and those a scan overlapped)."""
-        if not scan and self._estimate + room <= self.max_bytes \
-                and self._added <= RESCAN_FRACTION * self.max_bytes and not self._over_size:
-            return
-        target = self.max_bytes - room - int(SLACK * self.max_bytes)
+    async def _write_batches(self) -> None:
+        """Writes the pending objects, a batch at a time, until none are left."""
         try:
-            self._estimate, self._over_size = await self.run_blocking(
-                evict_to, self.directory, max(target, 0), self.max_bytes - room, set(self._in_use))
+            while self._pending:
+                if len(self._pending) < BATCH_OBJECTS and self._pending_bytes < BATCH_BYTES:
+                    # a thread trip per batch, not per object: the downloads just behind join it
+                    self._batch_full = asyncio.get_running_loop().create_future()
+                    await asyncio.wait([self._batch_full], timeout=BATCH_WAIT_S)
+                    self._batch_full = None
+                batch, done = self._pending, self._next_write
+                self._pending, self._pending_bytes, self._next_write = {}, 0, None
+                try:
+                    if self._writable:
+                        await self._on_disk(self._append, [(url, version, data) for url, (version, data) in batch.items()])
+                except OSError as error:
+                    self._writable = False
+                    self._warn("write", f"cannot write {self.directory} ({error}): what is not kept is read "
+                                        f"from storage")
+                finally:
+                    if done is not None and not done.done():
+                        done.set_result(None)
+        finally:
+            self._writing = None
+            if self._next_write is not None and not self._next_write.done():
+                self._next_write.set_result(None)  # cancelled: its readers go on with their bytes
+                self._next_write = None
+
+    def _append(self, objects: list[tuple[str, str, bytes]]) -> None:
+        """On a thread: the batch written, then an eviction if the count says the folder may
+        pass ``cache_bytes`` (or enough was added that peers may have too)."""
+        room = sum(len(data) for _, _, data in objects)
+        if self.store.total + room > self.max_bytes:
+            self.store.evict(max(0, self.max_bytes - room - int(SLACK * self.max_bytes)))
             self._added = 0
+        self.store.append(objects)
+        self._added += room
+        if self.store.total > self.max_bytes or self._added > RESCAN_FRACTION * self.max_bytes:
+            self.store.evict(max(0, self.max_bytes - int(SLACK * self.max_bytes)))
+            self._added = 0
+
+    async def _refresh(self) -> None:
+        """Indexes what peers wrote since this process last looked: a refresh that starts after
+        the call (one at a time; the misses that come while one runs share the next); none when
+        the folder says nothing can have changed (``SegmentStore.quiet``: one ``stat`` here)."""
+        try:
+            if self.store.quiet():
+                return
+        except OSError:
+            pass
+        if self._refresh_wanted is None:
+            self._refresh_wanted = asyncio.get_running_loop().create_future()
+        wanted = self._refresh_wanted
+        if not self._refreshing:
+            self._refreshing = True
+            asyncio.ensure_future(self._refreshes())
+        await asyncio.shield(wanted)
+
+    async def _refreshes(self) -> None:
+        try:
+            while self._refresh_wanted is not None:
+                wanted, self._refresh_wanted = self._refresh_wanted, None
+                try:
+                    await self._on_disk(self.store.refresh)
+                except OSError as error:
+                    self._warn("refresh", f"cannot scan: {error}")
+                finally:
+                    if not wanted.done():
+                        wanted.set_result(None)
+        finally:
+            self._refreshing = False
+
+    async def _on_disk(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` on a reader thread, one at a time, let finish if the caller is
+        cancelled (a thread cannot be stopped: the store must not be closed under it)."""
+        async with self._disk:
+            work = asyncio.ensure_future(self.reader.run_blocking(function, *args))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                while not work.done():
+                    try:
+                        await asyncio.wait([work])
+                    except asyncio.CancelledError:
+                        pass
+                raise
+
+    async def aclose(self) -> None:
+        """Writes what is pending (for up to ``FINISH_S``), lets go of this process's segment,
+        then scans and evicts whatever passes ``cache_bytes`` (the count may have missed a
+        peer's writes)."""
+        if not self._usable:
+            return
+        if self._background is not None:
+            await asyncio.gather(self._background, return_exceptions=True)
+        if self._writing is not None:
+            writing = self._writing
+            await asyncio.wait([writing], timeout=min(FINISH_S, self.reader.timeout))
+            writing.cancel()
+            await asyncio.gather(writing, return_exceptions=True)
+        try:
+            await self._on_disk(self._close_store)
         except OSError as error:
             self._warn("evict", f"cannot evict: {error}")
 
+    def _close_store(self) -> None:
+        self.store.seal()
+        try:
+            self.store.evict(self.max_bytes)
+        finally:
+            self.store.close()
 
-def read_checked(names: files.ShardFiles, size: int) -> tuple[bytes, files.CopyId]:
-    """The copy's bytes if they still have the checksum recorded at download; else the copy is
-    deleted if damaged (``cache_files.recheck``) and FileNotFoundError says to download it again."""
-    data, copy = files.read_copy_range(names.shard, 0, size, size)
-    meta = files.read_meta(names.meta)
-    if meta is not None and meta.get("size") == size and meta.get("crc32") == zlib.crc32(data):
-        return data, copy
-    files.recheck(names, size, copy)
-    raise FileNotFoundError(f"{names.shard} does not hold what was downloaded")
+    def _warn(self, reason: str, message: str) -> None:
+        if (str(self.directory), reason) not in _warned:
+            _warned.add((str(self.directory), reason))
+            warnings.warn(f"asyncload item cache {self.directory}: {message}", RuntimeWarning, stacklevel=2)
+
+
+def _default_budget(directory: Path) -> int:
+    """``DEFAULT_CAP``, or less: ``FREE_FRACTION`` of what the disk has free plus what the cache
+    keeps already (a shared node's disk is not the cache's alone)."""
+    disk = os.statvfs(directory)
+    return min(DEFAULT_CAP, int(FREE_FRACTION * (disk.f_bavail * disk.f_frsize + owned_bytes(directory))))
 
 
 def _size_in(version: str) -> int | None:
@@ -164,10 +379,3 @@ def _size_in(version: str) -> int | None:
         return int(first[len("size="):]) if first.startswith("size=") else None
     except ValueError:
         return None
-
-
-def _owned(directory: Any) -> int:
-    try:
-        return owned_bytes(directory)
-    except OSError:
-        return 0

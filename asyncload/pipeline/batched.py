@@ -31,6 +31,7 @@ import torch
 from ..batch.buffers import OnDevice
 from ..batch.layout import Field
 from ..errors import SampleError
+from ..io.cache_items import CopyRead
 from .jobs import Row, RowFiller, Work, read_on_decode_thread, write_label
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
@@ -154,10 +155,13 @@ class BatchJobs:
         read_s, nbytes, reads = 0.0, 0, 0
         for row in rows:
             data = row.data
-            if data is None:
+            if data is None or type(data) is CopyRead:
                 started = time.perf_counter()
                 try:
-                    data = read_on_decode_thread(row.key, self.filler.read_other, self.filler.max_bytes)
+                    if data is None:
+                        data = read_on_decode_thread(row.key, self.filler.read_other, self.filler.max_bytes)
+                    else:  # the item cache's copy (not a read from storage: not counted as one)
+                        data = data.read()
                 except Exception as error:
                     self.filler.row_failed(batch, row.row, SampleError(row.key, "read", error))
                     continue
@@ -166,8 +170,9 @@ class BatchJobs:
                     read_s += ended - started
                     if self.filler.stats.tracer is not None:
                         self.filler.stats.tracer.span("read", started, ended, row.key)
-                reads += 1
-                nbytes += len(data)
+                if row.data is None:
+                    reads += 1
+                    nbytes += len(data)
             ready.append(row)
             datas.append(data)
         if reads:

@@ -6,17 +6,47 @@ sources is the pipeline's business, and ``io/`` stays below them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
-from ..io.cache_items import ItemCache
+from ..io.cache_items import CopyRead, ItemCache
 from ..sources.items import Source
 from ..sources.mix_source import MixedSource
 
 
-def item_cache(source: Any, reader: Any) -> Callable[[Any, int], Any] | None:
-    """How the pipeline reads an item of ``source`` through the disk cache: ``read(key, index)``
-    (an awaitable, or None for an item not cached: a local file, no ``cache_dir``), or None when
-    no part of the source has a ``cache_dir``. A mix's parts each keep their own cache."""
+class CachedReads:
+    """How the pipeline reads the items of a source with a ``cache_dir``: ``hit`` (a copy the
+    decode thread reads itself) or ``read`` (an awaitable, on the loop); both None for an item
+    not cached (a local file, a part of a mix without ``cache_dir``)."""
+
+    def __init__(self, caches: dict[int, ItemCache], locate: Callable[[int], tuple[Any, int]], reader: Any) -> None:
+        self.caches = caches
+        self.locate = locate
+        self.reader = reader
+
+    def _cache(self, key: Any, index: int) -> tuple[ItemCache | None, int]:
+        part, local = self.locate(index)
+        cache = self.caches.get(id(part))
+        if cache is None or not isinstance(key, str) or self.reader.is_local(key):
+            return None, local
+        return cache, local
+
+    def hit(self, key: Any, index: int) -> CopyRead | None:
+        cache, local = self._cache(key, index)
+        return None if cache is None else cache.hit(key, local)
+
+    def read(self, key: Any, index: int) -> Awaitable[bytes] | None:
+        cache, local = self._cache(key, index)
+        return None if cache is None else cache.read(key, local)
+
+    async def aclose(self) -> None:
+        """Writes what the caches hold still and lets go of their segments (before the reader closes)."""
+        for cache in self.caches.values():
+            await cache.aclose()
+
+
+def item_cache(source: Any, reader: Any) -> CachedReads | None:
+    """``CachedReads`` for ``source``, or None when no part of it has a ``cache_dir``. A mix's
+    parts each keep their own cache."""
     if isinstance(source, Source):
         parts, locate = [source], lambda index: (source, index)
     elif isinstance(source, MixedSource) and all(isinstance(p, Source) for p in source.sources):
@@ -25,22 +55,4 @@ def item_cache(source: Any, reader: Any) -> Callable[[Any, int], Any] | None:
         return None
     caches = {id(p): ItemCache(p.cache_dir, p.cache_bytes, reader, p.listed if p.has_listing else None)
               for p in parts if getattr(p, "cache_dir", None) is not None}
-    if not caches:
-        return None
-
-    def read(key: Any, index: int) -> Any:
-        part, local = locate(index)
-        cache = caches.get(id(part))
-        if cache is None or not isinstance(key, str) or reader.is_local(key):
-            return None
-        return cache.read(key, local)
-
-    read.caches = list(caches.values())  # type: ignore[attr-defined]
-    return read
-
-
-async def close(read: Any) -> None:
-    """Cancels the downloads of ``item_cache``'s caches (before the reader closes)."""
-    for cache in getattr(read, "caches", ()):
-        await cache.aclose()
-
+    return CachedReads(caches, locate, reader) if caches else None

@@ -18,6 +18,7 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
+from ..io.cache_items import CopyRead
 from ..io.limits import read_file
 from ..stats.figures import LoaderStats
 from .slots import Slot
@@ -127,10 +128,13 @@ class RowFiller:
         now = time.perf_counter()
         for index, row in enumerate(rows):
             data = row.data
-            if data is None:  # timed as the decode is: a hard network mount may never answer
+            if data is None or type(data) is CopyRead:  # timed as the decode is: a hard network mount may never answer
                 slot.index, slot.done, slot.reading, slot.started = index, done, True, now
                 try:
-                    data = read_on_decode_thread(row.key, self.read_other, self.max_bytes)
+                    if data is None:
+                        data = read_on_decode_thread(row.key, self.read_other, self.max_bytes)
+                    else:  # the item cache's copy (not a read from storage: not counted as one)
+                        data = data.read()
                 except Exception as error:
                     if not slot.claim():
                         return  # abandoned while it read: the watchdog reported this job's rows
@@ -141,8 +145,9 @@ class RowFiller:
                     read_s += now - started
                     if trace is not None:
                         trace.span("read", started, now, row.key)
-                reads += 1
-                nbytes += len(data)
+                if row.data is None:
+                    reads += 1
+                    nbytes += len(data)
             slot.index, slot.done, slot.reading, slot.started = index, done, False, now  # started last: read first
             cpu_started = time.thread_time()  # CPU inside decode alone: the GIL verdict reads it
             try:
