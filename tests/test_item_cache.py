@@ -195,13 +195,14 @@ def test_cache_bytes_bounds_the_folder(bucket, s3_options, tmp_path):
 
 def test_a_batched_decoder_decodes_the_kept_copies(bucket, s3_options, tmp_path):
     """A hit is read by the decode thread (no trip through the loop), for a batched decoder
-    (``GpuImageDecoder``, simplejpeg standing in for nvJPEG) as for a per-row one: epoch 2 reads
+    (``GpuImageDecoder``, through nvImageCodec's CPU backend) as for a per-row one: epoch 2 reads
     nothing from the bucket and gives epoch 1's pixels."""
-    from asyncload.decode.gpu import GpuImageDecoder, jpeg_decode_on_cpu
+    pytest.importorskip("nvidia.nvimgcodec")
+    from asyncload.decode.gpu import GpuImageDecoder
 
     url, _, _ = bucket
     source = make_source("image_folder", url, s3_options, tmp_path / "cache", tmp_path)
-    decode = GpuImageDecoder(32, device="cpu", decode_jpegs=jpeg_decode_on_cpu)
+    decode = GpuImageDecoder(32, device="cpu")
     with AsyncLoader(source, batch_size=5, decode=decode, storage_options=s3_options, processes=0,
                      shuffle=False) as loader:
         first = [(images.clone(), labels.clone()) for images, labels in loader]
