@@ -29,35 +29,10 @@ from asyncload.pipeline.slots import Watchdog
 from asyncload.pipeline.threads import LoopThread, wait_ended
 from asyncload.pipeline.workers import DecodeWorkers, current_slot
 from tests.conftest import asyncload_threads, wait_until
+from tests.support.gate import Gate
 
 MODES = [0, 2]
 BOUND_S = 60.0  # a loop still running after this long hangs (each case takes a few seconds)
-
-
-class Gate:
-    """Blocks until the file at ``path`` exists (the test creates it at teardown)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def wait(self, index=None) -> None:
-        """Blocks until the gate opens; first marks that ``index`` is waiting (see ``waiting``)."""
-        if index is not None:
-            Path(f"{self.path}.waiting-{index}").touch()
-        while not os.path.exists(self.path):
-            time.sleep(0.02)
-
-    def waiting(self, index) -> bool:
-        """Whether a call for ``index`` has reached the gate (in any process)."""
-        return os.path.exists(f"{self.path}.waiting-{index}")
-
-    def mark_done(self, index) -> None:
-        """Marks that the call for ``index``, let go, has done what it does after the gate."""
-        Path(f"{self.path}.done-{index}").touch()
-
-    def done(self, index) -> bool:
-        """Whether the call for ``index`` has marked itself done (in any process)."""
-        return os.path.exists(f"{self.path}.done-{index}")
 
 
 class HangingRead:
