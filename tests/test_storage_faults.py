@@ -57,14 +57,16 @@ def test_transient_faults_are_retried_and_counted(moto_server, source, fault, cl
 
 def test_a_stalled_read_times_out_and_is_retried(moto_server, source, client):
     """Each object's first GET is held unanswered until its client gives up: each times out, is
-    retried, and arrives once. A retry that a busy machine slows past the timeout is retried too:
-    so the retries counted are exactly the GETs past each object's first, whatever the load."""
+    retried, and arrives once. What a busy machine changes is left out: a retry it slows past the
+    timeout is retried again, and one whose timeout ran out before its request was sent never
+    reaches the server (seen with s3fs under two busy loops: 25 retries, 24 GETs again), so the
+    retries are at least the stalls and the GETs the server saw again, not an exact count."""
     with FaultProxy(moto_server.port, first_tries(STALL)) as proxy:
         seen, stats = read_epoch(source, proxy, client, read_timeout=1.0)
     assert sorted(seen) == ALL and stats.failures == []
     gets = [count for line, count in proxy.counts.items() if line.startswith("GET ")]
     assert len(gets) == len(ALL) and min(gets) >= 2 and proxy.stalls == len(ALL), "each first GET stalled"
-    assert stats.retries == sum(gets) - len(ALL), (stats.retries, gets)
+    assert stats.retries >= sum(gets) - len(ALL) >= len(ALL), (stats.retries, gets)
     assert proxy.peak_stalling > 1, "stalls overlap: each costs one timeout, not one per object in turn"
 
 
