@@ -39,7 +39,13 @@ class FaultProxy:
         self.port = free_port()
         self.plan = plan or (lambda line, count: PASS)
         self.counts: dict[str, int] = {}
-        self.stall_seconds = 30.0
+        # A stall holds its request unanswered until the client gives up (closes the connection)
+        # or the proxy exits: never answered on a timer of the proxy's own, so the client's timeout
+        # fires for certain, however busy the machine.
+        self.stalls = 0  # requests stalled so far
+        self.stalling = 0  # requests stalled now, their clients still waiting
+        self.peak_stalling = 0  # the most stalled at once
+        self.stalled = threading.Event()  # set at the first stall
         self.delay_seconds = 0.0  # before each request that passes: a far bucket's first byte
         self._loop = asyncio.new_event_loop()
         self._listener: socket.socket | None = None
@@ -136,7 +142,7 @@ class FaultProxy:
                 _reset(client_writer)
                 return
             if action == STALL:
-                await asyncio.sleep(self.stall_seconds)
+                await self._stall(client_reader)
             elif action != PASS:
                 client_writer.write(error_response(*action))
                 await client_writer.drain()
@@ -147,6 +153,19 @@ class FaultProxy:
             pass
         finally:
             client_writer.close()
+
+    async def _stall(self, client_reader) -> None:
+        """Holds the request until its client closes the connection (EOF or a reset) or the proxy
+        exits (cancelled); counts it, and how many are held at once."""
+        self.stalls += 1
+        self.stalling += 1
+        self.peak_stalling = max(self.peak_stalling, self.stalling)
+        self.stalled.set()
+        try:
+            while await client_reader.read(65536):
+                pass
+        finally:
+            self.stalling -= 1
 
     async def _forward(self, first: bytes, client_reader, client_writer) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)

@@ -19,6 +19,7 @@ from asyncload import AsyncLoader, TooManyFailures
 from asyncload.order.positions import Positions
 from tests.conftest import asyncload_threads, wait_until
 from tests.decoders import FailsOn, as_array
+from tests.support.gate import Gate
 from tests.switching import force_switch
 
 # "switch": processes=None, made to move from this process to two children after the second
@@ -49,15 +50,16 @@ class LoggedRead:
 
 
 class StallsFrom:
-    """A synchronous read that hangs from index ``first`` on (a stuck mount, a dead server)."""
+    """A synchronous read that hangs from index ``first`` on (a stuck mount, a dead server) until
+    the test opens ``gate`` (60 s at most: a bound, so that a forgotten one ends by itself)."""
 
-    def __init__(self, first, seconds=60):
+    def __init__(self, first, gate: Gate):
         self.first = first
-        self.seconds = seconds
+        self.gate = gate
 
     def __call__(self, index):
         if index >= self.first:
-            time.sleep(self.seconds)
+            self.gate.wait(index, seconds=60)
         return index
 
 
@@ -190,26 +192,32 @@ def test_a_source_whose_samples_all_fail_stops_at_its_budget_while_learning_the_
 
 
 @pytest.mark.parametrize("processes", MODES)
-def test_leaving_the_loop_during_stalled_reads_returns_within_seconds(processes):
+def test_leaving_the_loop_during_stalled_reads_returns_within_seconds(processes, tmp_path):
     """A synchronous read stuck in the user's code cannot be interrupted: closing must not wait
     for it (it took 10 s). Its thread, abandoned, ends by itself when the call returns."""
-    loader = loader_for(10_000, processes, batch_size=8, shuffle=False, read=StallsFrom(8, seconds=8),
+    gate = Gate(tmp_path / "open")
+    loader = loader_for(10_000, processes, batch_size=8, shuffle=False, read=StallsFrom(8, gate),
                         decode=np.asarray, read_timeout=120)
-    iterator = iter(loader)
-    assert next(iterator).tolist() == list(range(8))
-    started = time.monotonic()
-    iterator.close()  # leaving the loop (a break) must not wait for the stuck reads either
-    loader.close()
-    assert time.monotonic() - started < 5.0
-    left = asyncload_threads()
-    assert all(thread.name.startswith("asyncload-read") for thread in left), [t.name for t in left]
-    assert wait_until(lambda: not asyncload_threads(), timeout=12), "the stuck reads' threads end with their calls"
+    try:
+        iterator = iter(loader)
+        assert next(iterator).tolist() == list(range(8))
+        started = time.monotonic()
+        iterator.close()  # leaving the loop (a break) must not wait for the stuck reads either
+        loader.close()
+        # The reads stay stuck until the gate opens below: a close that waited for them would take
+        # the gate's 60 s; the bound is loose for a busy machine.
+        assert time.monotonic() - started < 30
+        left = asyncload_threads()
+        assert all(thread.name.startswith("asyncload-read") for thread in left), [t.name for t in left]
+    finally:
+        gate.open()
+    assert wait_until(lambda: not asyncload_threads(), timeout=30), "the stuck reads' threads end with their calls"
 
 
 @pytest.mark.parametrize("processes", MODES)
-def test_close_from_another_thread_ends_the_iteration(processes):
-    loader = loader_for(10_000, processes, batch_size=8, shuffle=False, read=StallsFrom(8, seconds=3),
-                        decode=np.asarray)
+def test_close_from_another_thread_ends_the_iteration(processes, tmp_path):
+    gate = Gate(tmp_path / "open")
+    loader = loader_for(10_000, processes, batch_size=8, shuffle=False, read=StallsFrom(8, gate), decode=np.asarray)
     outcome: list = []
 
     def consume():
@@ -221,13 +229,16 @@ def test_close_from_another_thread_ends_the_iteration(processes):
 
     consumer = threading.Thread(target=consume)
     consumer.start()
-    time.sleep(1.0 if processes else 0.3)
-    started = time.monotonic()
-    loader.close()
-    consumer.join(timeout=10)
-    assert time.monotonic() - started < 5.0
-    assert not consumer.is_alive() and "ended" in str(outcome[0])
-    assert wait_until(lambda: not asyncload_threads(), timeout=10)
+    try:
+        assert wait_until(lambda: gate.waiting(8), timeout=60), "the reads from 8 on are out and stuck"
+        started = time.monotonic()
+        loader.close()
+        consumer.join(timeout=30)
+        assert time.monotonic() - started < 30, "close does not wait for the stuck reads (until the gate opens)"
+        assert not consumer.is_alive() and "ended" in str(outcome[0])
+    finally:
+        gate.open()
+    assert wait_until(lambda: not asyncload_threads(), timeout=30)
 
 
 @pytest.mark.parametrize("processes", MODES)

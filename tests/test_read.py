@@ -178,7 +178,7 @@ def test_a_stalled_read_times_out():
         with pytest.raises(SampleError, match="failed at read: TimeoutError") as caught:
             list(loader)
     assert isinstance(caught.value.__cause__, TimeoutError)
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 30, "two tries of 0.2 s, not the stall (loose for a busy machine)"
 
 
 def test_reads_overlap_up_to_io_concurrency():
@@ -193,11 +193,8 @@ def test_reads_overlap_up_to_io_concurrency():
         return key
 
     with AsyncLoader(list(range(64)), batch_size=16, read=slow, decode=lambda v: np.int64(v), io_concurrency=8, prefetch=4) as loader:
-        started = time.monotonic()
         assert sorted(v for b in loader for v in b.tolist()) == list(range(64))
-        elapsed = time.monotonic() - started
-    assert peak == 8
-    assert elapsed < 64 * 0.05 / 2, "reads must overlap"
+    assert peak == 8, "reads overlap, up to io_concurrency (counted, not timed: a busy machine slows them all)"
 
 
 def test_stats_count_bytes_read(jpeg_folder):
@@ -255,11 +252,18 @@ def test_by_default_a_read_outlasts_fast_failures_by_time_not_by_count():
 
 
 def test_a_loader_waits_out_fast_failures_and_says_how_long_in_its_stats():
-    store = FailsFor(2.0)
+    """Five refused connections in a row, under the default budget (by time): retried until the
+    read succeeds, and the backoff waited in the stats: each wait lies between half its step and
+    its step (0.1 s, doubling), whatever the machine's load."""
+    store = FlakyStore(failures=5, error=ConnectionRefusedError("connection refused"))
+    started = time.monotonic()
     with loader_for(store, n=1, batch_size=1) as loader:
         assert [b.tolist() for b in loader] == [[0]]
-    assert loader.stats.retries == store.calls - 1 >= 4
-    assert 1.9 < loader.stats.retry_wait_seconds < 2.0 + 2.0, "the time it waited is in the stats"
+    elapsed = time.monotonic() - started
+    assert store.calls == {0: 6} and loader.stats.retries == 5
+    steps = [0.1 * 2**attempt for attempt in range(5)]
+    assert sum(steps) / 2 <= loader.stats.retry_wait_seconds <= sum(steps), "the time it waited is in the stats"
+    assert elapsed >= loader.stats.retry_wait_seconds, "and it did wait that long"
 
 
 @pytest.mark.parametrize("processes", [0, 2])
@@ -270,11 +274,14 @@ def test_past_its_time_budget_a_read_fails_saying_for_how_long_and_after_how_man
             list(loader)
     elapsed = time.monotonic() - started
     message = str(caught.value)
-    assert re.fullmatch(r"sample 0 failed at read: ConnectionRefusedError: connection refused "
-                        r"\(storage failed for 1\.[5-9] s, attempt \d+ \(read_retry_seconds=1\.5\)\)", message), message
-    attempts = int(re.search(r"attempt (\d+)", message).group(1))
-    assert attempts >= 4, "backoff starts at 0.1 s"
-    assert elapsed < 1.5 + 3.0 + (5.0 if processes else 0.0), "the budget, not more (and children's start)"
+    failed = re.fullmatch(r"sample 0 failed at read: ConnectionRefusedError: connection refused "
+                          r"\(storage failed for (\d+\.\d) s, attempt (\d+) \(read_retry_seconds=1\.5\)\)", message)
+    assert failed, message
+    # At least the budget, and the 2 retries a time budget always gives (retries.MIN_TIMED_RETRIES):
+    # how many more fit in 1.5 s, and how far past it the last try ends, depend on the machine's
+    # load (backoff's steps are tested above, without a clock).
+    assert float(failed.group(1)) >= 1.5 and int(failed.group(2)) >= 3, message
+    assert elapsed < 30, "the budget and a little, not the default 60 s (loose for a busy machine)"
     assert type(caught.value.__cause__) is ConnectionRefusedError
 
 
@@ -284,7 +291,7 @@ def test_the_count_of_read_retries_still_wins_where_it_is_given():
     with loader_for(store, n=1, batch_size=1, read_retries=1, read_retry_seconds=60) as loader:
         with pytest.raises(SampleError, match=r"connection refused \(attempt 2 of 2\)$"):
             list(loader)
-    assert store.calls == 2 and time.monotonic() - started < 5
+    assert store.calls == 2 and time.monotonic() - started < 30, "not read_retry_seconds=60"
 
 
 def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them():
@@ -295,7 +302,7 @@ def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them
 
     def read(key):
         if key in stuck:
-            release.wait(5)
+            release.wait(60)  # set below, once the epoch ended: 60 s is only a bound
         return key
 
     started = time.monotonic()
@@ -304,7 +311,9 @@ def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them
                         max_failures=4) as loader:
             got = sorted(v for batch in loader for v in batch.tolist())
             failed = sorted(failure.item for failure in loader.stats.failures)
-        assert time.monotonic() - started < 4, "the end of the epoch does not wait for stuck reads"
+        # The stuck reads are held for 60 s unless released: an epoch that waited for them would take
+        # that long. The bound is loose for a busy machine.
+        assert time.monotonic() - started < 30, "the end of the epoch does not wait for stuck reads"
     finally:
         release.set()  # the stuck threads end, as they would when storage answers
     assert wait_until(lambda: not asyncload_threads())
@@ -326,7 +335,7 @@ def test_a_local_read_that_hangs_times_out(tmp_path, jpeg_folder):
     consumer = threading.Thread(target=lambda: result.update(batches=[len(b) for b in loader]), daemon=True)
     try:
         consumer.start()
-        consumer.join(5)
+        consumer.join(60)
         assert not consumer.is_alive(), "the epoch never ended"
         assert sum(result["batches"]) == 5  # every good sample
         (failure,) = loader.stats.failures

@@ -56,14 +56,18 @@ def test_transient_faults_are_retried_and_counted(moto_server, source, fault, cl
 
 
 def test_a_stalled_read_times_out_and_is_retried(moto_server, source, client):
+    """Each object's first GET is held unanswered until its client gives up: each times out, is
+    retried, and arrives once. What a busy machine changes is left out: a retry it slows past the
+    timeout is retried again, and one whose timeout ran out before its request was sent never
+    reaches the server (seen with s3fs under two busy loops: 25 retries, 24 GETs again), so the
+    retries are at least the stalls and the GETs the server saw again, not an exact count."""
     with FaultProxy(moto_server.port, first_tries(STALL)) as proxy:
-        started = time.monotonic()
-        # 1 s: 24 retries that go out together must all be served within it, by a single-
-        # threaded server on a loaded 2-core machine (0.5 s sometimes timed out a retry too).
         seen, stats = read_epoch(source, proxy, client, read_timeout=1.0)
-        elapsed = time.monotonic() - started
-    assert sorted(seen) == ALL and stats.retries == len(ALL)
-    assert elapsed < 10, "stalls overlap: each costs one timeout, not one per object in turn"
+    assert sorted(seen) == ALL and stats.failures == []
+    gets = [count for line, count in proxy.counts.items() if line.startswith("GET ")]
+    assert len(gets) == len(ALL) and min(gets) >= 2 and proxy.stalls == len(ALL), "each first GET stalled"
+    assert stats.retries >= sum(gets) - len(ALL) >= len(ALL), (stats.retries, gets)
+    assert proxy.peak_stalling > 1, "stalls overlap: each costs one timeout, not one per object in turn"
 
 
 def test_a_server_restart_mid_epoch_loses_nothing(moto_server, source, client):
@@ -94,7 +98,9 @@ def test_a_server_that_stays_down_gives_a_clear_error_in_bounded_time(moto_serve
                 list(loader)
         elapsed = time.monotonic() - started
         proxy.start_listening()  # so that leaving the proxy's context is orderly
-    assert elapsed < 5.0, "3 retries back off by at most 0.1 + 0.2 + 0.4 s"
+    # 3 retries back off by at most 0.1 + 0.2 + 0.4 s; the bound, loose for a busy machine, fails
+    # a loader that retried by time (60 s) instead of by the count asked for.
+    assert elapsed < 30, elapsed
     assert ("error sending request" if client == "obstore" else "Could not connect") in str(caught.value)
     assert loader.stats.retries >= 3
 
@@ -124,11 +130,12 @@ def test_close_from_another_thread_during_a_stalled_read(moto_server, source, cl
 
         consumer = threading.Thread(target=consume)
         consumer.start()
-        time.sleep(0.5)  # reads are out and stalled
+        assert proxy.stalled.wait(timeout=60), "reads are out and stalled"
         started = time.monotonic()
         loader.close()
-        consumer.join(timeout=5)
-        assert time.monotonic() - started < 1.0
+        consumer.join(timeout=30)
+        # A close that waited for the stalled reads would take read_timeout, 60 s, at least.
+        assert time.monotonic() - started < 30
         assert not asyncload_threads() and not consumer.is_alive()
     assert "loader was closed" in str(outcome[0])
 
@@ -237,6 +244,10 @@ def test_storage_down_past_the_retry_budget_fails_once_naming_the_url_the_outage
     elapsed = time.monotonic() - started
     message = str(caught.value)
     assert message.startswith(f"sample '{url}' failed at read: "), message
-    assert re.search(r"\(storage failed for 2\.\d s, attempt \d+ \(read_retry_seconds=2\)\)$", message), message
-    assert int(re.search(r"attempt (\d+)", message).group(1)) >= 5
-    assert elapsed < 2 + 3 + (5 if processes else 0), "the budget and a little (and the children's start)"
+    failed = re.search(r"\(storage failed for (\d+\.\d) s, attempt (\d+) \(read_retry_seconds=2\)\)$", message)
+    assert failed, message
+    # At least the budget and the 2 retries a time budget always gives (retries.MIN_TIMED_RETRIES);
+    # how many more fit in 2 s depends on the machine's load (a busy one makes each try slower), as
+    # does how far past 2 s the last one ends.
+    assert float(failed.group(1)) >= 2.0 and int(failed.group(2)) >= 3, message
+    assert elapsed < 30, "the budget and a little, not the default 60 s (loose for a busy machine)"
