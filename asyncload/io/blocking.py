@@ -39,6 +39,21 @@ def timeout_error(name: str, seconds: float) -> TimeoutError:
     return TimeoutError(f"timed out after {name}={seconds:g} s")
 
 
+async def to_the_end(work: asyncio.Future) -> Any:
+    """``work``'s result, and when the caller is cancelled meanwhile, ``work`` still awaited to
+    its end before the cancel goes on: a pool thread cannot be stopped, so what it uses (a
+    descriptor it writes, a lock, a store) must not be closed or released under it."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        while not work.done():
+            try:
+                await asyncio.wait([work])
+            except asyncio.CancelledError:
+                pass  # cancelled again: still wait for the thread
+        raise
+
+
 class StuckCalls(RuntimeError):
     """Too many calls are stuck past their timeout: no thread is started for more."""
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from . import cache_files as files
+from .blocking import to_the_end
 from .cache_evict import default_budget
 from .cache_lock import PeerLocks
 from .cache_progress import Downloads
@@ -129,13 +130,8 @@ class ShardDownloads:
         (a descriptor opened for nothing is closed) and the cancel goes on."""
         work = asyncio.ensure_future(self.run_blocking(function, *args))
         try:
-            return await asyncio.shield(work)
+            return await to_the_end(work)
         except asyncio.CancelledError:
-            while not work.done():
-                try:
-                    await asyncio.wait([work])
-                except asyncio.CancelledError:
-                    pass  # cancelled again: still wait for the thread
             if undo is not None and not work.cancelled() and work.exception() is None:
                 undo(work.result())
             raise

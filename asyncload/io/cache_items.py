@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from ..errors import describe
 from ..redact import shown
+from .blocking import to_the_end
 from .cache_evict import DEFAULT_CAP, FREE_FRACTION
 from .cache_segments import CopyGone, Entry, SegmentStore, owned_bytes
 from .retries import is_transient
@@ -323,16 +324,7 @@ class ItemCache:
         """``function(*args)`` on a reader thread, one at a time, let finish if the caller is
         cancelled (a thread cannot be stopped: the store must not be closed under it)."""
         async with self._disk:
-            work = asyncio.ensure_future(self.reader.run_blocking(function, *args))
-            try:
-                return await asyncio.shield(work)
-            except asyncio.CancelledError:
-                while not work.done():
-                    try:
-                        await asyncio.wait([work])
-                    except asyncio.CancelledError:
-                        pass
-                raise
+            return await to_the_end(asyncio.ensure_future(self.reader.run_blocking(function, *args)))
 
     async def aclose(self) -> None:
         """Writes what is pending (for up to ``FINISH_S``), lets go of this process's segment,
