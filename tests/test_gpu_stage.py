@@ -190,3 +190,15 @@ def test_on_cuda_the_default_loader_routes_to_the_stage(folder):
         assert difference.mean() < 1.5
     with AsyncLoader(source, device="cuda", gpu_decode=False) as loader:
         assert type(loader._settings.decode) is ImageDecoder
+
+
+@pytest.mark.parametrize("value", [0, 1, 0.0, "off", None])
+def test_gpu_decode_takes_only_a_bool_or_auto(folder, value):
+    """0 == False and 1 == True, but neither is a bool: a 0 meant as "off" must not turn the
+    stage on (decode_stage with a CUDA device, no CUDA call made before the check)."""
+    from asyncload.decode.gpu import decode_stage
+
+    with pytest.raises(ValueError, match=f"gpu_decode must be 'auto', True or False, got {value!r}"):
+        decode_stage(ImageDecoder(SIZE), torch.device("cuda", 0), value, 0)
+    with pytest.raises(ValueError, match=f"got {value!r}"):
+        AsyncLoader(image_folder(str(folder)), gpu_decode=value)
