@@ -118,6 +118,7 @@ class BatchJobs:
         stats = self.filler.stats
         threads = max(1, stats.limits.get("num_threads", 1) - 1)  # one waits on the GPU call
         policy.cpu_threads = threads
+        policy.cpu_chunk = MIN_CPU_ROWS  # the CPU's probe share: one job's worth
         step = stats.last_step()
         if step is not None and step[0] != self._steps_seen:
             self._steps_seen = step[0]
