@@ -202,3 +202,25 @@ def test_gpu_decode_takes_only_a_bool_or_auto(folder, value):
         decode_stage(ImageDecoder(SIZE), torch.device("cuda", 0), value, 0)
     with pytest.raises(ValueError, match=f"got {value!r}"):
         AsyncLoader(image_folder(str(folder)), gpu_decode=value)
+
+
+async def _read_file(path: str) -> bytes:
+    return open(path, "rb").read()
+
+
+def test_rows_the_gpu_would_refuse_go_to_the_cpu_jobs_from_the_start(tmp_path):
+    """PNGs with their bytes in hand (``read=``): the header check at the cut sends every row to
+    the CPU share's jobs; the GPU job never runs, none falls back on its single thread, and the
+    pixels are the CPU path's."""
+    for index in range(10):
+        (tmp_path / "p").mkdir(exist_ok=True)
+        (tmp_path / f"p/{index}.png").write_bytes(encoded(("china", "flower")[index % 2], "png_rgba"))
+    source = image_folder(str(tmp_path))
+    decoder = hybrid()
+    batches, loader = run_epoch(source, decoder, batch_size=4, num_threads=3, read=_read_file)
+    expected, _ = run_epoch(source, ImageDecoder(SIZE, train=True, seed=5), batch_size=4, num_threads=3,
+                            read=_read_file)
+    batches_equal(batches, expected)
+    assert decoder.calls == [] and loader.stats.as_dict()["decoded_on_cpu"] == 0
+    assert sorted(row for call in decoder.cpu_calls for row in call) == sorted([0, 1, 2, 3] * 2 + [0, 1])
+    assert decoder.policy.rows == {"gpu": 0, "cpu": 10} and decoder.policy.gpu.value is None

@@ -195,6 +195,11 @@ class GpuImageDecoder:
                 event = _recorded()
         return BatchResult(failures, event, sorted(cpu_rows))
 
+    def refused(self, datas: Sequence[bytes]) -> list[int]:
+        """The positions in ``datas`` the GPU would leave to the CPU path, from their headers
+        alone (``split_sized``): the loader sends them to its CPU jobs at once."""
+        return self.split_sized(datas, self.max_pixels)[1]
+
     @staticmethod
     def split_sized(datas: Sequence[bytes], max_pixels: int | None
                     ) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:

@@ -74,6 +74,11 @@ class SplitPolicy:
     def cpu_done(self, rows: int, seconds: float) -> None:
         self.cpu.add(rows, seconds)
 
+    def cpu_only(self, rows: int) -> None:
+        """``rows`` of a batch only the CPU decodes (their headers say the GPU would refuse them),
+        given to the CPU besides ``gpu_rows``' share: counted in ``describe``."""
+        self.rows["cpu"] += rows
+
     def step(self, seconds: float) -> None:
         """The training step took ``seconds`` between two batches (the loader's wait excluded)."""
         self.step_s.add(1, seconds)
