@@ -14,9 +14,9 @@ stage makes; until both are known the split is half and half. The GPU's first ca
 counted: it pays the warm-up (cold nvJPEG, CUDA modules loaded lazily), and a rate that low
 would round its share to nothing. A side given no rows is never measured again, so a stale rate
 would starve it for good: every ``PROBE_EVERY``-th batch each side gets at least a probe
-(``PROBE_FRACTION`` of the batch, at least one row on the GPU and ``cpu_chunk`` on the CPU) and
-so stays measured. A pure class: fed events, no clock,
-no thread, so its tests drive it directly.
+(1/``PROBE_FRACTION`` of the batch, at least one row on the GPU and ``cpu_chunk`` on the CPU)
+and so stays measured. A pure class: fed events, no clock, no thread, so its tests drive it
+directly.
 """
 
 from __future__ import annotations

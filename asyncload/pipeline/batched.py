@@ -3,9 +3,9 @@ one decode job per batch instead of one per chunk of rows.
 
 With a decoder that shares its batches with the CPU (a ``policy``: the GPU decode stage,
 ``decode/split.py``), the gathered rows are cut in two: the policy's count goes to one GPU call,
-the rest to the CPU decode threads in chunks (with rows whose header the GPU would refuse, in
-``"auto"``) (``decode_batch(..., cpu_share=True)``), all at
-once, so that the batch is complete when both are. The policy hears of the training step's time
+the rest to the CPU decode threads in chunks (``decode_batch(..., cpu_share=True)``), all at
+once, so that the batch is complete when both are; in ``"auto"``, rows whose header (bytes in
+hand) the GPU would refuse join the CPU's chunks from the start. The policy hears of the training step's time
 (``stats.step``) before each cut.
 
 nvJPEG pays off on many images at once, so the rows of a batch are gathered on the event loop
