@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from .autotune import MAX_IO, AutoTuner, Knob
-from .decode.gpu import decode_stage
+from .decode.gpu import check_gpu_decode, decode_stage
 from .decode.image import ImageDecoder
 from .device import DeviceStage
 from .epoch.settings import Settings
@@ -103,11 +103,22 @@ def default_decode(source: Sequence[Any], decode: Any, device: torch.device | No
                    gpu_decode: bool | str = "auto", processes: int = 0) -> Any:
     """The decode the runs use: the user's or ``ImageDecoder()``, as the GPU decode stage where
     ``decode_stage`` takes it (a CUDA ``device``); for Parquet rows with ``columns``, that image
-    decode with the columns beside it (``{"image": ..., name: ...}``)."""
+    decode with the columns beside it (``{"image": ..., name: ...}``). Neither of those two is
+    the stage's (it decodes one image per row, not a sample of columns): ``gpu_decode=True``
+    there is an error rather than ignored."""
+    check_gpu_decode(gpu_decode)
     if decode is None and hasattr(source, "default_decode"):  # mds / litdata: image + label columns
+        if gpu_decode is True:
+            raise ValueError(f"gpu_decode=True needs the default ImageDecoder; {type(source).__name__}'s default "
+                             "decode reads its image and label columns, which the GPU stage does not: "
+                             "pass gpu_decode='auto' or False")
         return source.default_decode()
     decode = decode if decode is not None else ImageDecoder()
     if getattr(source, "columns", None) and isinstance(source, ShardSource):
+        if gpu_decode is True:
+            raise ValueError("gpu_decode=True needs the default ImageDecoder alone; Parquet columns= decode each "
+                             "row's image with its columns beside it, which the GPU stage does not: "
+                             "drop columns= or pass gpu_decode='auto' or False")
         from .sources.parquet import ColumnsDecoder
 
         return ColumnsDecoder(decode)

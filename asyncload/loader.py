@@ -153,7 +153,9 @@ class AsyncLoader:
             and flipped there) while the decode threads take a share of the rows, measured so
             that the batch is ready soonest and smaller when the training step slows; True puts
             every row on the GPU; False keeps the CPU path. Needs ``asyncload[gpu]``; without it
-            or without CUDA, "auto" is the CPU path. The stage runs in this process (with
+            or without CUDA, "auto" is the CPU path; True where the stage cannot run (no CUDA,
+            another decode, an mds/litdata default decode, Parquet ``columns``) and anything
+            but a bool or "auto" (0, 1) are a ``ValueError``. The stage runs in this process (with
             ``processes=N`` the children decode instead). See docs/guides/gpu-decode.md.
 
     Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),

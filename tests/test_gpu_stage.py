@@ -5,6 +5,8 @@ that without CUDA the default loader is what it was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -190,3 +192,62 @@ def test_on_cuda_the_default_loader_routes_to_the_stage(folder):
         assert difference.mean() < 1.5
     with AsyncLoader(source, device="cuda", gpu_decode=False) as loader:
         assert type(loader._settings.decode) is ImageDecoder
+
+
+@pytest.mark.parametrize("value", [0, 1, 0.0, "off", None])
+def test_gpu_decode_takes_only_a_bool_or_auto(folder, value):
+    """0 == False and 1 == True, but neither is a bool: a 0 meant as "off" must not turn the
+    stage on (decode_stage with a CUDA device, no CUDA call made before the check)."""
+    from asyncload.decode.gpu import decode_stage
+
+    with pytest.raises(ValueError, match=f"gpu_decode must be 'auto', True or False, got {value!r}"):
+        decode_stage(ImageDecoder(SIZE), torch.device("cuda", 0), value, 0)
+    with pytest.raises(ValueError, match=f"got {value!r}"):
+        AsyncLoader(image_folder(str(folder)), gpu_decode=value)
+
+
+async def _read_file(path: str) -> bytes:
+    return open(path, "rb").read()
+
+
+def test_rows_the_gpu_would_refuse_go_to_the_cpu_jobs_from_the_start(tmp_path):
+    """PNGs with their bytes in hand (``read=``): the header check at the cut sends every row to
+    the CPU share's jobs; the GPU job never runs, none falls back on its single thread, and the
+    pixels are the CPU path's."""
+    for index in range(10):
+        (tmp_path / "p").mkdir(exist_ok=True)
+        (tmp_path / f"p/{index}.png").write_bytes(encoded(("china", "flower")[index % 2], "png_rgba"))
+    source = image_folder(str(tmp_path))
+    decoder = hybrid()
+    batches, loader = run_epoch(source, decoder, batch_size=4, num_threads=3, read=_read_file)
+    expected, _ = run_epoch(source, ImageDecoder(SIZE, train=True, seed=5), batch_size=4, num_threads=3,
+                            read=_read_file)
+    batches_equal(batches, expected)
+    assert decoder.calls == [] and loader.stats.as_dict()["decoded_on_cpu"] == 0
+    assert sorted(row for call in decoder.cpu_calls for row in call) == sorted([0, 1, 2, 3] * 2 + [0, 1])
+    assert decoder.policy.rows == {"gpu": 0, "cpu": 10} and decoder.policy.gpu.value is None
+
+
+def test_gpu_decode_true_where_the_stage_cannot_run_says_so(tmp_path):
+    """mds/litdata default decodes and Parquet columns= are not the stage's one image per row:
+    True there is an error naming why, not silently the CPU path; "auto" keeps them as they were.
+    (``default_decode`` with a CUDA device: the loader's path past the device check.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncload import mds, parquet
+    from asyncload.arguments import default_decode
+
+    FIXTURES = Path(__file__).parent / "fixtures" / "formats"  # test_formats' committed MDS folder
+
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="gpu_decode=True needs the default ImageDecoder; MDSSource's default"):
+        default_decode(mds(str(FIXTURES / "mds")), None, cuda, True)
+    assert not isinstance(default_decode(mds(str(FIXTURES / "mds")), None, cuda, "auto"), GpuImageDecoder)
+    with pytest.raises(ValueError, match="got 0"):
+        default_decode(mds(str(FIXTURES / "mds")), None, cuda, 0)
+    pq.write_table(pa.table({"image": [encoded("china", "jpeg_q90_420")], "label": [0], "id": [7]}), tmp_path / "c.parquet")
+    columns = parquet(str(tmp_path / "c.parquet"), columns=["id"])
+    with pytest.raises(ValueError, match="Parquet columns= decode each row's image with its columns beside it"):
+        default_decode(columns, None, cuda, True)
+    assert type(default_decode(columns, None, cuda, "auto")).__name__ == "ColumnsDecoder"

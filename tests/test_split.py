@@ -3,11 +3,12 @@ calls, the training step's seconds); no thread, no clock."""
 
 import pytest
 
-from asyncload.decode.split import SplitPolicy
+from asyncload.decode.split import PROBE_EVERY, SplitPolicy
 
 
 def measured(gpu_rate: float, cpu_rate_per_thread: float, threads: int) -> SplitPolicy:
     policy = SplitPolicy("auto", cpu_threads=threads)
+    policy.gpu_done(100, 10.0)  # the warm-up call: not measured
     policy.gpu_done(100, 100 / gpu_rate)
     policy.cpu_done(10, 10 / cpu_rate_per_thread)
     return policy
@@ -81,3 +82,48 @@ def test_bad_mode_and_empty_measurements():
     policy.gpu_done(0, 0.1)
     policy.cpu_done(5, 0.0)
     assert policy.gpu.value is None and policy.cpu.value is None
+
+
+def test_the_gpu_s_first_call_is_the_warm_up_and_is_not_measured():
+    policy = SplitPolicy("auto", cpu_threads=4)
+    policy.gpu_done(16, 1.5)  # cold nvJPEG, CUDA modules loaded lazily
+    policy.cpu_done(4, 0.016)
+    assert policy.gpu.value is None and policy.gpu_rows(32) == 16
+    policy.gpu_done(16, 16 / 20000)
+    assert policy.gpu.value == 20000
+
+
+def feed(policy: SplitPolicy, batches: int, gpu_rate: float, cpu_rate_per_thread: float) -> list[int]:
+    """The loader's loop: each side hears of a call only when it was given rows."""
+    shares = []
+    for _ in range(batches):
+        gpu = policy.gpu_rows(32)
+        shares.append(gpu)
+        if gpu:
+            policy.gpu_done(gpu, gpu / gpu_rate)
+        if gpu < 32:
+            policy.cpu_done(32 - gpu, (32 - gpu) / cpu_rate_per_thread)
+    return shares
+
+
+def test_a_gpu_measured_slow_once_is_probed_and_wins_its_share_back():
+    policy = SplitPolicy("auto", cpu_threads=4, cpu_chunk=4)
+    policy.gpu_done(16, 1.5)  # warm-up
+    policy.gpu_done(16, 1.5)  # still slow: 11 rows/s, its share rounds to 0
+    policy.cpu_done(4, 0.016)
+    shares = feed(policy, 200, gpu_rate=20000, cpu_rate_per_thread=250)
+    assert shares[0] == 0
+    assert shares[PROBE_EVERY - 1] == 2  # the probe: 1/16 of the batch
+    # 20,000 vs 1,000 rows/s: the GPU takes nearly all again (28 on the CPU's probe batches)
+    assert shares[-20:] == [30] * 9 + [28] + [30] * 9 + [28]
+
+
+def test_a_cpu_measured_slow_once_is_probed_and_wins_its_share_back():
+    policy = SplitPolicy("auto", cpu_threads=4, cpu_chunk=4)
+    policy.gpu_done(16, 1.0)  # warm-up
+    policy.gpu_done(16, 16 / 2000)
+    policy.cpu_done(4, 4.0)  # one very slow CPU call: 1 row/s per thread
+    shares = feed(policy, 200, gpu_rate=2000, cpu_rate_per_thread=500)
+    assert shares[0] == 32
+    assert shares[PROBE_EVERY - 1] == 28  # the probe: the CPU's smallest job
+    assert max(shares[-20:]) <= 18  # 2,000 vs 2,000 rows/s: about half each again

@@ -195,6 +195,11 @@ class GpuImageDecoder:
                 event = _recorded()
         return BatchResult(failures, event, sorted(cpu_rows))
 
+    def refused(self, datas: Sequence[bytes]) -> list[int]:
+        """The positions in ``datas`` the GPU would leave to the CPU path, from their headers
+        alone (``split_sized``): the loader sends them to its CPU jobs at once."""
+        return self.split_sized(datas, self.max_pixels)[1]
+
     @staticmethod
     def split_sized(datas: Sequence[bytes], max_pixels: int | None
                     ) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
@@ -302,6 +307,13 @@ def _recorded() -> torch.cuda.Event:
     return event
 
 
+def check_gpu_decode(gpu_decode: Any) -> None:
+    """Only a real bool or "auto": ``0 in (True, False, "auto")`` is true, and a 0 or 1 taken
+    for "off" would turn the stage on."""
+    if not (type(gpu_decode) is bool or (type(gpu_decode) is str and gpu_decode == "auto")):
+        raise ValueError(f"gpu_decode must be 'auto', True or False, got {gpu_decode!r}")
+
+
 def decode_stage(decode: Any, device: torch.device | None, gpu_decode: bool | str, processes: int) -> Any:
     """The decode the loader runs: with ``device`` on CUDA and the default image decode
     (``ImageDecoder``, antialiased, train or not), the GPU stage (``GpuImageDecoder.like``)
@@ -309,8 +321,7 @@ def decode_stage(decode: Any, device: torch.device | None, gpu_decode: bool | st
     batch with the CPU threads by measuring. The stage runs in this process: with ``processes``
     (children), ``"auto"`` leaves the decode to them and ``True`` is an error. Anything else is
     returned as it is, so a loader without CUDA costs nothing more."""
-    if gpu_decode not in (True, False, "auto"):
-        raise ValueError(f"gpu_decode must be 'auto', True or False, got {gpu_decode!r}")
+    check_gpu_decode(gpu_decode)
     if gpu_decode is False or type(decode) is not ImageDecoder or not decode.antialias:
         if gpu_decode is True and not isinstance(decode, GpuImageDecoder):
             raise ValueError("gpu_decode=True needs the default image decode (ImageDecoder, antialias=True): "

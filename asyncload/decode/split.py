@@ -10,8 +10,13 @@ decode in one step's time. A slower step (GPU decode slowing it included) so shr
 share, down to none when the CPU keeps up alone.
 
 The rates are smoothed (exponential means of rows/s per call), from the calls of both kinds the
-stage makes; until both are known the split is half and half. A pure class: fed events, no clock,
-no thread, so its tests drive it directly.
+stage makes; until both are known the split is half and half. The GPU's first call is not
+counted: it pays the warm-up (cold nvJPEG, CUDA modules loaded lazily), and a rate that low
+would round its share to nothing. A side given no rows is never measured again, so a stale rate
+would starve it for good: every ``PROBE_EVERY``-th batch each side gets at least a probe
+(1/``PROBE_FRACTION`` of the batch, at least one row on the GPU and ``cpu_chunk`` on the CPU)
+and so stays measured. A pure class: fed events, no clock, no thread, so its tests drive it
+directly.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SMOOTHING = 0.3  # the weight of the newest measurement in each exponential mean
+PROBE_EVERY = 10  # every this many batches each side gets at least a probe share, to stay measured
+PROBE_FRACTION = 16  # a probe share is at least 1/this of the batch (a few rows: one alone would measure mostly the per-call cost)
 HEADROOM = 0.8  # under a slower step, the CPU is counted for this share of what it decoded: room for jitter
 
 
@@ -40,13 +47,17 @@ class SplitPolicy:
     (rows decoded and the wall seconds one call took) and ``step`` (the training step's seconds
     between batches). ``mode``: ``"auto"`` (measured, the default), ``"gpu"`` (every row; per-sample
     fallbacks still go to the CPU) or ``"cpu"`` (none). ``cpu_threads``: the decode threads the CPU
-    share is spread over (one CPU call's rate times these is the CPU's rate)."""
+    share is spread over (one CPU call's rate times these is the CPU's rate); ``cpu_chunk``: the
+    fewest rows the loader gives one CPU call (the CPU's probe share is at least this)."""
 
-    def __init__(self, mode: str = "auto", cpu_threads: int = 1) -> None:
+    def __init__(self, mode: str = "auto", cpu_threads: int = 1, cpu_chunk: int = 1) -> None:
         if mode not in ("auto", "gpu", "cpu"):
             raise ValueError(f"mode must be 'auto', 'gpu' or 'cpu', got {mode!r}")
         self.mode = mode
         self.cpu_threads = max(1, cpu_threads)
+        self.cpu_chunk = max(1, cpu_chunk)
+        self.gpu_calls = 0  # the GPU calls heard of; the first (warm-up) is not measured
+        self.batches = 0  # the batches cut in "auto" with both rates known; every PROBE_EVERY-th probes
         self.gpu = Rate()
         self.cpu = Rate()  # of one thread
         self.step_s = Rate()  # batches per second of the step, stored as a rate of 1 batch
@@ -56,10 +67,17 @@ class SplitPolicy:
     # ----- events -----
 
     def gpu_done(self, rows: int, seconds: float) -> None:
-        self.gpu.add(rows, seconds)
+        self.gpu_calls += 1
+        if self.gpu_calls > 1:  # the first call's time is the warm-up's
+            self.gpu.add(rows, seconds)
 
     def cpu_done(self, rows: int, seconds: float) -> None:
         self.cpu.add(rows, seconds)
+
+    def cpu_only(self, rows: int) -> None:
+        """``rows`` of a batch only the CPU decodes (their headers say the GPU would refuse them),
+        given to the CPU besides ``gpu_rows``' share: counted in ``describe``."""
+        self.rows["cpu"] += rows
 
     def step(self, seconds: float) -> None:
         """The training step took ``seconds`` between two batches (the loader's wait excluded)."""
@@ -82,6 +100,26 @@ class SplitPolicy:
         if self.gpu.value is None or self.cpu.value is None:
             self.why = "half and half until both rates are measured"
             return (batch_rows + 1) // 2
+        self.batches += 1
+        count = self._measured(batch_rows)
+        if self.batches % PROBE_EVERY == 0:
+            probed = self._probed(count, batch_rows)
+            if probed != count:
+                self.why += f"; a probe share (every {PROBE_EVERY}th batch) keeps both rates measured"
+            return probed
+        return count
+
+    def _probed(self, count: int, batch_rows: int) -> int:
+        """``count`` moved so that each side gets at least its probe share (where the batch has
+        rows for both)."""
+        if batch_rows < 2:
+            return count
+        gpu = min(max(1, batch_rows // PROBE_FRACTION), batch_rows - 1)
+        cpu = min(max(self.cpu_chunk, batch_rows // PROBE_FRACTION), batch_rows - gpu)
+        return min(max(count, gpu), batch_rows - cpu)
+
+    def _measured(self, batch_rows: int) -> int:
+        assert self.gpu.value is not None and self.cpu.value is not None
         gpu, cpu = self.gpu.value, self.cpu.value * self.cpu_threads
         balanced = round(batch_rows * gpu / (gpu + cpu))
         rates = f"GPU {gpu:,.0f} rows/s, CPU {cpu:,.0f} rows/s ({self.cpu_threads} threads)"

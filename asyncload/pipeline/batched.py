@@ -4,7 +4,8 @@ one decode job per batch instead of one per chunk of rows.
 With a decoder that shares its batches with the CPU (a ``policy``: the GPU decode stage,
 ``decode/split.py``), the gathered rows are cut in two: the policy's count goes to one GPU call,
 the rest to the CPU decode threads in chunks (``decode_batch(..., cpu_share=True)``), all at
-once, so that the batch is complete when both are. The policy hears of the training step's time
+once, so that the batch is complete when both are; in ``"auto"``, rows whose header (bytes in
+hand) the GPU would refuse join the CPU's chunks from the start. The policy hears of the training step's time
 (``stats.step``) before each cut.
 
 nvJPEG pays off on many images at once, so the rows of a batch are gathered on the event loop
@@ -118,19 +119,36 @@ class BatchJobs:
         stats = self.filler.stats
         threads = max(1, stats.limits.get("num_threads", 1) - 1)  # one waits on the GPU call
         policy.cpu_threads = threads
+        policy.cpu_chunk = MIN_CPU_ROWS  # the CPU's probe share: one job's worth
         step = stats.last_step()
         if step is not None and step[0] != self._steps_seen:
             self._steps_seen = step[0]
             policy.step(step[1])
-        on_gpu = policy.gpu_rows(len(rows))
+        rows, refused = self._gpu_candidates(rows, policy)
+        on_gpu = policy.gpu_rows(len(rows)) if rows else 0
+        policy.cpu_only(len(refused))
         jobs = [(rows[:on_gpu], False)] if on_gpu else []
-        rest = rows[on_gpu:]
+        rest = rows[on_gpu:] + refused
         per_job = max(MIN_CPU_ROWS, -(-len(rest) // threads))
         jobs += [(rest[start:start + per_job], True) for start in range(0, len(rest), per_job)]
         stats.gpu_decode_choice = policy.describe()
         if stats.tracer is not None:  # the cut of each batch, and why, on the timeline
             stats.tracer.instant("gpu split", {"gpu": on_gpu, "cpu": len(rest), "why": policy.why})
         return jobs
+
+    def _gpu_candidates(self, rows: list[Row], policy: Any) -> tuple[list[Row], list[Row]]:
+        """With ``"auto"``, the rows whose bytes are here and whose header the GPU would refuse
+        (``refused``: not a JPEG, CMYK, over the pixel budget, ...) go to the CPU jobs from the
+        start rather than one after another on the GPU job's thread; the rest, and rows not read
+        yet (local files, item-cache copies: read by their job), are shared by the policy. A
+        pinned mode keeps every row where it says (refusals fall back on the GPU job)."""
+        refuses = getattr(self.filler.decode, "refused", None)
+        if policy.mode != "auto" or refuses is None:
+            return rows, []
+        known = [number for number, row in enumerate(rows) if isinstance(row.data, (bytes, bytearray, memoryview))]
+        refused = {known[number] for number in refuses([rows[number].data for number in known])}
+        return ([row for number, row in enumerate(rows) if number not in refused],
+                [row for number, row in enumerate(rows) if number in refused])
 
     # ----- a decode thread -----
 
