@@ -1,10 +1,12 @@
 """The item cache's index (io/cache_segments.py) on real segment files: a bounded number of
 descriptors however many segments the folder holds (every copy still served byte for byte, a
 segment replaced between two opens not read as the old one), the access time set on the segment
-read and no other file, and the entries of an evicted segment gone from the index."""
+read and no other file, the entries of an evicted segment gone from the index, and an unlisted
+object's copy read by the decode thread."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import subprocess
@@ -14,7 +16,9 @@ import textwrap
 import pytest
 
 from asyncload.io import cache_segments
+from asyncload.io.cache_items import CopyRead, ItemCache
 from asyncload.io.cache_segments import FILE_MAGIC, MAX_OPEN, CopyGone, SegmentStore
+from tests.test_item_cache_bound import new_reader, put_objects
 
 SEGMENTS = 300  # one object a segment: a folder of 300 segments, as a 19 GiB cache of 64 MiB ones
 
@@ -162,3 +166,33 @@ def test_an_evicted_segments_entries_leave_the_index(tmp_path):
     store.evict(0)
     assert store.count() == 0 and store.entries == {}
     store.close()
+
+
+def test_an_unlisted_objects_copy_is_read_by_the_decode_thread(s3_options, tmp_path):
+    """A manifest's item is not listed: a new pass asks storage about it, then found its copy
+    and read and checked it on the event loop. ``fetch`` hands the pipeline a ``CopyRead``
+    instead, which the decode thread reads, byte for byte; ``read`` still gives the bytes."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-index/unlisted", 3)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            first = ItemCache(str(folder), 1 << 20, reader, None)
+            for index, url in enumerate(urls):
+                assert await first.read(url, index) == objects[url]
+            await first.aclose()
+            before = reader.stats.as_dict()["read/items"]
+            second = ItemCache(str(folder), 1 << 20, reader, None)  # the next pass
+            copies = [await second.fetch(url, index) for index, url in enumerate(urls)]
+            assert [type(copy) for copy in copies] == [CopyRead] * len(urls)
+            loop = asyncio.get_running_loop()
+            assert [await loop.run_in_executor(None, copy.read) for copy in copies] == list(objects.values())
+            assert await second.read(urls[0], 0) == objects[urls[0]]
+            assert reader.stats.as_dict()["read/items"] == before  # nothing downloaded
+            await second.aclose()
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())
