@@ -15,7 +15,9 @@ of a node read disjoint parts of an epoch); both copies are sound, the older age
 
 A hit costs no trip through the event loop: ``hit`` gives the pipeline a ``CopyRead`` that the
 decode thread reads itself (``os.pread`` and a checksum); a copy it finds gone or damaged is read
-through ``read`` again, on the loop, which downloads it.
+through ``read`` again, on the loop, which downloads it. A copy found only once storage was asked
+about it (a manifest's item, first read in this pass) is a ``CopyRead`` too (``fetch``): the loop
+does not read and check its bytes.
 
 How a copy is known to be current: ``image_folder`` and ``list_files`` list the bucket once, which
 gives every object's size and version (ETag), checked against the copy's record with no request.
@@ -167,6 +169,12 @@ class ItemCache:
     # --- misses -------------------------------------------------------------------------------
 
     async def read(self, url: str, index: int) -> bytes:
+        """The object's bytes: its current copy, else downloaded (and kept)."""
+        return await self.fetch(url, index, copy=False)  # type: ignore[return-value]  (no copy: bytes)
+
+    async def fetch(self, url: str, index: int, copy: bool = True) -> "bytes | CopyRead":
+        """``read``, but a current copy (with ``copy``) as a ``CopyRead`` that the decode thread
+        reads: a pread and a checksum per warm item off the event loop."""
         listed = self.listed(index) if self.listed is not None else None
         if self.reader.max_bytes is not None and listed is not None and listed[0] > self.reader.max_bytes:
             return await self.reader.read(url)  # too large to read: fails there, as uncached
@@ -185,6 +193,8 @@ class ItemCache:
         for attempt in range(2):
             entry = self.store.lookup(url)
             if entry is not None and self._current(url, index, entry):
+                if copy and (self.reader.max_bytes is None or entry.size <= self.reader.max_bytes):
+                    return CopyRead(self, url, index, entry)
                 try:
                     return self.store.read(entry)
                 except (CopyGone, OSError):

@@ -19,8 +19,12 @@ again). An object's bytes are checked against their checksum at every read (a da
 downloaded again; 30 us for 100 KB against milliseconds to decode it).
 
 What a process knows (``refresh``): the segments in the folder, read from where it stopped last
-time; a segment gone from the folder (another process evicted it) is forgotten, its descriptor
-closed once no read uses it. Eviction (``evict``) is one scan of the folder, then whole segments,
+time; a segment gone from the folder (another process evicted it) is forgotten with its entries,
+its descriptor closed once no read uses it. Descriptors are opened on demand and at most
+``MAX_OPEN`` are kept (least recently used closed first): a descriptor per segment was a thousand
+per process at the default budget, the usual limit, and past it segments went unindexed and
+uncounted. A segment opened again must be the file first seen (its inode): one replaced or evicted
+in between is not read as the old one. Sizes come from the scans, not from open descriptors. Eviction (``evict``) is one scan of the folder, then whole segments,
 least recently used first (the access time, which a read sets at most every ``TOUCH_S`` per
 segment and process), deleted while holding their ``flock`` taken without waiting (a segment a
 writer still holds is never deleted) and only if they still are what the scan saw and start with
@@ -31,6 +35,7 @@ eviction costs one scan and a few deletions per ``segment_bytes``, whatever the 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -40,7 +45,8 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FILE_MAGIC = b"asyncload item segment 1\n"
@@ -54,6 +60,7 @@ WINDOW_NS = 50_000_000  # a folder time this recent may hide a change in the sam
 TOUCH_S = 10.0  # a segment's access time is set at most this often per process
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 NEW_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_OPEN = 64  # read descriptors kept open per store (more only while that many reads run at once)
 
 
 class CopyGone(Exception):
@@ -61,10 +68,10 @@ class CopyGone(Exception):
     have their checksum): the object is downloaded again."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """Where one object's copy is: its segment, the offset and size of its bytes, their crc32,
-    and the version of the object they are."""
+    and the version of the object they are. Slotted: a million of them are indexed per process."""
 
     segment: str
     offset: int
@@ -73,15 +80,16 @@ class Entry:
     version: str
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
-    """A segment this process knows: a read-only descriptor (-1 once closed), how far it has
-    been read (``parsed``: records before it are indexed; ``torn``: a record there will never
-    complete), and the reads using the descriptor now (it is closed only after them)."""
+    """A segment this process knows: the file first seen (``inode``), its read-only descriptor
+    while one is open (-1 else: opened on demand), how far it has been read (``parsed``: records
+    before it are indexed; ``torn``: a record there will never complete), the reads using the
+    descriptor now (it is closed only after them), and the URLs indexed from it (pruned with it)."""
 
     path: Path
-    fd: int
     inode: int
+    fd: int = -1
     parsed: int = len(FILE_MAGIC)
     size: int = 0
     torn: bool = False
@@ -89,6 +97,7 @@ class Segment:
     users: int = 0
     gone: bool = False
     touched: float = 0.0
+    urls: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +122,7 @@ class SegmentStore:
         self.writer: Writer | None = None
         self.total = 0  # the folder's segment bytes at the last scan, plus this process's appends since
         self._lock = threading.Lock()  # segments' users and descriptors, across threads
+        self._open_fds: OrderedDict[Segment, None] = OrderedDict()  # segments with a descriptor, least recent first
         self._folder_seen = (-1, 0)  # the folder's modification time at the last scan, and when it ran
 
     def lookup(self, url: str) -> Entry | None:
@@ -130,27 +140,88 @@ class SegmentStore:
 
     def read(self, entry: Entry) -> bytes:
         """The copy's bytes, checked against their checksum; ``CopyGone`` if it cannot serve."""
-        with self._lock:
-            segment = self.segments.get(entry.segment)
-            if segment is None or segment.fd < 0:
-                raise CopyGone(f"segment {entry.segment} is no longer kept")
-            segment.users += 1
+        segment = self.segments.get(entry.segment)
+        if segment is None:
+            raise CopyGone(f"segment {entry.segment} is no longer kept")
+        fd = self._acquire(segment)
         try:
-            data = os.pread(segment.fd, entry.size, entry.offset)
+            data = os.pread(fd, entry.size, entry.offset)
+            if len(data) != entry.size or zlib.crc32(data) != entry.crc:
+                raise CopyGone(f"the copy in {segment.path.name} at {entry.offset} does not hold what was downloaded")
+            now = time.monotonic()
+            if now - segment.touched > TOUCH_S:  # least recently used: the access time, set now and then
+                segment.touched = now
+                try:  # while this read holds the descriptor: closed, its number could be another file's
+                    os.utime(fd, ns=(time.time_ns(), os.fstat(fd).st_mtime_ns))
+                except OSError:
+                    pass  # another user's segment, readable but not ours to mark: it only ages
         finally:
-            with self._lock:
-                segment.users -= 1
-                self._close_if_unused(segment)
-        if len(data) != entry.size or zlib.crc32(data) != entry.crc:
-            raise CopyGone(f"the copy in {segment.path.name} at {entry.offset} does not hold what was downloaded")
-        now = time.monotonic()
-        if now - segment.touched > TOUCH_S:  # least recently used: the access time, set now and then
-            segment.touched = now
-            try:
-                os.utime(segment.fd, ns=(time.time_ns(), os.fstat(segment.fd).st_mtime_ns))
-            except OSError:
-                pass  # another user's segment, readable but not ours to mark: it only ages
+            self._release(segment)
         return data
+
+    def _acquire(self, segment: Segment) -> int:
+        """A read descriptor of ``segment``, held (``users``) until ``_release``: the one kept,
+        or one opened now if the path still is the file first seen; ``CopyGone`` else."""
+        with self._lock:
+            if segment.gone:
+                raise CopyGone(f"segment {segment.path.name} is no longer kept")
+            if segment.fd < 0:
+                fd = self._open_fd(segment.path)
+                try:
+                    info = os.fstat(fd)
+                except OSError:
+                    os.close(fd)
+                    raise
+                if info.st_ino != segment.inode or not stat.S_ISREG(info.st_mode):
+                    os.close(fd)
+                    raise CopyGone(f"segment {segment.path.name} was replaced")
+                segment.fd = fd
+                self._open_fds[segment] = None
+            else:
+                self._open_fds.move_to_end(segment)
+            segment.users += 1  # before trimming: this one is not closed
+            self._trim()
+            return segment.fd
+
+    def _release(self, segment: Segment) -> None:
+        with self._lock:
+            segment.users -= 1
+            self._close_if_unused(segment)
+            self._trim()
+
+    def _open_fd(self, path: Path) -> int:
+        """``os.open`` for reading (under ``_lock``); out of descriptors, the kept ones not in
+        use are closed and it is tried once more (``CopyGone`` if it cannot be opened)."""
+        for attempt in range(2):
+            try:
+                return os.open(path, READ_FLAGS)
+            except OSError as error:
+                if attempt == 0 and error.errno in (errno.EMFILE, errno.ENFILE):
+                    for segment in [segment for segment in self._open_fds if not segment.users]:
+                        self._close(segment)
+                    continue
+                raise CopyGone(f"cannot open {path.name}: {error}") from error
+        raise AssertionError("unreachable")
+
+    def _trim(self) -> None:
+        """Closes the least recently used descriptors not in use, down to ``MAX_OPEN``."""
+        if len(self._open_fds) <= MAX_OPEN:
+            return
+        for segment in list(self._open_fds):
+            if len(self._open_fds) <= MAX_OPEN:
+                break
+            if not segment.users:
+                self._close(segment)
+
+    def _close(self, segment: Segment) -> None:
+        self._open_fds.pop(segment, None)
+        if segment.fd >= 0:
+            os.close(segment.fd)
+            segment.fd = -1
+
+    def count(self) -> int:
+        """How many objects are indexed in segments still known."""
+        return len(self.entries)
 
     def refresh(self) -> None:
         """Indexes what the other processes (and runs) have written since the last refresh, and
@@ -166,8 +237,16 @@ class SegmentStore:
             return
         own = self.writer.segment if self.writer is not None else None
         for name, segment in list(self.segments.items()):
-            if name != own and not segment.sealed and segment.fd >= 0:
-                self._follow(name, segment, os.fstat(segment.fd).st_size)
+            if name != own and not segment.sealed and not segment.gone:
+                try:
+                    fd = self._acquire(segment)
+                except CopyGone:
+                    continue  # evicted or replaced: the next scan forgets it
+                try:
+                    size = os.fstat(fd).st_size
+                finally:
+                    self._release(segment)
+                self._follow(name, segment, size)
 
     def quiet(self) -> bool:
         """Whether a ``refresh`` now would find nothing new: the folder's names cannot have
@@ -183,17 +262,26 @@ class SegmentStore:
 
     def _follow(self, name: str, segment: Segment, size: int) -> None:
         """Indexes a peer's segment up to ``size``; notes it sealed once no writer holds it."""
-        if not segment.sealed:
-            try:
-                fcntl.flock(segment.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # its writer took LOCK_EX before its magic
-            except BlockingIOError:
-                pass
-            else:
-                fcntl.flock(segment.fd, fcntl.LOCK_UN)
-                segment.sealed = True
-                size = os.fstat(segment.fd).st_size  # all it will ever hold
-        if not segment.torn and size > segment.parsed:
-            self._parse(name, segment, size)
+        if segment.sealed and (segment.torn or size <= segment.parsed):
+            return  # nothing to open it for
+        try:
+            fd = self._acquire(segment)
+        except CopyGone:
+            return  # evicted or replaced since the scan: the next one forgets it
+        try:
+            if not segment.sealed:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # its writer took LOCK_EX before its magic
+                except BlockingIOError:
+                    pass
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    segment.sealed = True
+                    size = os.fstat(fd).st_size  # all it will ever hold
+            if not segment.torn and size > segment.parsed:
+                self._parse(name, segment, fd, size)
+        finally:
+            self._release(segment)
 
     def _full_refresh(self) -> None:
         found = self._scan()
@@ -247,6 +335,7 @@ class SegmentStore:
         segment.parsed = segment.size = offset
         for url, entry in entries:
             self.entries[url] = entry
+            segment.urls.append(url)
         return entries
 
     def seal(self) -> None:
@@ -292,6 +381,8 @@ class SegmentStore:
             for segment in self.segments.values():
                 segment.gone = True
                 self._close_if_unused(segment)
+            for segment in list(self._open_fds):  # dropped ones a read still held
+                self._close_if_unused(segment)
 
     def _scan(self) -> dict[str, tuple[Path, os.stat_result]]:
         """One scan of the folder: the regular files named as segments, with their status."""
@@ -310,30 +401,35 @@ class SegmentStore:
         return found
 
     def _open(self, name: str, path: Path, info: os.stat_result) -> Segment | None:
-        """A read descriptor of the segment at ``path`` if it still is what the scan saw and
-        starts with ``FILE_MAGIC`` (else it is not ours, or not yet: looked at again later)."""
-        try:
-            fd = os.open(path, READ_FLAGS)
-        except OSError:
-            return None
-        try:
-            now = os.fstat(fd)
-            if now.st_ino != info.st_ino or not stat.S_ISREG(now.st_mode) \
-                    or os.pread(fd, len(FILE_MAGIC), 0) != FILE_MAGIC:
+        """The segment at ``path``, now known, if it still is what the scan saw and starts with
+        ``FILE_MAGIC`` (else it is not ours, or not yet: looked at again later); its descriptor
+        is kept among the ``MAX_OPEN``."""
+        with self._lock:
+            try:
+                fd = self._open_fd(path)
+            except CopyGone:
+                return None
+            try:
+                now = os.fstat(fd)
+                if now.st_ino != info.st_ino or not stat.S_ISREG(now.st_mode) \
+                        or os.pread(fd, len(FILE_MAGIC), 0) != FILE_MAGIC:
+                    os.close(fd)
+                    return None
+            except OSError:
                 os.close(fd)
                 return None
-        except OSError:
-            os.close(fd)
-            return None
-        segment = self.segments[name] = Segment(path, fd, info.st_ino)
+            segment = self.segments[name] = Segment(path, info.st_ino, fd)
+            self._open_fds[segment] = None
+            self._trim()
         return segment
 
-    def _parse(self, name: str, segment: Segment, size: int) -> None:
-        """Indexes the complete records of ``segment`` from where it stopped up to ``size``."""
+    def _parse(self, name: str, segment: Segment, fd: int, size: int) -> None:
+        """Indexes the complete records of ``segment`` (read through ``fd``, held) from where it
+        stopped up to ``size``."""
         at = segment.parsed
         while at + RECORD.size <= size:
             try:
-                head = os.pread(segment.fd, HEADER_READ, at)
+                head = os.pread(fd, HEADER_READ, at)
             except OSError:
                 return
             if len(head) < RECORD.size:
@@ -344,7 +440,7 @@ class SegmentStore:
                 segment.torn = True
                 break
             if texts > at + len(head):
-                head = os.pread(segment.fd, texts - at, at)
+                head = os.pread(fd, texts - at, at)
                 if len(head) < texts - at:
                     break
             names = head[RECORD.size:texts - at]
@@ -355,21 +451,29 @@ class SegmentStore:
                 break  # not all written yet
             url, version = names[:url_length].decode(), names[url_length:].decode()
             self.entries[url] = Entry(name, texts, length, crc, version)
+            segment.urls.append(url)
             at = texts + length
         segment.parsed = at
         segment.size = size
 
     def _drop(self, name: str) -> None:
+        """Forgets the segment (evicted, or replaced): its entries, and its descriptor once no
+        read uses it (a URL since written again elsewhere keeps its newer entry)."""
         with self._lock:
             segment = self.segments.pop(name, None)
             if segment is not None:
                 segment.gone = True
                 self._close_if_unused(segment)
+        if segment is not None:
+            for url in segment.urls:
+                entry = self.entries.get(url)
+                if entry is not None and entry.segment == name:
+                    del self.entries[url]
+            segment.urls = []
 
     def _close_if_unused(self, segment: Segment) -> None:
-        if segment.gone and not segment.users and segment.fd >= 0:
-            os.close(segment.fd)
-            segment.fd = -1
+        if segment.gone and not segment.users:
+            self._close(segment)
 
     def _start_segment(self) -> None:
         name = f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"  # sorts by creation time
@@ -378,12 +482,12 @@ class SegmentStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new name: nobody else holds it
             os.pwrite(fd, FILE_MAGIC, 0)
-            read_fd = os.open(path, READ_FLAGS)
+            inode = os.fstat(fd).st_ino
         except OSError:
             os.close(fd)
             _unlink(path)
             raise
-        self.segments[name] = Segment(path, read_fd, os.fstat(read_fd).st_ino, size=len(FILE_MAGIC))
+        self.segments[name] = Segment(path, inode, size=len(FILE_MAGIC))  # read descriptor: on demand
         self.writer = Writer(name, fd, len(FILE_MAGIC))
         self.total += len(FILE_MAGIC)
 

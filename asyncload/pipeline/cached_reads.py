@@ -34,9 +34,11 @@ class CachedReads:
         cache, local = self._cache(key, index)
         return None if cache is None else cache.hit(key, local)
 
-    def read(self, key: Any, index: int) -> Awaitable[bytes] | None:
+    def read(self, key: Any, index: int, copy: bool = True) -> Awaitable[bytes | CopyRead] | None:
+        """The item's bytes, or (with ``copy``) a ``CopyRead`` of a current copy, for the decode
+        thread to read."""
         cache, local = self._cache(key, index)
-        return None if cache is None else cache.read(key, local)
+        return None if cache is None else cache.fetch(key, local, copy)
 
     async def aclose(self) -> None:
         """Writes what the caches hold still and lets go of their segments (before the reader closes)."""

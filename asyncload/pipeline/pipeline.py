@@ -200,13 +200,15 @@ class Pipeline:
             return False
         return local_path(key) is not None or self.reader.is_local(key)
 
-    async def _fetch(self, state: RunState, key: Any, index: int) -> Any:
+    async def _fetch(self, state: RunState, key: Any, index: int, copy: bool = True) -> Any:
+        """The item's bytes (or, with ``copy``, possibly a ``CopyRead`` of its cached copy, which
+        the decode job reads)."""
         if self.s.read is False:
             return key
         try:
             if state.stream is not None:
                 return await state.stream.get(key)
-            cached = None if self.cached_read is None else self.cached_read.read(key, index)
+            cached = None if self.cached_read is None else self.cached_read.read(key, index, copy)
             return await (cached if cached is not None else self.reader.read(key))
         except Exception as error:
             raise SampleError(key, "read", error) from error
@@ -241,7 +243,7 @@ class Pipeline:
         key: Any = f"source[{message.index}]"
         try:
             key, label = split(self.s.source, self.s.labelled, message.index)
-            data = await self._fetch(state, key, message.index)
+            data = await self._fetch(state, key, message.index, copy=False)  # decoded as is
             try:
                 sample = await self.workers.run_async(self.loop, state.filler.timed_decode, data)
                 sample = labelled(sample, label)
