@@ -29,6 +29,11 @@ def with_a_lock(i):
     return {"x": np.full(2, i, np.int64), "m": threading.Lock()}
 
 
+def with_an_object_field(i):
+    """A structured array whose dtype is not ``object`` but holds objects (``dtype.hasobject``)."""
+    return {"x": np.full(2, i, np.int64), "m": np.array([(i, memoryview(b"v"))], dtype=[("a", "i8"), ("o", "O")])}
+
+
 def a_view_for_multiples_of_five(i):
     return {"x": np.full(2, i, np.int64), "m": memoryview(b"v") if i % 5 == 0 else b"%d" % i}
 
@@ -67,7 +72,8 @@ def xs(batches) -> list[int]:
 
 @pytest.mark.parametrize("decode, kind, pickle_says", [
     (with_a_view, "memoryview", "cannot pickle memoryview objects"),
-    (with_a_lock, "_thread.lock", "cannot pickle '_thread.lock' object")])
+    (with_a_lock, "_thread.lock", "cannot pickle '_thread.lock' object"),
+    (with_an_object_field, "numpy.ndarray", "cannot pickle memoryview objects")])
 def test_a_value_that_cannot_leave_a_child_fails_its_sample_naming_the_field_and_type(decode, kind, pickle_says):
     with AsyncLoader(ITEMS, batch_size=4, shuffle=False, read=False, decode=decode, processes=2,
                      decode_timeout=600) as loader:

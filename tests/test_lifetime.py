@@ -10,6 +10,7 @@ output must end (``python script.py | tail`` returns).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -136,3 +137,71 @@ def test_children_lead_their_groups_and_die_with_the_fork_server_not_with_the_th
         assert alive == [], "the children died with the fork server"
     finally:
         loader.close()
+
+
+def fork_in_decode(i):
+    """A decode that forks, as a fork-context Pool or DataLoader in a decode would: the new
+    process's exit code, as its parent saw it, and the decoding pid."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    _, status = os.waitpid(pid, 0)
+    return np.array([os.waitstatus_to_exitcode(status), os.getpid()], np.int64)
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_process_forked_in_a_decode_lives_its_own_life(processes):
+    """The fork server's fork hook (``server.py``) is inherited by every child; it must act in
+    the fork server's own children only, never kill what a child forks."""
+    from asyncload import AsyncLoader
+
+    with AsyncLoader(list(range(8)), batch_size=4, shuffle=False, read=False, decode=fork_in_decode,
+                     processes=processes) as loader:
+        rows = [tuple(int(value) for value in row) for batch in loader for row in batch]
+    assert [code for code, _ in rows] == [7] * 8
+    assert ({pid for _, pid in rows} == {os.getpid()}) == (processes == 0)
+
+
+def gil_held(i):
+    """In a child, after the first batch: leave a mark, then hold the GIL in native code (a
+    wedged C extension) for longer than the test waits, so that the child's lifeline thread
+    cannot run."""
+    if os.getpid() == int(os.environ["ASYNCLOAD_TEST_SCRIPT_PID"]) or i < 4:
+        return np.full(2, i, np.int64)
+    (Path(os.environ["ASYNCLOAD_TEST_MARKS"]) / f"stuck-{os.getpid()}").touch()
+    ctypes.PyDLL(None).sleep(int(BOUND_S * 2))  # PyDLL: the GIL is held through the call
+    return np.full(2, i, np.int64)
+
+
+GIL_SCRIPT = """
+    import os, threading, time
+    from pathlib import Path
+    from asyncload import AsyncLoader
+    from tests.test_lifetime import gil_held
+
+    if __name__ == "__main__":
+        os.environ["ASYNCLOAD_TEST_SCRIPT_PID"] = str(os.getpid())
+        os.environ["ASYNCLOAD_TEST_MARKS"] = {marks}
+        loader = AsyncLoader(list(range(1000)), batch_size=4, shuffle=False, read=False, decode=gil_held,
+                             processes=2, decode_timeout=600)
+        threading.Thread(target=lambda: [batch for batch in loader], daemon=True).start()
+        while not list(Path({marks}).glob("stuck-*")):
+            time.sleep(0.05)
+        print("stuck", flush=True)
+        time.sleep(600)  # the test kills it
+"""
+
+
+def test_a_child_holding_the_gil_does_not_outlive_a_killed_script(tmp_path):
+    """The child's lifeline thread cannot run while its decode holds the GIL: the fork server's
+    backstop must, so the child must not keep the fork server's "alive" pipe open."""
+    run = Script(tmp_path, GIL_SCRIPT)
+    script = run.start()
+    try:
+        assert script.stdout.readline() == "stuck\n", script.stderr.read()
+        assert run.marked("stuck") <= {process.pid for process in run.processes()}
+        script.send_signal(signal.SIGKILL)
+        script.wait(timeout=BOUND_S)  # not its output's end: a child left alive would hold it
+        assert run.left_alive() == []
+    finally:
+        run.kill_all()

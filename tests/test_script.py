@@ -66,6 +66,25 @@ GUARDED_MAIN_DECODE = """
         print("finished", flush=True)
 """
 
+ASSIGNED_WORK = """
+    import os, pathlib
+    import numpy as np
+    from asyncload import AsyncLoader
+
+    def make_item(i):
+        pathlib.Path({marks}, f"decoded-{os.getpid()}").touch()
+        return np.array([i, os.getpid()], np.int64)
+
+    _mark = open(os.path.join({marks}, f"top-{os.getpid()}"), "w")  # as `ds = download()` would
+    if __name__ == "__main__":
+        {switch}
+        loader = AsyncLoader(list(range(64)), batch_size=4, shuffle=False, read=False, decode=make_item,
+                             processes={processes})
+        rows = [int(row[0]) for batch in loader for row in batch]
+        assert rows == list(range(64)), rows
+        print("finished", flush=True)
+"""
+
 
 def script(tmp_path, text: str, processes) -> Script:
     switch = force_switch_lines().strip().replace("\n", "; ") if processes is None else ""
@@ -131,6 +150,28 @@ def test_explicit_processes_in_an_unguarded_script_that_defines_the_decode_fail_
 
 
 @pytest.mark.parametrize("processes", [None, 2])
+def test_a_top_level_assignment_that_calls_something_is_work_not_a_definition(tmp_path, cleanup, processes):
+    """``ds = download()`` outside the guard would run again in every child that imports the script:
+    the default stays in this process (and says so), an explicit ``processes=2`` fails first."""
+    run = script(tmp_path, ASSIGNED_WORK, processes)
+    cleanup(run)
+    code, out, err = run.run()
+    assert run.marked("top") == {run.process.pid}, "the script's top level ran in one process only"
+    why = 'its top level runs `_mark = open(os.path.join(' 
+    if processes is None:
+        assert code == 0 and "finished" in out, err
+        assert run.marked("decoded") == {run.process.pid}, "it stayed in this process"
+        warned = [line for line in err.splitlines() if "RuntimeWarning: asyncload: processes=None stays" in line]
+        assert len(warned) == 1 and why in warned[0] and "at line 10" in warned[0], err
+    else:
+        assert code != 0 and "finished" not in out
+        raised = [line for line in err.splitlines() if line.startswith("RuntimeError: ")]
+        assert len(raised) == 1 and why in raised[0] and "at line 10" in raised[0], err
+        assert run.marked("decoded") == set()
+    assert run.left_alive() == []
+
+
+@pytest.mark.parametrize("processes", [None, 2])
 def test_a_guarded_script_that_defines_the_decode_still_gets_children(tmp_path, cleanup, processes):
     run = script(tmp_path, GUARDED_MAIN_DECODE, processes)
     cleanup(run)
@@ -164,4 +205,14 @@ def test_a_script_whose_top_level_only_defines_things_is_not_a_hazard(tmp_path, 
                   'if "__main__" == __name__:\n    f()\n') is None
     assert hazard("import os\nfor i in range(3):\n    pass\n") == "its top level runs `for i in range(3): ...` at line 2"
     assert hazard("def main():\n    pass\nmain()\n") == "its top level runs `main()` at line 3"
+    assert hazard("import logging, os, re, typing, collections\nlog = logging.getLogger(__name__)\n"
+                  "T = typing.TypeVar('T')\nP = collections.namedtuple('P', 'x y')\nR = re.compile('a+')\n"
+                  "HERE = os.path.dirname(os.path.abspath(__file__))\nN = int(os.environ.get('N', '4'))\n"
+                  "f = lambda x: print(x)\nX: int = len  # no call\n") is None
+    assert hazard("import torch\nds = download()\n") == "its top level runs `ds = download()` at line 2"
+    assert hazard("model = Net().cuda()\n") == "its top level runs `model = Net().cuda()` at line 1"
+    assert hazard("n: int = count()\n") == "its top level runs `n: int = count()` at line 1"
+    assert hazard("n = 0\nn += step()\n") == "its top level runs `n += step()` at line 2"
+    assert hazard("try:\n    xs = [load(i) for i in range(3)]\nexcept OSError:\n    xs = []\n") == \
+        "its top level runs `xs = [load(i) for i in range(3)]` at line 2"
     assert hazard("import sys\nif sys.argv:\n    print('x')\n") == "its top level runs `print('x')` at line 3"

@@ -52,7 +52,7 @@ def unportable(layout: SampleLayout | None, values: Iterable[tuple[int, Any]]) -
 
 
 def _why_not(value: Any) -> str | None:
-    if type(value) in PLAIN or (isinstance(value, np.ndarray) and value.dtype != object):
+    if type(value) in PLAIN or (isinstance(value, np.ndarray) and not value.dtype.hasobject):
         return None
     try:
         pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

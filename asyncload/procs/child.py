@@ -14,6 +14,7 @@ to the parent as ``Broken`` instead, and the parent raises it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -21,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 from typing import Any
 
 from ..batch.buffers import BatchBuffer
@@ -43,6 +44,7 @@ def child_main(conn: Any, payload: dict[str, bytes], environ: dict[str, str]) ->
     ``environ``: the parent's environment when it started this child (a fork server's own is
     the one it started with: ``start.py``)."""
     lead_group()  # first: what this process starts is in its group, and ends with it
+    _leave_fork_server()
     threading.Thread(target=_exit_with_parent, name="asyncload-lifeline", daemon=True).start()
     os.environ.clear()
     os.environ.update(environ)
@@ -63,6 +65,24 @@ def child_main(conn: Any, payload: dict[str, bytes], environ: dict[str, str]) ->
         _exit(1)
     child.send(Ready())
     child.serve()
+
+
+def _leave_fork_server() -> None:
+    """Closes this process's copy of the fork server's "alive" pipe, which the fork server
+    hands every child it forks: the fork server's backstop (``server.py``) waits for that pipe's
+    end-of-file, which never comes while a child holds it, so a child whose decode holds the GIL
+    (its lifeline thread cannot run) would outlive a parent killed by SIGKILL. Forgetting the
+    address too makes this process's own use of the forkserver method (a decode's Pool) start a
+    fork server of its own, as CPython does when none was inherited."""
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if server is None or fd is None:
+        return  # spawned, or a CPython without these attributes: the lifeline thread remains
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    server._forkserver_alive_fd = None
+    server._forkserver_address = None
+    server._forkserver_pid = None
 
 
 def _wait_for_close(conn: Any) -> None:

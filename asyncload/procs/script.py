@@ -113,15 +113,27 @@ def _is_guard(statement: ast.stmt) -> bool:
     return len(names) == 1 and len(constants) == 1
 
 
+# Calls an assignment may make and still only define a name: they compute, start nothing.
+PURE_CALLS = frozenset({
+    "logging.getLogger", "getLogger", "TypeVar", "typing.TypeVar", "ParamSpec", "typing.ParamSpec",
+    "NewType", "typing.NewType", "namedtuple", "collections.namedtuple", "NamedTuple", "typing.NamedTuple",
+    "os.getcwd", "os.getenv", "os.environ.get", "re.compile", "Path", "pathlib.Path", "field",
+    "dataclasses.field", "int", "float", "str", "bool", "bytes", "dict", "list", "tuple", "set", "frozenset",
+    "object", "range",
+})
+PURE_PREFIXES = ("os.path.",)
+
+
 def _work(statement: ast.stmt) -> str | None:
     """What ``statement`` does beyond defining names, in words with its line; None for
-    imports, functions, classes, assignments, docstrings, the main guard, and ``if``/``try``
-    blocks made of those. Assignments count as definitions even when they call something (a
-    logger, a transform): what a script runs is its loops, its ``with`` blocks and its calls
-    for their own sake (``main()``, ``print(...)``)."""
+    imports, functions, classes, docstrings, the main guard, assignments that call nothing but
+    ``PURE_CALLS``, and ``if``/``try`` blocks made of those. An assignment that calls anything
+    else is work: ``ds = download()``, ``model = Net().cuda()``, ``loader = AsyncLoader(...)``
+    would run again in every child."""
+    if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        return None if _impure_call(statement.value) is None else _describe(statement)
     if _is_guard(statement) or isinstance(statement, (ast.Import, ast.ImportFrom, ast.FunctionDef,
-                                                      ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
-                                                      ast.AnnAssign, ast.AugAssign, ast.Pass, ast.Global,
+                                                      ast.AsyncFunctionDef, ast.ClassDef, ast.Pass, ast.Global,
                                                       ast.Nonlocal, ast.Delete, ast.Assert)):
         return None
     if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
@@ -139,8 +151,44 @@ def _work(statement: ast.stmt) -> str | None:
                 if work is not None:
                     return work
         return None
+    return _describe(statement)
+
+
+def _describe(statement: ast.stmt) -> str:
+    """A statement's first line (shortened) and its line number, for a message."""
     lines = ast.unparse(statement).splitlines()
     text = lines[0] + (" ..." if len(lines) > 1 else "")
     if len(text) > 60:
         text = text[:57] + "..."
     return f"`{text}` at line {statement.lineno}"
+
+
+def _impure_call(value: ast.expr | None) -> ast.Call | None:
+    """The first call in ``value`` (an assignment's right side) that is not one of
+    ``PURE_CALLS``; None if there is none. A lambda's body runs later, not here."""
+    if value is None:
+        return None
+    pending: list[ast.AST] = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name is None or not (name in PURE_CALLS or name.startswith(PURE_PREFIXES)):
+                return node
+        pending.extend(ast.iter_child_nodes(node))
+    return None
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for a name or a chain of attributes on a name; None for anything else (a
+    method called on a call's result, say)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))

@@ -5,7 +5,8 @@ The fork server exits by itself once the process that started it is gone (its "a
 reads end-of-file), whatever killed that process; then, from ``atexit``, it ends the process
 group of each child it forked (``lifetime.end_group``): the children, and whatever they started,
 are gone before it is. Each child it forks also dies with it (``lifetime.die_with_parent``,
-set right after the fork, before the child imports anything), should it be killed instead.
+set right after the fork, before the child imports anything), should it be killed instead;
+what those children fork in turn is left alone (``_after_fork_in_child``).
 
 Nothing happens where this module is imported outside a fork server (``_in_fork_server``). A
 fork server that something else started first (without this module) lacks both: the children's
@@ -46,7 +47,24 @@ def _end_children() -> None:
         end_group(pid)
 
 
+_server = 0  # the fork server's pid, where this module runs in one
+_forking = 0  # the pid of the process forking now (set before each fork, read in the new process)
+
+
+def _before_fork() -> None:
+    global _forking
+    _forking = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    """Only in a child of the fork server itself: the hooks are inherited by every descendant,
+    and a process that a child forks (a decode's own Pool, DataLoader workers) must neither die
+    with the thread that forked it nor take its parent for a dead fork server."""
+    if _forking == _server:
+        die_with_parent(_server)
+
+
 if _in_fork_server():
     _server = os.getpid()
     atexit.register(_end_children)
-    os.register_at_fork(after_in_child=lambda: die_with_parent(_server))
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
