@@ -19,7 +19,9 @@ import torch
 
 from asyncload import AsyncLoader
 from asyncload.order.sampler import EpochSampler
+from asyncload.trainers import EpochEnd
 from tests import accelerate_run, lightning_ddp
+from tests.switching import force_switch
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 240.0  # seconds; a rank left waiting for another fails the test instead of hanging it
@@ -182,3 +184,28 @@ def test_what_the_trainers_read_has_honest_values():
         assert loader.dataset.items == list(range(10))
         with pytest.raises(TypeError, match="register_for_checkpointing"):
             loader.dataset[0]
+
+
+@pytest.mark.parametrize("samples", [40, 400])  # the whole epoch under way before the switch; the switch mid-epoch
+def test_a_switch_of_backends_still_announces_each_epochs_end_once(monkeypatch, samples):
+    """``processes=None`` moving to children (forced at the second batch) near the epoch's end,
+    when the plan is already used up (prefetch 16 > 10 batches), or mid-epoch: Accelerate's
+    ``end_of_dataloader`` is set once per epoch, at its last batch."""
+    real_last, announced = EpochEnd.last, []
+
+    def last(self):
+        announced.append(position[0])  # batches handed out before
+        real_last(self)
+
+    monkeypatch.setattr(EpochEnd, "last", last)
+    force_switch(monkeypatch)
+    position = [0]
+    with AsyncLoader(list(range(samples)), batch_size=4, shuffle=False, read=False, decode=index_sample,
+                     prefetch=16) as loader:
+        for epoch in range(2):
+            announced.clear()
+            position[0] = 0
+            for _ in loader:
+                position[0] += 1
+            assert announced == [len(loader) - 1], f"epoch {epoch}"  # as the last batch is about to go out
+        assert loader._backend.processes == 2
