@@ -346,6 +346,7 @@ class AsyncLoader:
         rank): the pass then runs the samples no old rank delivered or skipped, each once, in a
         seeded order dealt to the new ranks (equal batch counts, fewer than ``len(loader)``); the
         next epoch is the new world size's."""
+        self._loaded_under = None  # a state loaded before is replaced: no longer to check
         state, elastic = resume_point(state, self.sampler, self.state_dict())  # state_dict() settles the ranks
         if elastic is not None:
             elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()

@@ -86,6 +86,16 @@ def test_an_unknown_rank_fails_at_the_first_next_naming_the_fix(environ):
         assert [batch[:, 0].tolist() for batch in given] == [[1, 3], [5, 7], [9]]
 
 
+def test_slurms_variables_alone_shard_nothing(environ):
+    """A plain ``python train.py`` in an sbatch step of 4 tasks, no process group: the whole data,
+    as ``DistributedSampler`` would (it does not read SLURM's variables either)."""
+    environ.setenv("SLURM_PROCID", "1")
+    environ.setenv("SLURM_NTASKS", "4")
+    with loader() as whole:
+        assert [batch[:, 0].tolist() for batch in whole] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+        assert whole.state_dict()["world_size"] == 1
+
+
 def test_torchruns_variables_shard_a_loader_built_before_init_process_group(environ):
     environ.setenv("RANK", "1")
     environ.setenv("WORLD_SIZE", "2")
@@ -134,3 +144,8 @@ def test_a_state_loaded_under_a_guess_the_group_contradicts_is_refused(environ, 
                                              r"for rank 1 of 2 .* this process is rank 0 of 1: call load_state_dict"
                                              r"\(\) after torch.distributed.init_process_group\(\)"):
             next(iter(early))
+        with pytest.raises(ValueError, match="load_state_dict"):
+            early.state_dict()  # it would describe the loaded state under the wrong ranks
+        with loader() as now:
+            early.load_state_dict(now.state_dict())  # loaded again after the group: accepted
+        assert [batch[:, 0].tolist() for batch in early] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
