@@ -68,7 +68,7 @@ class Recorder(L.LightningModule):
 
 def fit(name: str, out: Path, stop: Path | None = None, resume: Path | None = None) -> None:
     train, val = loaders()  # before fit, as Lightning's docs build a DataLoader
-    if "WORLD_SIZE" not in os.environ:  # rank 0 before the first fit: a look at the data, rank 0 of 1 so far
+    if name == "stopped" and "LOCAL_RANK" not in os.environ:  # rank 0 before the first fit: rank 0 of 1 so far
         assert len(next(iter(train))) == BATCH and train.state_dict()["world_size"] == 1
     model = Recorder(stop)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
