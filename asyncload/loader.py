@@ -17,7 +17,7 @@ from .device import resolve_device
 from .epoch.passes import Passes
 from .epoch.progress import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
-from .order.ranks import find_ranks, settle
+from .order.ranks import Ranks, find_ranks, settle
 from .order.sampler import source_digest
 from .pipeline.pipes import Backend
 from .procs.processes import process_count
@@ -87,14 +87,15 @@ class AsyncLoader:
         rank (int, default None): which part of each epoch this process takes, as with
             ``DistributedSampler``: ranks get disjoint parts of equal length, so every rank gives
             ``len(loader)`` batches (DDP does not hang). None: from an initialised
-            ``torch.distributed``, else from the launcher's variables (torchrun's ``RANK``,
-            SLURM's ``SLURM_PROCID``, ``mpirun``'s), else 0. Not from a process group yet: it is
-            looked at again at the first ``next()`` (Lightning builds the loader before it starts
-            the other ranks); ``LOCAL_RANK``/``WORLD_SIZE`` without ``RANK`` (Lightning's launcher)
+            ``torch.distributed``, else provisionally torchrun's ``RANK``, else 0 (SLURM's and MPI's
+            variables count only through an initialised ``torch.distributed``). Not from a process
+            group yet: it is looked at again at every pass's first ``next()`` and every
+            ``state_dict``/``load_state_dict`` (Lightning builds the loader before it starts the
+            other ranks); ``LOCAL_RANK``/``WORLD_SIZE`` without ``RANK`` (Lightning's launcher)
             leave it unknown until then, and an error names the fix if it still is.
         world_size (int, default None): how many parts (ranks) each epoch is dealt into. None:
-            as ``rank``: ``torch.distributed``, else ``WORLD_SIZE`` (or ``SLURM_NTASKS``, ...),
-            else 1, looked at again at the first ``next()``.
+            as ``rank``: ``torch.distributed``, else provisionally ``WORLD_SIZE``, else 1, looked
+            at again as ``rank`` is.
         max_failures (int or float, default 0.01): with ``on_error="skip"``, the samples an epoch
             may lose before ``TooManyFailures``: a count, or a fraction of the epoch.
         progress (bool, default False): a tqdm bar per pass on standard error, with samples/s and
@@ -212,6 +213,7 @@ class AsyncLoader:
         self.device = resolve_device(device)
         self._given = (rank, world_size)
         self._ranks = find_ranks(rank, world_size)  # provisional unless given or from torch.distributed
+        self._loaded_under: Ranks | None = None  # the provisional ranks a state not yet resumed was loaded under
         self.sampler = make_sampler(source, batch_size, read, decode, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                     rank=self._ranks.rank or 0, world_size=self._ranks.world_size)
         self._epochs = Epochs()  # which epoch a pass runs, and what it handed out
@@ -261,14 +263,24 @@ class AsyncLoader:
         return self.sampler.drop_last
 
     def _settle_ranks(self, strict: bool) -> None:
-        """Provisional ranks (from the environment, or none) give way to an initialised
-        ``torch.distributed``'s once the loader is used: Lightning builds the loader in rank 0
-        before it launches the other ranks and initialises the group. ``strict``: a pass or a
-        state needs the rank, so an unknown one is an error that names the fix."""
-        if not self._ranks.settled:
-            self._ranks = settle(self._ranks, self._given, strict)
-            if self._ranks.rank is not None:
-                self.sampler.rank, self.sampler.world_size = self._ranks.rank, self._ranks.world_size
+        """Provisional ranks (from the environment, or none) are looked at again each time the
+        loader is used, until an initialised ``torch.distributed``'s replace them: Lightning
+        builds the loader in rank 0 before it launches the other ranks and initialises the group,
+        and a batch looked at (or a state loaded) before ``fit`` must not pin rank 0 of 1.
+        ``strict``: a pass or a state needs the rank, so an unknown one is an error that names
+        the fix; so is a state loaded under a guess that ``torch.distributed`` now contradicts."""
+        if self._ranks.settled:
+            return
+        ranks = settle(self._ranks, self._given, strict)
+        loaded = self._loaded_under
+        if loaded is not None and (ranks.rank, ranks.world_size) != (loaded.rank, loaded.world_size):
+            raise ValueError(
+                f"load_state_dict() ran before torch.distributed was initialised, for rank {loaded.rank} of "
+                f"{loaded.world_size} (a guess from the environment), but this process is rank {ranks.rank} of "
+                f"{ranks.world_size}: call load_state_dict() after torch.distributed.init_process_group() (Lightning "
+                f"and Accelerate restore the loader's state after it), or pass AsyncLoader(rank=..., world_size=...)")
+        self._ranks = ranks
+        self.sampler.rank, self.sampler.world_size = ranks.rank or 0, ranks.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Makes the next pass over the loader epoch ``epoch``: its shuffle (from ``(seed,
@@ -305,6 +317,7 @@ class AsyncLoader:
         if self._closed:
             raise RuntimeError("this AsyncLoader is closed")
         self._settle_ranks(strict=True)  # Lightning has initialised the process group by now
+        self._loaded_under = None  # a loaded state is resumed by this pass, under these ranks
         yield from self._passes.start(self._backend, self._settings, self.sampler, self.tuner, self.progress, self,
                                       self._switch)
 
@@ -335,10 +348,12 @@ class AsyncLoader:
         rank): the pass then runs the samples no old rank delivered or skipped, each once, in a
         seeded order dealt to the new ranks (equal batch counts, fewer than ``len(loader)``); the
         next epoch is the new world size's."""
+        self._loaded_under = None  # a state loaded before is replaced: no longer to check
         state, elastic = resume_point(state, self.sampler, self.state_dict())  # state_dict() settles the ranks
         if elastic is not None:
             elastic.order(self.sampler, state["epoch"])  # refused now (a mix, say), not at the next iter()
         self._epochs.load(state, self.sampler.batch_size, elastic)
+        self._loaded_under = None if self._ranks.settled else self._ranks
 
     def close(self) -> None:
         """Stops every thread and child process and frees the batch buffers (also done by ``with``

@@ -18,6 +18,7 @@ as it is), so the loader itself can answer, and a user writes what the trainer's
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, Iterator, Sequence
 
 import torch.utils.data
@@ -93,10 +94,31 @@ class EpochEnd:
             self.state = None
 
 
+TESTED = "accelerate 1.x (tested with 1.15)"  # whose private GradientState calls EpochEnd makes
+_warned: list[str] = []  # the one warning about another accelerate, once given
+
+
 def gradient_state() -> Any:
     """Accelerate's ``GradientState`` when an ``Accelerator`` was created in this process, else
-    None (asyncload never imports accelerate itself)."""
+    None (asyncload never imports accelerate itself). The calls used are Accelerate's private
+    ones (``is_initialized``, ``GradientState._add_dataloader`` / ``_remove_dataloader``): where a
+    version lacks them, None too, and a warning, once, that accumulation may not sync at each
+    epoch's end."""
     state = sys.modules.get("accelerate.state")
-    if state is None or not state.is_initialized():
+    if state is None:
         return None
-    return state.GradientState()
+    is_initialized = getattr(state, "is_initialized", None)
+    gradient = getattr(state, "GradientState", None)
+    if not callable(is_initialized) or gradient is None or not all(
+            callable(getattr(gradient, name, None)) for name in ("_add_dataloader", "_remove_dataloader")):
+        if not _warned:
+            _warned.append("once")
+            version = getattr(sys.modules.get("accelerate"), "__version__", "unknown")
+            warnings.warn(
+                f"asyncload: this accelerate ({version}) lacks the GradientState calls asyncload uses to signal "
+                f"each epoch's end (supported: {TESTED}); gradient accumulation boundaries may drift from a "
+                f"prepared DataLoader's (no sync forced at the epoch's last batch)", RuntimeWarning, stacklevel=2)
+        return None
+    if not is_initialized():
+        return None
+    return gradient()

@@ -6,13 +6,15 @@ The loaders are built at the top of the script, before ``Trainer.fit``: rank 0 b
 distributed environment at all, and Lightning's launcher starts rank 1 (this script again) with
 ``LOCAL_RANK=1`` and ``WORLD_SIZE=2`` but no ``RANK``. Two fits of two epochs: ``stopped``
 (saves a checkpoint mid-epoch 1, on rank 0 alone as Lightning does, and stops) and ``resumed``
-(``fit(ckpt_path=...)``). Each rank writes ``OUT/<fit>.rank<r>.json``: the sample
+(``fit(ckpt_path=...)``). Before the first fit, rank 0 (no launcher's variable yet) looks at a
+batch and takes a state: that must not pin it to rank 0 of 1. Each rank writes ``OUT/<fit>.rank<r>.json``: the sample
 indices of each training epoch's batches, and of each validation.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +68,8 @@ class Recorder(L.LightningModule):
 
 def fit(name: str, out: Path, stop: Path | None = None, resume: Path | None = None) -> None:
     train, val = loaders()  # before fit, as Lightning's docs build a DataLoader
+    if name == "stopped" and "LOCAL_RANK" not in os.environ:  # rank 0 before the first fit: rank 0 of 1 so far
+        assert len(next(iter(train))) == BATCH and train.state_dict()["world_size"] == 1
     model = Recorder(stop)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

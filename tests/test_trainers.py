@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -19,7 +21,10 @@ import torch
 
 from asyncload import AsyncLoader
 from asyncload.order.sampler import EpochSampler
+import asyncload.trainers as trainers
+from asyncload.trainers import EpochEnd
 from tests import accelerate_run, lightning_ddp
+from tests.switching import force_switch
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 240.0  # seconds; a rank left waiting for another fails the test instead of hanging it
@@ -182,3 +187,51 @@ def test_what_the_trainers_read_has_honest_values():
         assert loader.dataset.items == list(range(10))
         with pytest.raises(TypeError, match="register_for_checkpointing"):
             loader.dataset[0]
+
+
+@pytest.mark.parametrize("samples", [40, 400])  # the whole epoch under way before the switch; the switch mid-epoch
+def test_a_switch_of_backends_still_announces_each_epochs_end_once(monkeypatch, samples):
+    """``processes=None`` moving to children (forced at the second batch) near the epoch's end,
+    when the plan is already used up (prefetch 16 > 10 batches), or mid-epoch: Accelerate's
+    ``end_of_dataloader`` is set once per epoch, at its last batch."""
+    real_last, announced = EpochEnd.last, []
+
+    def last(self):
+        announced.append(position[0])  # batches handed out before
+        real_last(self)
+
+    monkeypatch.setattr(EpochEnd, "last", last)
+    force_switch(monkeypatch)
+    position = [0]
+    with AsyncLoader(list(range(samples)), batch_size=4, shuffle=False, read=False, decode=index_sample,
+                     prefetch=16) as loader:
+        for epoch in range(2):
+            announced.clear()
+            position[0] = 0
+            for _ in loader:
+                position[0] += 1
+            assert announced == [len(loader) - 1], f"epoch {epoch}"  # as the last batch is about to go out
+        assert loader._backend.processes == 2
+
+
+class OtherGradientState:
+    """An accelerate whose GradientState has none of the private calls asyncload uses."""
+
+
+@pytest.mark.parametrize("attributes", [{}, {"is_initialized": lambda: True, "GradientState": OtherGradientState}])
+def test_an_accelerate_without_the_private_calls_is_warned_about_once_and_the_epoch_runs(monkeypatch, attributes):
+    """Another accelerate (its private ``is_initialized`` or ``GradientState._add_dataloader``
+    gone): the passes run whole, with one warning naming the supported versions."""
+    other = types.ModuleType("accelerate.state")
+    for name, value in attributes.items():
+        setattr(other, name, value)
+    monkeypatch.setitem(sys.modules, "accelerate.state", other)
+    monkeypatch.setattr(trainers, "_warned", [], raising=False)
+    with AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False, decode=index_sample,
+                     processes=0) as loader:
+        with pytest.warns(RuntimeWarning, match=r"lacks the GradientState calls .*supported: accelerate 1\.x.*"
+                                                r"accumulation boundaries may drift"):
+            assert [batch[:, 0].long().tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(list(loader)) == 3  # once

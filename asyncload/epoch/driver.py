@@ -257,8 +257,11 @@ class EpochDriver:
         return batch
 
     def drain(self) -> None:
-        """Assigns no more batches: the iteration ends after those under way (a switch of backends)."""
-        self.exhausted = self._drained = True
+        """Assigns no more batches: the iteration ends after those under way (a switch of backends).
+        Where the plan was already used up, the batches under way are the epoch's last: its end is
+        still announced (``at_end``)."""
+        self._drained = not self.exhausted
+        self.exhausted = True
 
     @property
     def at_end(self) -> bool:

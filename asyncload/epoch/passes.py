@@ -30,8 +30,10 @@ class Passes:
 
     def start(self, backend: Backend, settings: Settings, sampler: Any, tuner: Any, bar: bool,
               owner: Any = None, switch: Any = None) -> Iterator[Any]:
-        """A new pass (``AsyncLoader.__iter__``): the epoch ``epochs`` says, or the rest of one.
-        Its first batches are under way before the first ``next()``. The pass holds ``owner`` (the
+        """A new pass: the epoch ``epochs`` says, or the rest of one. Called at the pass's first
+        ``next()`` (``AsyncLoader.__iter__`` returns a generator whose body calls it), so nothing
+        is read before then; from here its first batches are under way, ``prefetch`` ahead, while
+        the first is awaited. The pass holds ``owner`` (the
         loader) while it runs: ``for batch in AsyncLoader(...)`` keeps no other reference, and a
         collected loader closes itself. ``switch``: ``processes=None``'s (``due()``, ``take()``
         the new backend, ``retire()`` the old one, ``backend.stats``: the loader's tuner follows)."""
