@@ -246,7 +246,7 @@ def test_a_copy_used_while_storage_was_down_is_checked_again_when_it_answers(tmp
     """Storage down: the copy serves. Storage back with the object rewritten: downloaded again."""
     import asyncio
 
-    from asyncload.io import cache as cache_module
+    from asyncload.io import offline as offline_module
     from asyncload.io.cache import ShardCache
 
     remote = {"data": bytes(range(256)) * 8, "version": "v1", "down": False}
@@ -271,7 +271,7 @@ def test_a_copy_used_while_storage_was_down_is_checked_again_when_it_answers(tmp
     first = remote["data"]
     assert asyncio.run(read(new_cache())) == first
     remote.update(down=True, data=bytes(2048), version="v2")  # rewritten while storage is down
-    monkeypatch.setattr(cache_module, "OFFLINE_S", 0.0)  # ask again at the next read
+    monkeypatch.setattr(offline_module, "OFFLINE_S", 0.0)  # ask again at the next read
     cache = new_cache()
     with pytest.warns(RuntimeWarning, match="could not be asked"):
         assert asyncio.run(read(cache)) == first

@@ -31,7 +31,7 @@ lock that shows no progress for ``timeout`` (the read timeout: no wait is longer
 reads while it stays so to storage (``cache_lock``). A cancelled download lets its disk work on a
 pool thread finish: the descriptor it writes is closed, and the lock released, only after it.
 When storage cannot be asked (the version check fails after its retries with a transient
-error), a kept copy whose checksum holds is used unasked for ``OFFLINE_S``, then asked about
+error), a kept copy whose checksum holds is used unasked for ``offline.OFFLINE_S``, then asked about
 again; a permanent error (the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
@@ -50,19 +50,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ..errors import describe
-from ..redact import shown
 from . import cache_files as files
 from .cache_download import ReadRange, ShardDownloads
 from .cache_evict import default_budget, evict
 from .cache_progress import Downloads
 from .cache_lock import PeerLocks
-from .retries import is_transient
+from .offline import OfflineWindow
 
 Version = Callable[[str], Awaitable[str]]
 
 FINISH_S = 10.0  # how long the end of a run waits for its downloads under way before cancelling them
-OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 
 _warned: set[tuple[str, str]] = set()  # (folder, reason): each warned once per process
 
@@ -86,7 +83,7 @@ class ShardCache(ShardDownloads):
         self._rechecks: dict[files.CopyId, asyncio.Future] = {}  # copies whose samples failed: sound?
         self._in_use: Counter[Path] = Counter()  # shards this process is reading: never evicted
         self._over_size = False  # the last eviction had to keep shards in use past max_bytes
-        self._offline_until = 0.0  # storage could not be asked: copies are used unasked till then
+        self._offline = OfflineWindow(self._warn)  # storage could not be asked: copies used unasked
         self.max_bytes = 0
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -186,7 +183,7 @@ class ShardCache(ShardDownloads):
             return self._skip(url, "large", f"{url} ({size} bytes) is larger than cache_bytes ({self.max_bytes})")
         version = await self._remote_version(url)
         if await self.run_blocking(files.current, shard, url, size, version):
-            self._checked[url] = math.inf if version is not None else self._offline_until
+            self._checked[url] = math.inf if version is not None else self._offline.until
             files.touch(shard.shard, size)
             return True
         if version is None:  # no copy to fall back on: ask (and fail after the retries) anyway
@@ -202,17 +199,8 @@ class ShardCache(ShardDownloads):
 
     async def _remote_version(self, url: str) -> str | None:
         """The remote object's version, or None while storage cannot be asked (see the module)."""
-        if time.monotonic() < self._offline_until:
-            return None
-        try:
-            return await self._ask_version(url)
-        except Exception as error:
-            if not is_transient(error):  # gone, denied, or a bug: not storage that cannot be asked
-                raise
-            self._offline_until = time.monotonic() + OFFLINE_S
-            self._warn("offline", f"storage could not be asked about {shown(url)} ({describe(error)}); kept "
-                                  f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
-            return None
+        answered, version = await self._offline.asked(url, lambda: self._ask_version(url))
+        return version if answered else None
 
     async def _ask_version(self, url: str) -> str:
         return "" if self.version is None else await self.version(url)

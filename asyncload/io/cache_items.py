@@ -24,7 +24,7 @@ gives every object's size and version (ETag), checked against the copy's record 
 A manifest's items are not listed: the first read of each in a process asks storage (one metadata
 request) for its size and version; then the copy is used unasked for the rest of the process's
 life. While storage cannot be asked (a transient error after the retries), a copy whose checksum
-holds is used for ``OFFLINE_S`` without asking. A full disk or a folder that cannot be written
+holds is used for ``offline.OFFLINE_S`` without asking. A full disk or a folder that cannot be written
 sends what is not kept to storage (one warning); nothing the cache did not write is touched.
 
 Eviction: this process counts what the folder holds (its last scan plus its own writes) and, past
@@ -37,24 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 import warnings
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import describe
-from ..redact import shown
 from .blocking import to_the_end
 from .cache_evict import DEFAULT_CAP, FREE_FRACTION
 from .cache_segments import CopyGone, Entry, SegmentStore, owned_bytes
-from .retries import is_transient
+from .offline import OfflineWindow
 
 SLACK = 0.1  # an eviction frees this fraction of cache_bytes more than it must
 RESCAN_FRACTION = 0.125  # peers add bytes too: scan again after adding this fraction of cache_bytes
 SEGMENTS_PER_BUDGET = 8  # a segment is at most this fraction of cache_bytes: eviction stays fine-grained
-OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 BATCH_OBJECTS = 32  # a batch is written once it has this many objects...
 BATCH_BYTES = 4 << 20  # ...or bytes...
 BATCH_WAIT_S = 0.005  # ...or has waited this long for more (each read waits for its batch's write)
@@ -97,7 +93,7 @@ class ItemCache:
         self.max_bytes = 0
         self._versions: dict[str, Any] = {}  # unlisted url -> its version (None: offline, any will do)
         self._sizes: dict[str, int] = {}  # unlisted url -> its size, as asked
-        self._offline_until = 0.0
+        self._offline = OfflineWindow(self._warn)  # storage could not be asked: copies used unasked
         self._pending: dict[str, tuple[str, bytes]] = {}  # downloaded, to be written in the next batch
         self._pending_bytes = 0
         self._next_write: asyncio.Future | None = None  # the write the pending objects go to
@@ -147,7 +143,7 @@ class ItemCache:
         if version is _UNKNOWN:
             return False
         if version is None:  # storage could not be asked: any sound copy, for a while
-            return time.monotonic() < self._offline_until
+            return self._offline.now()
         return entry.size == self._sizes.get(url) and entry.version == version
 
     def read_from_thread(self, url: str, index: int, gone: Entry) -> bytes:
@@ -217,23 +213,15 @@ class ItemCache:
         """An unlisted object's size and version: asked once per process (one metadata request),
         else, while storage cannot be asked, from its kept copy's record (version None)."""
         version = self._versions.get(url, _UNKNOWN)
-        if version is not _UNKNOWN and (version is not None or time.monotonic() < self._offline_until):
+        if version is not _UNKNOWN and (version is not None or self._offline.now()):
             return self._sizes[url], version
-        if time.monotonic() >= self._offline_until:
-            try:
-                version = await self.reader.version(url)
-            except Exception as error:
-                if not is_transient(error):  # gone, denied, or a bug: not storage that cannot be asked
-                    raise
-                self._offline_until = time.monotonic() + OFFLINE_S
-                self._warn("offline", f"storage could not be asked about {shown(url)} ({describe(error)}); kept "
-                                      f"copies whose checksum holds are used for {OFFLINE_S:.0f} s before asking again")
-            else:
-                size = _size_in(version)
-                if size is None:
-                    return None
-                self._versions[url], self._sizes[url] = version, size
-                return size, version
+        answered, version = await self._offline.asked(url, lambda: self.reader.version(url))
+        if answered:
+            size = _size_in(version)
+            if size is None:
+                return None
+            self._versions[url], self._sizes[url] = version, size
+            return size, version
         entry = self.store.lookup(url)
         if entry is None:
             await self._refresh()
