@@ -10,22 +10,29 @@ through host memory. The boxes and flips are ``ImageDecoder``'s, from the same `
 both paths give the same augmentation stream and a row may be decoded by either.
 
 What the GPU does not take goes through the CPU path (``ImageDecoder``) into a pinned staging row
-and is copied up, alone, counted in ``stats.decoded_on_cpu``: not a JPEG, a CMYK/YCCK JPEG, a
-truncated one (no EOI marker: nvJPEG might decode it silently), one whose header is over the pixel
-budget (checked before any GPU memory is taken), one nvImageCodec refuses (a ``None`` result:
-lossless, arithmetic coding, ...) or fails on (a CUDA out-of-memory included, after a retry
-alone). One image never fails the batch; one neither path decodes fails as it would without the
-stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header and
-end marker, may decode on the GPU (as with PIL) where the strict CPU path refuses it.
+and is copied up, alone, counted in ``stats.decoded_on_cpu`` and by reason in
+``stats.decoded_on_cpu_why``: from its header (``gpu_refusal``, before any GPU memory is taken)
+not a JPEG, a truncated one (no EOI marker: nvJPEG might decode it silently), a frame
+nvImageCodec has no GPU decoder for with a region (lossless, arithmetic, hierarchical, more than
+8 bits), CMYK/YCCK, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
+fails on (out of GPU memory included; a call that failed as a whole is retried one image at a
+time first). One image never fails the batch; one neither path decodes fails as it would without
+the stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header
+and end marker, may decode on the GPU (as with PIL) where the strict CPU path refuses it.
 
 Beside it the loader sends a share of each batch's rows to the CPU decode threads
 (``decode_batch(..., cpu_share=True)``): ``policy`` (``split.py``) chooses the share from the
 measured rates and the training step's time.
 
 Streams: everything here runs inside ``torch.cuda.stream(stream)``; the decode is ordered on it
-too. The returned event marks its end, for the device stage to wait on (never the host).
-nvImageCodec's output memory is freed when its images are; a batch's images are kept until the
-next batch, which first waits (on its decode thread) for the kernels that read them.
+too (``nvimgcodec.py`` says what was checked in nvImageCodec's source). The returned event marks
+its end, for the device stage to wait on (never the host). nvImageCodec's output memory is freed
+when its images are, stream-ordered on that same stream (``cudaFreeAsync``), so reading it there
+is safe anyway; a batch's images are still kept until the next batch, which first waits (on its
+decode thread) for the kernels that read them: a belt for allocators that are not stream-ordered.
+The antialiased resize runs in float32 on the GPU: PyTorch's CUDA kernel for it takes no uint8
+(``AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16)`` in ``UpSampleBilinear2d.cu``); a downscale
+too steep for its shared memory raises, and that row goes to the CPU path.
 """
 
 from __future__ import annotations
