@@ -5,6 +5,7 @@ fallbacks to the CPU path, the pixel budget. Tests that need CUDA are marked ``c
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -196,6 +197,22 @@ def test_a_call_that_failed_as_a_whole_is_retried_one_image_at_a_time():
     result = decoder.decode_batch(datas, [None] * 3, out)
     assert result.failures == {} and result.on_cpu == [] and decoder.decode_regions.calls == [3, 1, 1, 1]
     for row in range(3):
+        within_a_level(out[row], ImageDecoder(64)(datas[row]))
+
+
+def test_a_gpu_that_decodes_nothing_even_alone_says_so_once():
+    """Every JPEG refused in the batch and again alone (nvImageCodec without its nvJPEG
+    extension): all on the CPU path, pixels right, one warning naming what to install."""
+    datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_q90_420")]
+    out = torch.zeros((2, 64, 64, 3), dtype=torch.uint8)
+    decoder = on_cpu(64, decode_regions=Refusing(refused=[len(data) for data in datas]))
+    with pytest.warns(RuntimeWarning, match=r"decoded none of 2 JPEGs.*nvjpeg"):
+        result = decoder.decode_batch(datas, [None] * 2, out)
+    assert result.on_cpu == [0, 1] and result.why == {0: "refused by nvImageCodec", 1: "refused by nvImageCodec"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoder.decode_batch(datas, [None] * 2, out)  # said once
+    for row in range(2):
         within_a_level(out[row], ImageDecoder(64)(datas[row]))
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -149,6 +150,7 @@ class GpuImageDecoder:
         self._decode_regions = decode_regions
         self._held: tuple[torch.cuda.Event | None, list[Any]] | None = None  # the last batch's images
         self._lock = threading.Lock()  # one GPU call at a time: nvImageCodec's decoder and _held
+        self._warned = False  # the warning that the GPU decodes nothing, given once
 
     @classmethod
     def like(cls, decoder: ImageDecoder, device: str | torch.device, split: str = "auto") -> "GpuImageDecoder":
@@ -288,6 +290,12 @@ class GpuImageDecoder:
                 torch.cuda.empty_cache()
             alone = [self._decode_alone(data, region, stream) for data, region in zip(encoded, regions)]
             images, reasons = [image for image, _ in alone], [reason for _, reason in alone]
+            if len(rows) > 1 and all(image is None and reason == REFUSED for image, reason in alone) and not self._warned:
+                self._warned = True  # once: every batch would say the same
+                warnings.warn(f"nvImageCodec decoded none of {len(rows)} JPEGs on {self.device}, even one at a "
+                              "time: they all go to the CPU path. Is its nvJPEG extension there (pip install "
+                              "'nvidia-nvimgcodec-cu12[nvjpeg]', or -cu13 for CUDA 13)? PYNVIMGCODEC_VERBOSITY=3 "
+                              "makes it say what it loads.", RuntimeWarning, stacklevel=2)
         for row, image, reason, (plan, region) in zip(rows, images, reasons, plans):
             if image is None:
                 why[row] = reason
