@@ -2,7 +2,8 @@
 ``train=True`` 224 crops, batches to the GPU, with and without a ResNet-18 training step.
 
     python -m bench.gpu_decode [--samples 16384] [--rounds 3] [--batch-size 256] [--workers 16]
-                               [--no-model] [--out bench/results/NAME.json]
+                               [--no-model | --model-only] [--out bench/results/NAME.json]
+    bash bench/gpu16.sh        # on a lent 16-core GPU box: the CUDA tests and both halves, ~8 minutes
     python -m bench.gpu_decode --quick     # on any machine: a check of this code, not a measurement
 
 Contenders (each ``ImageDecoder(224, train=True)``'s transform, the batch on the GPU):
@@ -120,9 +121,9 @@ def contenders(items: list, batch_size: int, workers: int, cuda: bool) -> dict[s
 
 
 def measure(makers: dict[str, Callable[[], Any]], rounds: int, cuda: bool, step: Callable | None,
-            label: str) -> tuple[dict[str, list[float]], str | None]:
-    """Each contender's samples/s per round (built once, warmed up one epoch), and the default's
-    split line."""
+            label: str) -> tuple[dict[str, list[float]], str | None, str]:
+    """Each contender's samples/s per round (built once, warmed up one epoch), the default's
+    split line and its whole ``stats.report()`` (the fallbacks by reason among it)."""
     loaders = {name: make() for name, make in makers.items()}
     rates: dict[str, list[float]] = {name: [] for name in loaders}
     try:
@@ -135,11 +136,12 @@ def measure(makers: dict[str, Callable[[], Any]], rounds: int, cuda: bool, step:
                 rates[name].append(run_epoch(loaders[name], number, cuda, step))
             print(f"{label} round {number}: " + ", ".join(f"{n} {v[-1]:,.0f}/s" for n, v in rates.items()), flush=True)
         split = loaders["default"].stats.gpu_decode_choice
+        report = loaders["default"].stats.report()
     finally:
         for loader in loaders.values():
             if isinstance(loader, AsyncLoader):
                 loader.close()
-    return rates, split
+    return rates, split, report
 
 
 def summary(rates: dict[str, list[float]], label: str) -> dict[str, Any]:
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--workers", type=int, default=None, help="the DataLoader's workers (default: the cores)")
     parser.add_argument("--no-model", action="store_true", help="skip the runs with a ResNet-18 step")
+    parser.add_argument("--model-only", action="store_true", help="only the runs with a ResNet-18 step")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -180,13 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     makers = contenders(items, batch_size, workers, cuda)
     results: dict[str, Any] = {"machine": machine, "date": datetime.date.today().isoformat(),
                                "samples": samples, "batch_size": batch_size, "rounds": rounds, "cuda": cuda}
-    rates, split = measure(makers, rounds, cuda, None, "no model")
-    results["no_model"] = {"img_s": summary(rates, "no model"), "default_split": split}
-    print(f"no model, the default's split: {split}")
+    if args.no_model and args.model_only:
+        parser.error("--no-model and --model-only leave nothing to measure")
+    if not args.model_only:
+        rates, split, report = measure(makers, rounds, cuda, None, "no model")
+        results["no_model"] = {"img_s": summary(rates, "no model"), "default_split": split, "default_report": report}
+        print(f"no model, the default's split: {split}")
     if not args.no_model:
         step = model_step(cuda)
-        rates, split = measure(makers, rounds, cuda, step, step.name)
-        results["model"] = {"name": step.name, "img_s": summary(rates, step.name), "default_split": split}
+        rates, split, report = measure(makers, rounds, cuda, step, step.name)
+        results["model"] = {"name": step.name, "img_s": summary(rates, step.name), "default_split": split,
+                            "default_report": report}
         print(f"{step.name}, the default's split: {split}")
     out = args.out or default_out(machine)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ The reference is torchvision's: ``Image.open(f).convert("RGB")`` (its ImageFolde
 from __future__ import annotations
 
 import io
+import os
 from functools import cache
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,12 @@ Box = tuple[int, int, int, int]  # top, left, height, width
 @cache
 def photos() -> dict[str, np.ndarray]:
     """name -> RGB uint8 photo: scikit-learn's china (427x640) and flower, matplotlib's
-    grace_hopper (600x512, portrait)."""
+    grace_hopper (600x512, portrait). ``ASYNCLOAD_TEST_PHOTOS``: a folder holding those three
+    JPEG files (``bench/gpu16.sh`` carries them to a GPU box that has neither package)."""
+    folder = os.environ.get("ASYNCLOAD_TEST_PHOTOS")
+    if folder:
+        return {name: np.asarray(Image.open(Path(folder) / f"{name}.jpg").convert("RGB"))
+                for name in ("china", "flower", "grace_hopper")}
     import matplotlib
     from sklearn.datasets import load_sample_image
 

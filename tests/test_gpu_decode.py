@@ -2,8 +2,10 @@
 its CPU backend (the same calls as on a GPU, into host memory): the regions, the boxes, the
 fallbacks to the CPU path, the pixel budget. Tests that need CUDA are marked ``cuda``."""
 
+import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -53,6 +55,33 @@ def test_split_sends_what_the_gpu_cannot_decode_to_the_cpu():
     assert gpu_rows == [0, 1, 2, 3, 8]
     assert cpu_rows == [4, 5, 6, 7, 9, 10]
     assert sizes[0] == (427, 640) and sizes[2] == (600, 512) and set(gpu_rows) <= set(sizes)
+
+
+def _frame_changed(data: bytes, marker: int, precision: int = 8) -> bytes:
+    """``data`` with its SOF0 frame header made another frame type (its marker) and precision:
+    the header of a lossless, arithmetic-coded or 12-bit JPEG (the scans stay baseline)."""
+    at = data.index(b"\xff\xc0")
+    return data[:at + 1] + bytes([marker]) + data[at + 2:at + 4] + bytes([precision]) + data[at + 5:]
+
+
+def test_each_refusal_has_its_reason_from_the_header_alone():
+    """What nvImageCodec has no GPU decoder for (read in its extensions' canDecode: nvjpeg's
+    CUDA decoder takes baseline, extended and progressive Huffman frames; lossless only without
+    a region; arithmetic coding nowhere) and what the CPU path must take, each with its reason."""
+    from asyncload.decode import gpu
+
+    good = encoded("china", "jpeg_q90_420")
+    datas = [good, encoded("flower", "png_rgba"), encoded("flower", "jpeg_cmyk"), good[: len(good) // 2],
+             _frame_changed(good, 0xC3), _frame_changed(good, 0xC9), _frame_changed(good, 0xC1, 12),
+             _frame_changed(good, 0xC5), encoded("flower", "jpeg_progressive"), {"image": good}, b"\xff\xd8\xff\xd9",
+             _large_baseline_jpeg()]
+    gpu_rows, why, sizes = GpuImageDecoder.sort(datas, 1_000_000)
+    assert gpu_rows == [0, 8]
+    assert why == {1: gpu.NOT_JPEG, 2: gpu.CMYK, 3: gpu.TRUNCATED, 4: gpu.LOSSLESS, 5: gpu.ARITHMETIC,
+                   6: gpu.NOT_8_BIT, 7: gpu.HIERARCHICAL, 9: gpu.NOT_BYTES, 10: gpu.BAD_HEADER, 11: gpu.OVER_BUDGET}
+    assert sizes[0] == (427, 640) and sizes[11] == (2000, 2000)
+    assert gpu.jpeg_frame(good) == (0xC0, 8) and gpu.jpeg_frame(np.frombuffer(good, np.uint8)) == (0xC0, 8)
+    assert gpu.jpeg_frame(encoded("flower", "jpeg_progressive"))[0] == 0xC2
 
 
 def test_the_region_decoded_is_the_crop_box_or_the_centre_crop_s_lines():
@@ -111,7 +140,7 @@ def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
     gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized([whole, truncated, padded], None)
     assert gpu_rows == [0, 2] and cpu_rows == [1]
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, fell_back = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
+    failures, _, fell_back, _ = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
     assert fell_back == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
 
 
@@ -120,7 +149,7 @@ def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
     ImageDecoder's message, not the batch with a TypeError from slicing a dict."""
     whole = encoded("china", "jpeg_q90_420")
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, on_cpu_rows = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
+    failures, _, on_cpu_rows, _ = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
     assert on_cpu_rows == [1] and list(failures) == [1]
     assert str(failures[1]) == ("ImageDecoder got a dict ('image', 'label'), not an image's bytes: pass "
                                 'decode=Members("image", "label", image=ImageDecoder(...))')
@@ -147,8 +176,43 @@ def test_a_jpeg_the_gpu_refuses_goes_alone_to_the_cpu_path():
     datas = [good, refused, good]
     out = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
     result = on_cpu(64, decode_regions=Refusing(refused=[len(refused)])).decode_batch(datas, [None] * 3, out)
-    assert result.failures == {} and result.on_cpu == [1]
+    assert result.failures == {} and result.on_cpu == [1] and result.why == {1: "refused by nvImageCodec"}
     for row in range(3):
+        within_a_level(out[row], ImageDecoder(64)(datas[row]))
+
+
+class FailingWhole(Refusing):
+    """nvImageCodec's report of a call that failed as a whole (an exception inside its decode,
+    e.g. out of memory in nvJPEG's buffers): None for every image of a call of several."""
+
+    def __call__(self, datas, regions, stream=None):
+        images = super().__call__(datas, regions, stream)
+        return [None] * len(images) if len(images) > 1 else images
+
+
+def test_a_call_that_failed_as_a_whole_is_retried_one_image_at_a_time():
+    datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_progressive"), encoded("china", "jpeg_444")]
+    out = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
+    decoder = on_cpu(64, decode_regions=FailingWhole())
+    result = decoder.decode_batch(datas, [None] * 3, out)
+    assert result.failures == {} and result.on_cpu == [] and decoder.decode_regions.calls == [3, 1, 1, 1]
+    for row in range(3):
+        within_a_level(out[row], ImageDecoder(64)(datas[row]))
+
+
+def test_a_gpu_that_decodes_nothing_even_alone_says_so_once():
+    """Every JPEG refused in the batch and again alone (nvImageCodec without its nvJPEG
+    extension): all on the CPU path, pixels right, one warning naming what to install."""
+    datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_q90_420")]
+    out = torch.zeros((2, 64, 64, 3), dtype=torch.uint8)
+    decoder = on_cpu(64, decode_regions=Refusing(refused=[len(data) for data in datas]))
+    with pytest.warns(RuntimeWarning, match=r"decoded none of 2 JPEGs.*nvjpeg"):
+        result = decoder.decode_batch(datas, [None] * 2, out)
+    assert result.on_cpu == [0, 1] and result.why == {0: "refused by nvImageCodec", 1: "refused by nvImageCodec"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoder.decode_batch(datas, [None] * 2, out)  # said once
+    for row in range(2):
         within_a_level(out[row], ImageDecoder(64)(datas[row]))
 
 
@@ -183,6 +247,7 @@ def test_an_out_of_memory_on_the_gpu_sends_that_image_alone_to_the_cpu():
     decoder = on_cpu(64, decode_regions=Refusing(raising=[len(large)]))
     result = decoder.decode_batch(datas, [None] * 3, out)
     assert result.failures == {} and result.on_cpu == [1] and decoder.decode_regions.calls == [3, 1, 1, 1]
+    assert result.why == {1: "GPU out of memory"}
     cpu = ImageDecoder(64)
     for row in range(3):
         within_a_level(out[row], cpu(datas[row]))
@@ -305,6 +370,24 @@ def test_nvimgcodec_imports_quietly_without_cuda():
             "RegionDecoder(torch.device('cpu')); print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok" and done.stderr == ""
+
+
+def test_nvimgcodec_s_settings_are_scoped_to_its_import_and_a_user_s_own_wins(tmp_path):
+    """Its environment variables are read once, when the import creates its instance: set only
+    around it (a user's own kept as it is), none left in the process after, nor the folder of
+    links; a decoder made afterwards still decodes."""
+    code = ("import os, torch; from asyncload.decode.nvimgcodec import RegionDecoder; "
+            "from tests.photos import encoded; "
+            "image = RegionDecoder(torch.device('cpu'))([encoded('china', 'jpeg_q90_420')], [(0, 0, 8, 8)])[0]; "
+            "print(tuple(image.shape), os.environ.get('NVIMGCODEC_EXTENSIONS_PATH'), "
+            "os.environ.get('PYNVIMGCODEC_VERBOSITY'), sorted(os.listdir(os.environ['TMPDIR'])))")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("NVIMGCODEC_", "PYNVIMGCODEC_"))}
+    env["TMPDIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.split("\n")[0] == "(3, 8, 8) None None []", done.stderr
+    env["PYNVIMGCODEC_VERBOSITY"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.split("\n")[0] == "(3, 8, 8) None 1 []", done.stderr
 
 
 @cuda

@@ -212,8 +212,8 @@ async def _read_file(path: str) -> bytes:
 
 def test_rows_the_gpu_would_refuse_go_to_the_cpu_jobs_from_the_start(tmp_path):
     """PNGs with their bytes in hand (``read=``): the header check at the cut sends every row to
-    the CPU share's jobs; the GPU job never runs, none falls back on its single thread, and the
-    pixels are the CPU path's."""
+    the CPU share's jobs; the GPU job never runs, none falls back on its single thread, each is
+    counted as a fallback with its reason, and the pixels are the CPU path's."""
     for index in range(10):
         (tmp_path / "p").mkdir(exist_ok=True)
         (tmp_path / f"p/{index}.png").write_bytes(encoded(("china", "flower")[index % 2], "png_rgba"))
@@ -223,7 +223,8 @@ def test_rows_the_gpu_would_refuse_go_to_the_cpu_jobs_from_the_start(tmp_path):
     expected, _ = run_epoch(source, ImageDecoder(SIZE, train=True, seed=5), batch_size=4, num_threads=3,
                             read=_read_file)
     batches_equal(batches, expected)
-    assert decoder.calls == [] and loader.stats.as_dict()["decoded_on_cpu"] == 0
+    figures = loader.stats.as_dict()
+    assert decoder.calls == [] and figures["decoded_on_cpu"] == 10 and figures["decoded_on_cpu/not a JPEG"] == 10
     assert sorted(row for call in decoder.cpu_calls for row in call) == sorted([0, 1, 2, 3] * 2 + [0, 1])
     assert decoder.policy.rows == {"gpu": 0, "cpu": 10} and decoder.policy.gpu.value is None
 
@@ -251,3 +252,43 @@ def test_gpu_decode_true_where_the_stage_cannot_run_says_so(tmp_path):
     with pytest.raises(ValueError, match="Parquet columns= decode each row's image with its columns beside it"):
         default_decode(columns, None, cuda, True)
     assert type(default_decode(columns, None, cuda, "auto")).__name__ == "ColumnsDecoder"
+
+
+class SeeingDecoder(RecordingDecoder):
+    """Notes the first bytes of every sample each GPU call (not the CPU share's) was given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gpu_magics: list[bytes] = []
+
+    def decode_batch(self, datas, keys, out, stream=None, rows=None, cpu_share=False):
+        if not cpu_share:
+            self.gpu_magics += [bytes(data[:3]) for data in datas]
+        return super().decode_batch(datas, keys, out, stream=stream, rows=rows, cpu_share=cpu_share)
+
+
+@pytest.mark.parametrize("split", ["auto", "gpu"])
+def test_local_pngs_and_cmyk_never_enter_a_gpu_call_and_are_counted_by_reason(tmp_path, split):
+    """Local files (read by the GPU job, after the cut): under "auto" the PNGs and the CMYK JPEG
+    found there go to CPU jobs of their own before the GPU call, counted by reason; pinned to the
+    GPU they still fall back inside its job, counted the same. Either way every sample is the CPU
+    path's, exactly."""
+    files = {f"a/{index}.jpg": ("china", "jpeg_q90_420") for index in range(6)}
+    files.update({f"b/{index}.png": ("flower", "png_rgba") for index in range(5)})
+    files.update({"c/0.jpg": ("grace_hopper", "jpeg_cmyk"), "c/1.png": ("china", "png_palette")})
+    for name, (photo, variant) in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(encoded(photo, variant))
+    source = image_folder(str(tmp_path))
+    decoder = SeeingDecoder(SIZE, train=True, seed=5, split=split)
+    batches, loader = run_epoch(source, decoder, batch_size=8, num_threads=3)
+    expected, _ = run_epoch(source, ImageDecoder(SIZE, train=True, seed=5), batch_size=8, num_threads=3)
+    batches_equal(batches, expected)
+    figures = loader.stats.as_dict()
+    assert figures["decoded_on_cpu"] == 7 and figures["failures"] == 0
+    assert figures["decoded_on_cpu/not a JPEG"] == 6 and figures["decoded_on_cpu/CMYK/YCCK JPEG"] == 1
+    assert "took its CPU path; CMYK/YCCK JPEG: 1; not a JPEG: 6" in loader.stats.report()
+    if split == "auto":
+        assert set(decoder.gpu_magics) <= {b"\xff\xd8\xff"}  # no PNG and no CMYK reached a GPU call
+        assert decoder.gpu_magics.count(b"\xff\xd8\xff") <= 6
+        assert decoder.policy.rows["gpu"] + decoder.policy.rows["cpu"] == 13 and decoder.policy.rows["cpu"] >= 7

@@ -10,28 +10,36 @@ through host memory. The boxes and flips are ``ImageDecoder``'s, from the same `
 both paths give the same augmentation stream and a row may be decoded by either.
 
 What the GPU does not take goes through the CPU path (``ImageDecoder``) into a pinned staging row
-and is copied up, alone, counted in ``stats.decoded_on_cpu``: not a JPEG, a CMYK/YCCK JPEG, a
-truncated one (no EOI marker: nvJPEG might decode it silently), one whose header is over the pixel
-budget (checked before any GPU memory is taken), one nvImageCodec refuses (a ``None`` result:
-lossless, arithmetic coding, ...) or fails on (a CUDA out-of-memory included, after a retry
-alone). One image never fails the batch; one neither path decodes fails as it would without the
-stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header and
-end marker, may decode on the GPU (as with PIL) where the strict CPU path refuses it.
+and is copied up, alone, counted in ``stats.decoded_on_cpu`` and by reason in
+``stats.decoded_on_cpu_why``: from its header (``gpu_refusal``, before any GPU memory is taken)
+not a JPEG, a truncated one (no EOI marker: nvJPEG might decode it silently), a frame
+nvImageCodec has no GPU decoder for with a region (lossless, arithmetic, hierarchical, more than
+8 bits), CMYK/YCCK, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
+fails on (out of GPU memory included; a call that failed as a whole is retried one image at a
+time first). One image never fails the batch; one neither path decodes fails as it would without
+the stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header
+and end marker, may decode on the GPU (as with PIL) where the strict CPU path refuses it.
 
 Beside it the loader sends a share of each batch's rows to the CPU decode threads
 (``decode_batch(..., cpu_share=True)``): ``policy`` (``split.py``) chooses the share from the
 measured rates and the training step's time.
 
 Streams: everything here runs inside ``torch.cuda.stream(stream)``; the decode is ordered on it
-too. The returned event marks its end, for the device stage to wait on (never the host).
-nvImageCodec's output memory is freed when its images are; a batch's images are kept until the
-next batch, which first waits (on its decode thread) for the kernels that read them.
+too (``nvimgcodec.py`` says what was checked in nvImageCodec's source). The returned event marks
+its end, for the device stage to wait on (never the host). nvImageCodec's output memory is freed
+when its images are, stream-ordered on that same stream (``cudaFreeAsync``), so reading it there
+is safe anyway; a batch's images are still kept until the next batch, which first waits (on its
+decode thread) for the kernels that read them: a belt for allocators that are not stream-ordered.
+The antialiased resize runs in float32 on the GPU: PyTorch's CUDA kernel for it takes no uint8
+(``AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16)`` in ``UpSampleBilinear2d.cu``); a downscale
+too steep for its shared memory raises, and that row goes to the CPU path.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -50,16 +58,39 @@ Key = tuple[int, ...] | None
 RegionDecode = Callable[[Sequence[bytes], Sequence[Box | None], Any], list[torch.Tensor | None]]
 JPEG_END = b"\xff\xd9"  # the EOI marker: a JPEG without it at its end is truncated
 GPU_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
+# The frames nvImageCodec decodes on the GPU (its nvjpeg_cuda_decoder; the hardware engines take a
+# subset and hand the rest to it): baseline, extended sequential and progressive, Huffman-coded.
+GPU_FRAMES = (0xC0, 0xC1, 0xC2)
+LOSSLESS_FRAMES = (0xC3,)  # nvjpeg_lossless_decoder takes these, but never with a region (we always pass one)
+ARITHMETIC_FRAMES = (0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)  # no GPU decoder in nvImageCodec
+HIERARCHICAL_FRAMES = (0xC5, 0xC6, 0xC7)  # differential frames: no decoder of nvImageCodec's
+
+# Why a sample goes to the CPU path: the keys of ``stats.decoded_on_cpu_why``.
+NOT_BYTES = "not bytes"
+NOT_JPEG = "not a JPEG"
+TRUNCATED = "truncated JPEG (no end marker)"
+BAD_HEADER = "unreadable JPEG header"
+LOSSLESS = "lossless JPEG"
+ARITHMETIC = "arithmetic-coded JPEG"
+HIERARCHICAL = "hierarchical JPEG"
+NOT_8_BIT = "JPEG of more than 8 bits"
+CMYK = "CMYK/YCCK JPEG"
+OVER_BUDGET = "over the pixel budget"
+REFUSED = "refused by nvImageCodec"
+OUT_OF_MEMORY = "GPU out of memory"
+GPU_ERROR = "GPU decode error"
 
 
 class BatchResult(NamedTuple):
     """``failures``: row -> the exception that row's bytes raised (its row in ``out`` is left as
     it was); ``event``: recorded on the stream after the last write (None off CUDA); ``on_cpu``:
-    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share)."""
+    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share);
+    ``why``: row of ``on_cpu`` -> the reason (``NOT_JPEG``, ``REFUSED``, ...)."""
 
     failures: dict[int, Exception]
     event: torch.cuda.Event | None
     on_cpu: list[int]
+    why: dict[int, str] = {}  # never mutated: every result of ours passes its own
 
 
 class GpuImageDecoder:
@@ -119,6 +150,7 @@ class GpuImageDecoder:
         self._decode_regions = decode_regions
         self._held: tuple[torch.cuda.Event | None, list[Any]] | None = None  # the last batch's images
         self._lock = threading.Lock()  # one GPU call at a time: nvImageCodec's decoder and _held
+        self._warned = False  # the warning that the GPU decodes nothing, given once
 
     @classmethod
     def like(cls, decoder: ImageDecoder, device: str | torch.device, split: str = "auto") -> "GpuImageDecoder":
@@ -172,7 +204,7 @@ class GpuImageDecoder:
                 event = _recorded() if on_cuda else None
             self.policy.cpu_done(len(datas), time.perf_counter() - started)
             return BatchResult(failures, event, [])
-        gpu_rows, cpu_rows, sizes = self.split_sized(datas, self.max_pixels)
+        gpu_rows, why, sizes = self.sort(datas, self.max_pixels)
         with self._lock, torch.cuda.stream(stream) if on_cuda else nullcontext():
             if gpu_rows:
                 self.decode_regions  # noqa: B018 - made (a second or so, once) before the clock starts
@@ -184,48 +216,46 @@ class GpuImageDecoder:
                 self._held = None
             images: list[Any] = []
             for chunk in chunks(gpu_rows, {row: h * w for row, (h, w) in sizes.items()}, self.max_pixels):
-                images += self._decode_on_device(datas, keys, targets, chunk, sizes, cpu_rows, stream)
+                images += self._decode_on_device(datas, keys, targets, chunk, sizes, why, stream)
             event = _recorded() if on_cuda else None
             self._held = (event, images)
         if gpu_rows:
-            self.policy.gpu_done(len(gpu_rows), time.perf_counter() - started)
+            self.policy.gpu_done(len(gpu_rows) - sum(row in why for row in gpu_rows), time.perf_counter() - started)
+        cpu_rows = sorted(why)
         with torch.cuda.stream(stream) if on_cuda else nullcontext():
             self._decode_on_cpu(datas, keys, targets, cpu_rows, failures)
             if cpu_rows and on_cuda:
                 event = _recorded()
-        return BatchResult(failures, event, sorted(cpu_rows))
+        return BatchResult(failures, event, cpu_rows, why)
 
-    def refused(self, datas: Sequence[bytes]) -> list[int]:
+    def refused(self, datas: Sequence[bytes]) -> dict[int, str]:
         """The positions in ``datas`` the GPU would leave to the CPU path, from their headers
-        alone (``split_sized``): the loader sends them to its CPU jobs at once."""
-        return self.split_sized(datas, self.max_pixels)[1]
+        alone (``sort``), each with its reason: the loader sends them to its CPU jobs at once."""
+        return self.sort(datas, self.max_pixels)[1]
 
     @staticmethod
     def split_sized(datas: Sequence[bytes], max_pixels: int | None
                     ) -> tuple[list[int], list[int], dict[int, tuple[int, int]]]:
-        """Rows the GPU may decode (YCbCr, RGB or grey JPEGs, whole, within ``max_pixels``), the
-        others, and the (height, width) of each from its header, read before any GPU memory is
-        taken. A JPEG that does not end with its EOI marker is truncated: the GPU might decode what
-        is there without a word, so it goes to the CPU path, whose strict libjpeg raises the
-        clear error."""
-        gpu_rows, cpu_rows, sizes = [], [], {}
+        """``sort`` with the CPU path's rows as a list, without their reasons."""
+        gpu_rows, why, sizes = GpuImageDecoder.sort(datas, max_pixels)
+        return gpu_rows, sorted(why), sizes
+
+    @staticmethod
+    def sort(datas: Sequence[bytes], max_pixels: int | None
+             ) -> tuple[list[int], dict[int, str], dict[int, tuple[int, int]]]:
+        """Rows the GPU may decode (``gpu_refusal`` finds nothing against them), the others
+        with the reason (row -> reason), and the (height, width) of each JPEG from its header,
+        all read before any GPU memory is taken."""
+        gpu_rows, why, sizes = [], {}, {}
         for row, data in enumerate(datas):
-            if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):  # a dict: the CPU path names it
-                cpu_rows.append(row)
-                continue
-            if bytes(data[:3]) != JPEG_MAGIC or not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END):
-                cpu_rows.append(row)
-                continue
-            try:
-                height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
-            except Exception:  # a header libjpeg rejects: the CPU path raises the clear error
-                cpu_rows.append(row)
-                continue
-            # over the limit at full size: the CPU path decodes it reduced, or raises the clear error
-            within = max_pixels is None or height * width <= max_pixels
-            (gpu_rows if colourspace in GPU_COLOURSPACES and within else cpu_rows).append(row)
-            sizes[row] = (height, width)
-        return gpu_rows, cpu_rows, sizes
+            reason, size = gpu_refusal(data, max_pixels)
+            if size is not None:
+                sizes[row] = size
+            if reason is None:
+                gpu_rows.append(row)
+            else:
+                why[row] = reason
+        return gpu_rows, why, sizes
 
     def region(self, height: int, width: int, key: Key) -> tuple[Plan, Box]:
         """The CPU path's choices for a ``height x width`` JPEG (its box snapped as there for a
@@ -236,33 +266,52 @@ class GpuImageDecoder:
         return plan, plan.box if plan.box is not None else centre_crop_region(height, width, self.size)
 
     def _decode_on_device(self, datas: Sequence[bytes], keys: Sequence[Key], targets: list[torch.Tensor],
-                          rows: list[int], sizes: dict[int, tuple[int, int]], cpu_rows: list[int],
+                          rows: list[int], sizes: dict[int, tuple[int, int]], why: dict[int, str],
                           stream: Any) -> list[Any]:
         """The GPU's rows, each written into its target; a row it refuses or fails on joins
-        ``cpu_rows``. Returns the decoded images, to keep until their kernels have run."""
+        ``why`` with its reason (the CPU path decodes it). Returns the decoded images, to keep
+        until their kernels have run.
+
+        nvImageCodec reports a call that failed as a whole (an exception inside it, e.g. out of
+        memory in nvJPEG's buffers) as None for every image (``Decoder::decode`` in its
+        python/decoder.cpp), an image it refuses as None alone: a call of several images that
+        raises or returns only None is retried one image at a time, after PyTorch's cached
+        blocks are given back (nvImageCodec allocates outside PyTorch's caching allocator)."""
         plans = [self.region(*sizes[row], keys[row]) for row in rows]
         encoded = [datas[row] for row in rows]
         regions = [region for _, region in plans]
+        reasons = [REFUSED] * len(rows)
         try:
             images = self.decode_regions(encoded, regions, stream)
-        except Exception:  # one bad file (or a CUDA out-of-memory) fails the whole call: retry alone, then the CPU
-            images = None
-        if images is None or len(images) != len(rows):
-            images = [self._decode_alone(data, region, stream) for data, region in zip(encoded, regions)]
-        for row, image, (plan, region) in zip(rows, images, plans):
+        except Exception as error:  # one bad file (or out of memory) fails the whole call
+            images, reasons = None, [_gpu_error(error)] * len(rows)
+        if images is None or len(images) != len(rows) or (len(rows) > 1 and all(image is None for image in images)):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            alone = [self._decode_alone(data, region, stream) for data, region in zip(encoded, regions)]
+            images, reasons = [image for image, _ in alone], [reason for _, reason in alone]
+            if len(rows) > 1 and all(image is None and reason == REFUSED for image, reason in alone) and not self._warned:
+                self._warned = True  # once: every batch would say the same
+                warnings.warn(f"nvImageCodec decoded none of {len(rows)} JPEGs on {self.device}, even one at a "
+                              "time: they all go to the CPU path. Is its nvJPEG extension there (pip install "
+                              "'nvidia-nvimgcodec-cu12[nvjpeg]', or -cu13 for CUDA 13)? PYNVIMGCODEC_VERBOSITY=3 "
+                              "makes it say what it loads.", RuntimeWarning, stacklevel=2)
+        for row, image, reason, (plan, region) in zip(rows, images, reasons, plans):
+            if image is None:
+                why[row] = reason
+                continue
             try:
-                if image is None:
-                    raise RuntimeError("the GPU decoder refused it")
                 targets[row].copy_(self.transform(image, plan, region, sizes[row]))
-            except Exception:  # noqa: BLE001 - e.g. out of GPU memory: this row alone goes to the CPU
-                cpu_rows.append(row)
+            except Exception as error:  # noqa: BLE001 - e.g. out of GPU memory: this row alone goes to the CPU
+                why[row] = _gpu_error(error)
         return images
 
-    def _decode_alone(self, data: bytes, region: Box, stream: Any) -> torch.Tensor | None:
+    def _decode_alone(self, data: bytes, region: Box, stream: Any) -> tuple[torch.Tensor | None, str]:
+        """One image in a call of its own: (the image or None, the reason it is None)."""
         try:
-            return self.decode_regions([data], [region], stream)[0]
-        except Exception:  # noqa: BLE001 - the CPU path decodes it, or raises the clear error
-            return None
+            return self.decode_regions([data], [region], stream)[0], REFUSED
+        except Exception as error:  # noqa: BLE001 - the CPU path decodes it, or raises the clear error
+            return None, _gpu_error(error)
 
     def transform(self, image: torch.Tensor, plan: Plan, region: Box, source: tuple[int, int]) -> torch.Tensor:
         """A decoded ``region`` (3xHxW uint8) of a ``source`` (height, width) image -> size x size
@@ -299,6 +348,77 @@ class GpuImageDecoder:
                 continue
             if staging is not None:
                 targets[row].copy_(host, non_blocking=True)
+
+
+def gpu_refusal(data: Any, max_pixels: int | None) -> tuple[str | None, tuple[int, int] | None]:
+    """Why the GPU decoder would refuse ``data`` (None if it would not), from the header alone,
+    and the (height, width) the header gives (None if it gives none).
+
+    Refused: anything but bytes, not a JPEG, a JPEG not ending with its EOI marker (truncated:
+    the GPU might decode what is there without a word, while the strict CPU path raises the clear
+    error), a header libjpeg cannot read, a frame nvImageCodec has no GPU decoder for with a
+    region (lossless, arithmetic-coded, hierarchical, more than 8 bits a sample; read from the
+    SOF marker, ``jpeg_frame``), CMYK/YCCK (nvJPEG converts those otherwise than the CPU path),
+    more pixels than ``max_pixels`` at full size (the CPU path may decode it reduced, else
+    raises the clear error)."""
+    if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):  # a dict: the CPU path names it
+        return NOT_BYTES, None
+    if bytes(data[:3]) != JPEG_MAGIC:
+        return NOT_JPEG, None
+    if not bytes(data[-16:]).rstrip(b"\0").endswith(JPEG_END):
+        return TRUNCATED, None
+    frame = jpeg_frame(data)
+    if frame is None:
+        return BAD_HEADER, None
+    marker, precision = frame  # before libjpeg reads it: a build without lossless or 12 bits refuses those
+    if marker in LOSSLESS_FRAMES:
+        return LOSSLESS, None
+    if marker in ARITHMETIC_FRAMES:
+        return ARITHMETIC, None
+    if marker not in GPU_FRAMES:
+        return HIERARCHICAL, None
+    if precision != 8:
+        return NOT_8_BIT, None
+    try:
+        height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
+    except Exception:  # a header libjpeg rejects: the CPU path raises the clear error
+        return BAD_HEADER, None
+    if colourspace not in GPU_COLOURSPACES:
+        return CMYK, (height, width)
+    if max_pixels is not None and height * width > max_pixels:
+        return OVER_BUDGET, (height, width)
+    return None, (height, width)
+
+
+SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # not DHT, JPG, DAC
+
+
+def jpeg_frame(data: Any) -> tuple[int, int] | None:
+    """(SOF marker, sample precision) of a JPEG's frame header, found by walking its marker
+    segments from SOI (a few steps: APPn, DQT, DHT, then the frame); None if the scan or the
+    end comes first, or the segments do not chain (a broken header)."""
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
+    at, size = 2, len(view)
+    while at + 4 < size:
+        if view[at] != 0xFF:
+            return None
+        marker = view[at + 1]
+        if marker == 0xFF:  # a fill byte
+            at += 1
+            continue
+        if marker in (0xDA, 0xD9):  # the scan or the end before any frame
+            return None
+        if marker in SOF_MARKERS:
+            return marker, view[at + 4]
+        at += 2 + ((view[at + 2] << 8) | view[at + 3])
+    return None
+
+
+def _gpu_error(error: BaseException) -> str:
+    """The reason a GPU call or kernel failed, for the stats: out of memory, or another error."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return OUT_OF_MEMORY
+    return GPU_ERROR
 
 
 def _recorded() -> torch.cuda.Event:

@@ -11,19 +11,25 @@ and is deprecated.
 Its import is noisy on a machine without the CUDA libraries: every extension it cannot load
 (nvJPEG, nvJPEG2000, nvTIFF) prints a paragraph on standard error, at import and at each new
 decoder. Without CUDA, ``load()`` points it at the CPU extensions alone (a private folder of
-links; ``NVIMGCODEC_EXTENSIONS_PATH`` set by you wins) and turns its log down
-(``PYNVIMGCODEC_VERBOSITY``, if you have not set it): what it refuses comes back as ``None`` and
-goes to the CPU path, counted, so its own messages add nothing.
+links) and turns its log down: what it refuses comes back as ``None`` and goes to the CPU path,
+counted, so its own messages add nothing. nvImageCodec takes both settings from environment
+variables (``NVIMGCODEC_EXTENSIONS_PATH``, ``PYNVIMGCODEC_VERBOSITY``), read once, when its
+import creates the library's instance (``Module::Module`` and ``PluginFramework`` in its
+source), which also loads every extension then: so they are set only around that import, under
+a lock, and put back as they were right after it (the folder of links removed too); one the
+user set is never touched. Nothing else in the process sees them afterwards.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -45,18 +51,32 @@ def _extensions_dir() -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def _cpu_extensions_only() -> None:
-    """Points nvImageCodec at its CPU extensions alone: links in a private temporary folder."""
-    if "NVIMGCODEC_EXTENSIONS_PATH" in os.environ:
-        return
+def _cpu_extensions_only() -> Path | None:
+    """A private temporary folder of links to nvImageCodec's CPU extensions alone (None if its
+    ``extensions`` folder is not found): what ``NVIMGCODEC_EXTENSIONS_PATH`` points at for the
+    import without CUDA."""
     folder = _extensions_dir()
     if folder is None:
-        return
+        return None
     private = Path(tempfile.mkdtemp(prefix="asyncload-nvimgcodec-"))
     for path in folder.iterdir():
         if path.name.split(".so")[0] in CPU_EXTENSIONS:
             (private / path.name).symlink_to(path)
-    os.environ["NVIMGCODEC_EXTENSIONS_PATH"] = str(private)
+    return private
+
+
+@contextmanager
+def _environment(settings: dict[str, str]) -> Iterator[None]:
+    """``settings`` in ``os.environ`` for the ``with`` block only, each one the user has not set
+    already (theirs wins); what was absent is removed again after it."""
+    added = [name for name in settings if name not in os.environ]
+    for name in added:
+        os.environ[name] = settings[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 @cache
@@ -64,15 +84,35 @@ def load() -> Any:
     """The ``nvidia.nvimgcodec`` module, imported quietly (see the module's docstring); raises
     ``ImportError`` saying what to install when it is missing or does not load."""
     with _lock:
+        settings: dict[str, str] = {}
+        private = None
         if not torch.cuda.is_available():
-            _cpu_extensions_only()
-            os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+            if "NVIMGCODEC_EXTENSIONS_PATH" not in os.environ:
+                private = _cpu_extensions_only()
+            if private is not None:
+                settings["NVIMGCODEC_EXTENSIONS_PATH"] = str(private)
+            settings["PYNVIMGCODEC_VERBOSITY"] = "0"
         try:
-            from nvidia import nvimgcodec
+            with _environment(settings):
+                from nvidia import nvimgcodec
         except Exception as error:  # absent, or a build that does not load here (another CUDA)
             raise ImportError("GPU decode needs nvImageCodec: pip install 'asyncload[gpu]' (nvidia-nvimgcodec-cu12), "
                               "or nvidia-nvimgcodec-cu13 for CUDA 13") from error
+        finally:
+            if private is not None:  # its extensions are loaded by now (dlopen): the links are not needed
+                shutil.rmtree(private, ignore_errors=True)
     return nvimgcodec
+
+
+def gpu_backends(codec: Any) -> list[Any]:
+    """The backends of the CUDA decoder: nvJPEG's hardware engines (``HW_GPU_ONLY``, where the
+    GPU has them; what they refuse, e.g. a progressive JPEG, moves on) and its CUDA decoder
+    (which nvImageCodec files as ``HYBRID_CPU_GPU``: Huffman decoding of small images on CPU
+    threads, the rest on the GPU). Not its CPU backends: left to its defaults (all backends) it
+    would decode what the GPU refuses with libjpeg-turbo on threads of its own, inside the GPU
+    call, unseen by the split and by the stats; without them such an image comes back None and
+    goes to the loader's CPU path, counted."""
+    return [codec.Backend(codec.HW_GPU_ONLY), codec.Backend(codec.HYBRID_CPU_GPU)]
 
 
 def available() -> bool:
@@ -90,11 +130,15 @@ class RegionDecoder:
     a ``3 x height x width`` uint8 RGB tensor on ``device``, or None where nvImageCodec could not
     decode it (the caller sends that one to the CPU path).
 
-    On a CUDA device the hardware and CUDA backends decode, ordered on ``stream``; the tensors
-    share nvImageCodec's memory, which stays alive as long as they do (``GpuImageDecoder`` keeps a
-    batch's until the kernels that read them have run). On the CPU, its CPU backend (libjpeg-turbo) decodes into host
-    memory with ``cpu_threads`` threads of its own: the same calls, for tests and machines
-    without CUDA."""
+    On a CUDA device the GPU backends alone decode (``gpu_backends``), ordered on ``stream``:
+    nvImageCodec makes the stream passed as ``cuda_stream`` wait for its own streams' work before
+    ``decode`` returns, and allocates each image there (``cudaMallocAsync``; freed with
+    ``cudaFreeAsync`` on that stream when the image goes). The tensors wrap that memory through
+    ``__cuda_array_interface__``: ``torch.as_tensor`` keeps a reference to the image (the memory
+    lives as long as the tensor) and ignores the interface's ``stream``, which is harmless here
+    because every kernel that reads the image is queued on that same stream. On the CPU, its CPU
+    backend (libjpeg-turbo) decodes into host memory with ``cpu_threads`` threads of its own: the
+    same calls, for tests and machines without CUDA."""
 
     def __init__(self, device: torch.device, cpu_threads: int = 1) -> None:
         codec = load()
@@ -103,7 +147,7 @@ class RegionDecoder:
         self.params = codec.DecodeParams(color_spec=codec.ColorSpec.SRGB, apply_exif_orientation=False)
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self.decoder = codec.Decoder(device_id=index)
+            self.decoder = codec.Decoder(device_id=index, backends=gpu_backends(codec))
         else:
             self.decoder = codec.Decoder(device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                          backends=[codec.Backend(codec.CPU_ONLY)], max_num_cpu_threads=cpu_threads)

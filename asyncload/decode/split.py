@@ -16,11 +16,12 @@ would round its share to nothing. A side given no rows is never measured again, 
 would starve it for good: every ``PROBE_EVERY``-th batch each side gets at least a probe
 (1/``PROBE_FRACTION`` of the batch, at least one row on the GPU and ``cpu_chunk`` on the CPU)
 and so stays measured. A pure class: fed events, no clock, no thread, so its tests drive it
-directly.
+directly (its one lock only keeps the row counts whole when a decode thread moves rows).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 SMOOTHING = 0.3  # the weight of the newest measurement in each exponential mean
@@ -62,7 +63,17 @@ class SplitPolicy:
         self.cpu = Rate()  # of one thread
         self.step_s = Rate()  # batches per second of the step, stored as a rate of 1 batch
         self.rows = {"gpu": 0, "cpu": 0}  # rows given to each side so far
+        self._count_lock = threading.Lock()  # rows: the cut (event loop) and moved_to_cpu (a decode thread)
         self.why = "half and half until both rates are measured" if mode == "auto" else f"pinned: {mode} only"
+
+    def __getstate__(self) -> dict:  # a copy (a pickled decoder) gets a lock of its own
+        state = dict(self.__dict__)
+        del state["_count_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._count_lock = threading.Lock()
 
     # ----- events -----
 
@@ -77,7 +88,15 @@ class SplitPolicy:
     def cpu_only(self, rows: int) -> None:
         """``rows`` of a batch only the CPU decodes (their headers say the GPU would refuse them),
         given to the CPU besides ``gpu_rows``' share: counted in ``describe``."""
-        self.rows["cpu"] += rows
+        with self._count_lock:
+            self.rows["cpu"] += rows
+
+    def moved_to_cpu(self, rows: int) -> None:
+        """``rows`` of the GPU's share went to the CPU after all (local files whose headers,
+        read in the GPU job, say the GPU would refuse them): counted on the CPU's side."""
+        with self._count_lock:
+            self.rows["gpu"] -= rows
+            self.rows["cpu"] += rows
 
     def step(self, seconds: float) -> None:
         """The training step took ``seconds`` between two batches (the loader's wait excluded)."""
@@ -88,8 +107,9 @@ class SplitPolicy:
     def gpu_rows(self, batch_rows: int) -> int:
         """How many of ``batch_rows`` the GPU decodes, the rest going to the CPU threads."""
         count = self._choose(batch_rows)
-        self.rows["gpu"] += count
-        self.rows["cpu"] += batch_rows - count
+        with self._count_lock:
+            self.rows["gpu"] += count
+            self.rows["cpu"] += batch_rows - count
         return count
 
     def _choose(self, batch_rows: int) -> int:

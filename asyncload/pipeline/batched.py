@@ -4,9 +4,12 @@ one decode job per batch instead of one per chunk of rows.
 With a decoder that shares its batches with the CPU (a ``policy``: the GPU decode stage,
 ``decode/split.py``), the gathered rows are cut in two: the policy's count goes to one GPU call,
 the rest to the CPU decode threads in chunks (``decode_batch(..., cpu_share=True)``), all at
-once, so that the batch is complete when both are; in ``"auto"``, rows whose header (bytes in
-hand) the GPU would refuse join the CPU's chunks from the start. The policy hears of the training step's time
-(``stats.step``) before each cut.
+once, so that the batch is complete when both are. In ``"auto"``, a row whose header says the GPU would refuse
+it (not a JPEG, CMYK, lossless, over the pixel budget, ...) never enters a GPU call: with its
+bytes in hand it joins the CPU's chunks at the cut; a local file, read by the GPU job, is sent
+from there to CPU jobs of its own before the GPU call. Both are counted as fallbacks, by reason
+(``stats.decoded_on_cpu_why``). The policy hears of the training step's time (``stats.step``)
+before each cut.
 
 nvJPEG pays off on many images at once, so the rows of a batch are gathered on the event loop
 until none of them is still being read, then go to a decode thread as one ``decode_batch`` call.
@@ -24,7 +27,8 @@ waits on them before it clones the field for the user.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -117,8 +121,7 @@ class BatchJobs:
         if not rows or policy is None:
             return [(rows, False)] if rows else []
         stats = self.filler.stats
-        threads = max(1, stats.limits.get("num_threads", 1) - 1)  # one waits on the GPU call
-        policy.cpu_threads = threads
+        policy.cpu_threads = max(1, stats.limits.get("num_threads", 1) - 1)  # one waits on the GPU call
         policy.cpu_chunk = MIN_CPU_ROWS  # the CPU's probe share: one job's worth
         step = stats.last_step()
         if step is not None and step[0] != self._steps_seen:
@@ -129,26 +132,67 @@ class BatchJobs:
         policy.cpu_only(len(refused))
         jobs = [(rows[:on_gpu], False)] if on_gpu else []
         rest = rows[on_gpu:] + refused
-        per_job = max(MIN_CPU_ROWS, -(-len(rest) // threads))
-        jobs += [(rest[start:start + per_job], True) for start in range(0, len(rest), per_job)]
+        jobs += [(chunk, True) for chunk in self._cpu_chunks(rest)]
         stats.gpu_decode_choice = policy.describe()
         if stats.tracer is not None:  # the cut of each batch, and why, on the timeline
             stats.tracer.instant("gpu split", {"gpu": on_gpu, "cpu": len(rest), "why": policy.why})
         return jobs
 
+    def _cpu_chunks(self, rows: list[Row]) -> list[list[Row]]:
+        """``rows`` cut into the CPU share's jobs: spread over the decode threads but one (it
+        waits on the GPU call), at least ``MIN_CPU_ROWS`` each."""
+        threads = max(1, self.filler.stats.limits.get("num_threads", 1) - 1)
+        per_job = max(MIN_CPU_ROWS, -(-len(rows) // threads))
+        return [rows[start:start + per_job] for start in range(0, len(rows), per_job)]
+
     def _gpu_candidates(self, rows: list[Row], policy: Any) -> tuple[list[Row], list[Row]]:
-        """With ``"auto"``, the rows whose bytes are here and whose header the GPU would refuse
-        (``refused``: not a JPEG, CMYK, over the pixel budget, ...) go to the CPU jobs from the
-        start rather than one after another on the GPU job's thread; the rest, and rows not read
-        yet (local files, item-cache copies: read by their job), are shared by the policy. A
-        pinned mode keeps every row where it says (refusals fall back on the GPU job)."""
+        """The rows whose bytes are here and whose header the GPU would refuse (``refused``:
+        not a JPEG, CMYK, over the pixel budget, ...) go to the CPU jobs from the start rather
+        than one after another on the GPU job's thread, counted as fallbacks with their reasons;
+        the rest, and rows not read yet (local files, item-cache copies: the GPU job reads them,
+        then sends those it finds refused to CPU jobs, ``_route_refused``), are shared by the
+        policy. A pinned mode keeps every row where it says (``"gpu"``: refusals fall back on
+        the GPU job, as ``gpu_decode=True`` asks)."""
         refuses = getattr(self.filler.decode, "refused", None)
         if policy.mode != "auto" or refuses is None:
             return rows, []
         known = [number for number, row in enumerate(rows) if isinstance(row.data, (bytes, bytearray, memoryview))]
-        refused = {known[number] for number in refuses([rows[number].data for number in known])}
-        return ([row for number, row in enumerate(rows) if number not in refused],
-                [row for number, row in enumerate(rows) if number in refused])
+        why = {known[number]: reason for number, reason in refuses([rows[number].data for number in known]).items()}
+        self._count_fallbacks(why.values())
+        return ([row for number, row in enumerate(rows) if number not in why],
+                [row for number, row in enumerate(rows) if number in why])
+
+    def _route_refused(self, batch: Work, rows: list[Row], datas: list[Any], read_here: set[int],
+                       cpu_share: bool) -> tuple[list[Row], list[Any]]:
+        """Once a job's local files are read (``read_here``: their positions), those whose header
+        the GPU would refuse are counted as fallbacks with their reasons, as at the cut, so the
+        counts do not depend on the split. In the GPU job they also go to CPU jobs of their own,
+        at once and spread over the decode threads, before the GPU call is made; returns the
+        rows left to this job. (Refused on the GPU job's thread instead, a batch's PNGs were
+        decoded one after another there while the other threads waited.)"""
+        refuses = getattr(self.filler.decode, "refused", None)
+        policy = getattr(self.filler.decode, "policy", None)
+        if refuses is None or policy is None or policy.mode != "auto" or not read_here:
+            return rows, datas
+        positions = sorted(read_here)
+        why = {positions[number]: reason for number, reason in refuses([datas[at] for at in positions]).items()}
+        if not why:
+            return rows, datas
+        self._count_fallbacks(why.values())
+        if cpu_share:  # already on the CPU path
+            return rows, datas
+        policy.moved_to_cpu(len(why))
+        refused = [replace(rows[at], data=datas[at]) for at in sorted(why)]
+        for chunk in self._cpu_chunks(refused):
+            self.run_job(lambda chunk=chunk: self.fill(batch, chunk, True))
+        keep = [at for at in range(len(rows)) if at not in why]
+        return [rows[at] for at in keep], [datas[at] for at in keep]
+
+    def _count_fallbacks(self, reasons: Any) -> None:
+        """Rows the GPU leaves to the CPU path, in ``stats`` by reason."""
+        counts = Counter(reasons)
+        if counts:
+            self.filler.stats.add_decoded_on_cpu(sum(counts.values()), counts)
 
     # ----- a decode thread -----
 
@@ -161,15 +205,17 @@ class BatchJobs:
             return
         self.filler.stats.level("decodes_running", 1)
         try:
-            rows, datas = self._read(batch, rows)
+            rows, datas, read_here = self._read(batch, rows)
+            rows, datas = self._route_refused(batch, rows, datas, read_here, cpu_share)
             if rows:
                 self._decode(batch, rows, datas, cpu_share)
         finally:
             self.filler.stats.level("decodes_running", -1)
 
-    def _read(self, batch: Work, rows: list[Row]) -> tuple[list[Row], list[Any]]:
-        """The rows whose bytes are here, with their bytes: local files are read now."""
-        ready, datas = [], []
+    def _read(self, batch: Work, rows: list[Row]) -> tuple[list[Row], list[Any], set[int]]:
+        """The rows whose bytes are here, with their bytes: local files are read now (their
+        positions in what is returned: the third value)."""
+        ready, datas, read_here = [], [], set()
         read_s, nbytes, reads = 0.0, 0, 0
         for row in rows:
             data = row.data
@@ -191,11 +237,12 @@ class BatchJobs:
                 if row.data is None:
                     reads += 1
                     nbytes += len(data)
+                read_here.add(len(ready))
             ready.append(row)
             datas.append(data)
         if reads:
             self.filler.stats.add("read", read_s, nbytes, items=reads)
-        return ready, datas
+        return ready, datas, read_here
 
     def _decode(self, batch: Work, rows: list[Row], datas: list[Any], cpu_share: bool = False) -> None:
         """One ``decode_batch`` call for ``rows``, then every row reported exactly once: done, or
@@ -229,14 +276,16 @@ class BatchJobs:
         numbered as ``rows``, the event that ends its writes or None)."""
         stream = buffer.on_device.stream if buffer.on_device is not None else None
         share = {"cpu_share": True} if cpu_share else {}  # a decoder without a policy never gets it
-        failures, event, on_cpu = self.filler.decode.decode_batch(
+        result = self.filler.decode.decode_batch(
             datas, [(self.filler.epoch, row.index) for row in rows], buffer.tensors[IMAGE_FIELD], stream=stream,
             rows=[row.row for row in rows], **share)
+        failures, event, on_cpu = result[:3]
         if not isinstance(failures, dict) or not set(failures) <= set(range(len(rows))):
             raise TypeError(f"its failures must be a dict keyed by positions in datas (0..{len(rows) - 1}), "
                             f"got {failures!r}")
-        if on_cpu:
-            self.filler.stats.add_decoded_on_cpu(len(on_cpu))
+        if on_cpu:  # the reasons where the decoder gives them (GpuImageDecoder's BatchResult.why)
+            why = getattr(result, "why", {})
+            self.filler.stats.add_decoded_on_cpu(len(on_cpu), Counter(why[row] for row in on_cpu if row in why))
         if len(buffer.tensors) > 1:  # label fields (a mix's source number too)
             for number, row in enumerate(rows):
                 if number not in failures:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class LoaderStats:
         self.retries = 0
         self.retry_wait_seconds = 0.0  # time reads waited between their tries (the retry budget spent)
         self.decoded_on_cpu = 0  # samples a batched GPU decoder sent to its CPU path
+        self.decoded_on_cpu_why: dict[str, int] = {}  # those samples by reason ("not a JPEG": 12, ...)
         self.aside_bytes = 0  # values kept aside (batch/ragged.py): pickled per sample with processes=N
         self.failures: list[Failure] = []
         self._active_seconds = 0.0
@@ -146,9 +147,12 @@ class LoaderStats:
         with self._lock:
             self.aside_bytes += nbytes
 
-    def add_decoded_on_cpu(self, count: int) -> None:
+    def add_decoded_on_cpu(self, count: int, why: Mapping[str, int] | None = None) -> None:
+        """``count`` samples the GPU decoder left to the CPU path; ``why``: how many for each reason."""
         with self._lock:
             self.decoded_on_cpu += count
+            for reason, number in (why or {}).items():
+                self.decoded_on_cpu_why[reason] = self.decoded_on_cpu_why.get(reason, 0) + number
 
     def add_failure(self, item: object, stage: str, error: BaseException, epoch: int | None = None,
                     rank: int | None = None) -> None:
@@ -232,6 +236,8 @@ class LoaderStats:
             self.retries += figures.retries
             self.retry_wait_seconds += figures.retry_wait_seconds
             self.decoded_on_cpu += figures.decoded_on_cpu
+            for reason, number in earlier.decoded_on_cpu_why.items():
+                self.decoded_on_cpu_why[reason] = self.decoded_on_cpu_why.get(reason, 0) + number
             self._active_seconds += figures.active_seconds
             self._active_cpu += figures.cpu_seconds
             self._active_system_cpu += figures.cpu_seconds + figures.other_processes_cpu_seconds
@@ -278,14 +284,19 @@ class LoaderStats:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers (and the bottleneck's name), for training logs or TensorBoard; with a
-        mixed source, ``"mix/<name>/samples"`` too."""
+        mixed source, ``"mix/<name>/samples"`` too; with the GPU decode stage,
+        ``"decoded_on_cpu/<reason>"`` for each reason samples took the CPU path."""
         figures = self.snapshot().as_dict()
         figures.update({f"mix/{name}/samples": count for name, count in self.sources.items()})
+        with self._lock:
+            figures.update({f"decoded_on_cpu/{reason}": count for reason, count in self.decoded_on_cpu_why.items()})
         return figures
 
     def report(self) -> str:
         """A compact table of the figures, and the bottleneck with its evidence (``report.py``)."""
-        return report_text(self.snapshot(), self.processes_choice, self.gpu_decode_choice)
+        with self._lock:
+            why = dict(self.decoded_on_cpu_why)
+        return report_text(self.snapshot(), self.processes_choice, self.gpu_decode_choice, why)
 
 
 def with_verdict(snapshot: StatsSnapshot) -> StatsSnapshot:

@@ -7,9 +7,11 @@ from .snapshot import STAGES, StatsSnapshot
 from .verdict import diagnose
 
 
-def report_text(s: StatsSnapshot, processes_choice: str | None, gpu_decode_choice: str | None = None) -> str:
+def report_text(s: StatsSnapshot, processes_choice: str | None, gpu_decode_choice: str | None = None,
+                decoded_on_cpu_why: dict[str, int] | None = None) -> str:
     """The report of snapshot ``s``; ``processes_choice``: the default's line, if it has one;
-    ``gpu_decode_choice``: the GPU decode stage's split and why, if it ran."""
+    ``gpu_decode_choice``: the GPU decode stage's split and why, if it ran; ``decoded_on_cpu_why``:
+    the samples it left to the CPU path, by reason."""
     active = max(s.active_seconds, 1e-9)
     lines = [f"{'stage':<8}{'items':>9}{'busy s':>9}{'ms/item':>9}{'MB':>9}"]
     for name in STAGES:
@@ -31,7 +33,8 @@ def report_text(s: StatsSnapshot, processes_choice: str | None, gpu_decode_choic
     if gpu_decode_choice is not None:
         lines.append(gpu_decode_choice)
     if s.decoded_on_cpu:
-        lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path")
+        why = "".join(f"; {reason}: {count}" for reason, count in sorted((decoded_on_cpu_why or {}).items()))
+        lines.append(f"GPU decoder: {s.decoded_on_cpu} of {s.decode.items} samples took its CPU path{why}")
     name, evidence = diagnose(s.as_dict())
     lines.append(f"bottleneck: {name}: {evidence}")
     if processes_choice is not None:

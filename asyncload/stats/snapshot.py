@@ -95,7 +95,8 @@ class StatsSnapshot:
     """Child processes running the pipeline, with ``processes=N``; else None."""
     decoded_on_cpu: int = 0
     """Samples a batched GPU decoder (``GpuImageDecoder``) sent to its CPU path: formats and files
-    nvJPEG does not decode (CMYK JPEGs, PNG, ...). Near ``decode.items``, the GPU path idles."""
+    nvJPEG does not decode (CMYK JPEGs, PNG, ...). Near ``decode.items``, the GPU path idles. By
+    reason: ``LoaderStats.decoded_on_cpu_why`` and ``as_dict()["decoded_on_cpu/<reason>"]``."""
     aside_bytes: int = 0
     """Bytes of sample values kept aside rather than in the batch's arrays (``batch/ragged.py``):
     text, objects, list fields (arrays whose other dimensions vary), rows past a ragged field's
