@@ -132,12 +132,14 @@ def test_the_tuner_lowers_an_idle_knob_after_three_calm_looks():
     assert threads.value == 3 and t.changes[-1][0] == 4.0
 
 
-def test_the_tuner_ignores_a_look_with_no_batch():
-    t, threads, io = tuner()
+def test_the_tuner_does_not_count_a_look_with_no_batch_as_calm():
+    t, threads, _ = tuner()
+    threads.set(4)
     stats = Stats()
-    observe(t, stats, window(waited=0.6), 1.0)
-    observe(t, stats, window(waited=0.6, batches=0), 2.0)
-    assert t.changes == []
+    idle = window(waited=0.0, batches=0, **{"decodes_running/mean": 1.0, "num_threads": 4})
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):
+        observe(t, stats, idle, now)
+    assert (threads.value, t.changes) == (4, []), "no batch: nothing to judge"
 
 
 # ----- processes=None's decisions -----
