@@ -1,16 +1,22 @@
 """The driver's decisions (``epoch/window.py``) as logic: the window of batches under way, the
 hand-out order, a failed row refilled, skip and its failure budget, ``drop_last`` and the short
-last batch over ranks, and the resume state. Fed events by hand (a batch assigned, a fill
+last batch over ranks, the resume state, and which pipeline fills which rows (``dispatch.py``).
+Fed events by hand (a batch assigned, a fill
 answered with failures, a batch taken): no thread, no pipeline, no clock. One test compares the
 state recorded here with a real loader's, end to end."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from asyncload import AsyncLoader, SampleError, TooManyFailures
 from asyncload.backend import window as window_of
+from asyncload.epoch.dispatch import Dispatch
+from asyncload.epoch.in_flight import InFlight
 from asyncload.epoch.plan import EpochPlan
 from asyncload.epoch.progress import Progress
 from asyncload.epoch.window import Window
@@ -248,3 +254,47 @@ def test_the_state_after_k_batches_is_the_one_a_real_loader_records(processes, k
         state = loader.state_dict()
     assert got == handed
     assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.progress.as_state()
+
+
+# ----- which pipeline fills which rows -----
+
+
+class Recorded:
+    """``count`` pipelines that only record what is sent to them."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.sent: list[tuple[int, Any]] = []
+
+    def send(self, index: int, message: Any) -> None:
+        self.sent.append((index, message))
+
+
+def in_flight(number: int, positions: list[int], segment: int) -> InFlight:
+    return InFlight(number, positions, SimpleNamespace(number=segment))  # type: ignore[arg-type]
+
+
+def test_a_batchs_rows_go_to_the_least_busy_pipeline_in_one_fill():
+    pipes = Recorded(2)
+    dispatch = Dispatch(pipes, run=7, order=np.arange(100, 120))
+    first, second = in_flight(0, [0, 1, 2, 3], segment=5), in_flight(1, [4, 5, 6, 7], segment=6)
+    dispatch.send(first, [0, 1, 2, 3])
+    dispatch.send(second, [0, 1, 2, 3])
+    assert [(index, fill.fill, fill.segment, fill.rows, fill.indices.tolist()) for index, fill in pipes.sent] == [
+        (0, 0, 5, [0, 1, 2, 3], [100, 101, 102, 103]), (1, 1, 6, [0, 1, 2, 3], [104, 105, 106, 107])]
+    assert (dispatch.load, first.pending, second.pending) == ([1, 1], 1, 1)
+    assert dispatch.answered(1) is second and dispatch.load == [1, 0] and second.complete()
+    dispatch.send(first, [2])  # a refill: to the pipeline with nothing in hand
+    assert pipes.sent[-1][0] == 1 and pipes.sent[-1][1].rows == [2] and first.pending == 2
+
+
+def test_with_owned_chunks_a_row_goes_to_the_pipeline_that_reads_its_chunk():
+    pipes = Recorded(2)
+    dispatch = Dispatch(pipes, run=0, order=np.arange(8))
+    dispatch.owner = np.array([1, 1, 0, 0, -1, -1, 1, 0])  # source index -> its chunk's reader (-1: none)
+    dispatch.send(in_flight(0, [5], segment=0), [0])  # no owner: the least busy, pipeline 0
+    batch = in_flight(1, [0, 2, 4, 6], segment=1)
+    dispatch.send(batch, [0, 1, 2, 3])
+    assert sorted((index, fill.rows) for index, fill in pipes.sent[1:]) == [(0, [1]), (1, [0, 2, 3])]
+    assert batch.pending == 2 and dispatch.load == [2, 1]
+    assert dispatch.pipe_for(4) == 0 and dispatch.pipe_for(6) == 1, "the probe's: an owner, else the first"
