@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
