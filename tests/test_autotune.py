@@ -3,7 +3,6 @@
 import asyncio
 import math
 import threading
-import time
 
 import numpy as np
 
@@ -16,30 +15,34 @@ from tests.stat_figures import window as running_window
 
 
 def test_gate_limits_threads_and_follows_a_new_limit():
+    """Threads inside the gate wait for one another at a barrier of ``limit``: each round lets
+    exactly ``limit`` in at once (no sleep: the barrier is the event), never more."""
     gate, inside, peak, lock = Gate(2), [0], [0], threading.Lock()
 
-    def work():
-        with gate:
-            with lock:
-                inside[0] += 1
-                peak[0] = max(peak[0], inside[0])
-            time.sleep(0.05)
-            with lock:
-                inside[0] -= 1
+    def run(threads: int, limit: int) -> None:
+        barrier = threading.Barrier(limit, timeout=30)  # broken (an error) if the gate let fewer in
 
-    threads = [threading.Thread(target=work) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        def work():
+            with gate:
+                with lock:
+                    inside[0] += 1
+                    peak[0] = max(peak[0], inside[0])
+                barrier.wait()
+                with lock:
+                    inside[0] -= 1
+
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        assert not barrier.broken
+
+    run(6, 2)
     assert peak[0] == 2
     gate.set_limit(4)
-    threads = [threading.Thread(target=work) for _ in range(8)]
     peak[0] = 0
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run(8, 4)
     assert peak[0] == 4
 
 
