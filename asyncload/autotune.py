@@ -7,6 +7,10 @@ help: a thread when a core is idle to run it, reads when they fill most of their
 a few looks in a row, it lowers a knob that had slack, but never below a value that once made
 the loop wait (its floor): so settings settle at the smallest that keep the loop fed, and do
 not oscillate. Reads in flight are also kept within a memory budget.
+
+The decisions read no clock: ``Looks`` is told the time and the figures, and ``AutoTuner.look``
+decides from them, so both are tested with numbers (``tests/test_adapt_logic.py``); ``observe``,
+called at each batch, reads the clock and the stats and passes them in.
 """
 
 from __future__ import annotations
@@ -42,32 +46,68 @@ class Knob:
         return True
 
 
+class Looks:
+    """When a policy looks at the loader's stats, and what it sees then: the figures since its
+    last look (``interval_figures``). Told the time (``now``, in seconds) rather than reading a
+    clock. ``at_once``: the first look comes at the first chance (else an ``interval`` after
+    ``now``), and it only sets the baseline: a window needs two looks."""
+
+    def __init__(self, interval: float, now: float, at_once: bool = False) -> None:
+        self.interval = interval
+        self.at_once = at_once
+        self.last: dict[str, Any] | None = None  # the figures of the last look
+        self.last_time = now
+
+    def due(self, now: float) -> bool:
+        """Whether it is time for a look (then ``take`` one)."""
+        return (self.at_once and self.last is None) or now - self.last_time >= self.interval
+
+    def take(self, figures: dict[str, Any], now: float) -> dict[str, Any] | None:
+        """A look at ``figures`` (``LoaderStats.as_dict()``) at ``now``: the window since the last
+        look, or None where there is no baseline: the first look, or figures of another count of
+        processes (a switch: the stats went on from another backend's)."""
+        last, self.last, self.last_time = self.last, figures, now
+        if last is None or last.get("processes") != figures.get("processes"):
+            return None
+        return interval_figures(last, figures)
+
+    def forget(self) -> None:
+        """The next look only sets a baseline (with ``at_once``, at the first chance)."""
+        self.last = None
+
+
 class AutoTuner:
     """Moves ``threads`` and/or ``io`` knobs from the loader's stats; see the module's docstring."""
 
     def __init__(self, stats: LoaderStats, threads: Knob | None, io: Knob | None, interval: float = 1.0,
-                 memory_budget: int = 2**30) -> None:
+                 memory_budget: int = 2**30, now: float | None = None) -> None:
         self.stats = stats
         self.knobs = {knob.name: knob for knob in (threads, io) if knob is not None}
-        self.interval = interval
+        self.looks = Looks(interval, time.perf_counter() if now is None else now)
         self.memory_budget = memory_budget
         self.changes: list[tuple[float, str, int, int, str]] = []  # (time, knob, old, new, why)
         self._calm_looks = 0
-        self._last: dict[str, Any] | None = None
-        self._last_time = time.perf_counter()
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two looks."""
+        return self.looks.interval
+
+    @interval.setter
+    def interval(self, seconds: float) -> None:
+        self.looks.interval = seconds
 
     def observe(self) -> None:
         """Called by the user's thread at each batch; decides at most once per ``interval``."""
         now = time.perf_counter()
-        if now - self._last_time < self.interval:
-            return
-        self._last_time = now
-        figures = self.stats.as_dict()
-        last, self._last = self._last, figures
-        if last is None:
-            return
-        window = _interval_figures(last, figures)
-        if window["active_seconds"] <= 0 or window["batches"] == 0:
+        if self.looks.due(now):
+            self.look(self.stats.as_dict(), now)
+
+    def look(self, figures: dict[str, Any], now: float) -> None:
+        """A look at the stats' ``figures`` at time ``now``: decides from the window since the
+        last look, if it ran at all."""
+        window = self.looks.take(figures, now)
+        if window is None or window["active_seconds"] <= 0 or window["batches"] == 0:
             return
         self._decide(window)
 
@@ -119,11 +159,11 @@ class AutoTuner:
     def _change(self, knob: Knob, value: int, why: str) -> None:
         old = knob.value
         if knob.set(value):
-            self.changes.append((time.perf_counter(), knob.name, old, knob.value, why))
+            self.changes.append((self.looks.last_time, knob.name, old, knob.value, why))
             self.stats.limits[knob.name] = knob.value
 
 
-def _interval_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def interval_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Figures for the time between two ``as_dict()`` snapshots: counts and seconds subtract,
     means are recomputed from their time integrals."""
     window = dict(after)

@@ -17,12 +17,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from .adapt import THRESHOLDS, Policy, Step
-from .autotune import _interval_figures
+from .autotune import Looks
 from .backend import build_backend
 from .batch.crossing import unportable
 from .epoch.settings import Settings
@@ -73,8 +73,7 @@ class Switch:
         self._why = ""
         self.choice = "in this process (measuring: children if the GIL turns out to be the limit)"
         self._show()
-        self._last: dict[str, Any] | None = None
-        self._last_time = time.perf_counter()
+        self.looks = Looks(self.thresholds.look_s, time.perf_counter(), at_once=True)
 
     # ----- looking -----
 
@@ -84,19 +83,15 @@ class Switch:
             self._poll_starting()
         if self.policy.state not in ("settled", "starting"):
             now = time.perf_counter()
-            if self._last is None or now - self._last_time >= self.thresholds.look_s:
-                self._last_time = now
-                self._look()
+            if self.looks.due(now):
+                self._look(now)
         return self.target is not None and self.armed
 
-    def _look(self) -> None:
-        figures = self.backend.stats.as_dict()
-        last, self._last = self._last, figures
-        if last is None or last.get("processes") != figures.get("processes"):
-            return  # a first look, or the stats changed with a switch: the next look has a window
-        if self.starting is not None:
+    def _look(self, now: float) -> None:
+        window = self.looks.take(self.backend.stats.as_dict(), now)  # None: a first look, or a switch's
+        if window is None or self.starting is not None:
             return  # children starting take the idle cores: the window says nothing of the loader
-        step = self.policy.look(_interval_figures(last, figures))
+        step = self.policy.look(window)
         if step is not None:
             self._carry_out(step)
 
@@ -185,7 +180,7 @@ class Switch:
         self.target = backend  # taken once armed
         # The looks while they started saw their start's CPU, not the loader's: not judged
         # (``_look``); the next window starts now.
-        self._last, self._last_time = self.backend.stats.as_dict(), time.perf_counter()
+        self.looks.take(self.backend.stats.as_dict(), time.perf_counter())
 
     def _cannot(self, reason: str, count: int) -> None:
         """Children cannot be used: say so once, in one line, and stay."""
@@ -206,7 +201,7 @@ class Switch:
         backend.stats.carry(old.stats)  # the figures stay the loader's lifetime's
         backend.stats.processes_choice = old.stats.processes_choice
         self.backend, self.retired = backend, old
-        self._last = None
+        self.looks.forget()
         count = backend.processes
         if count:
             self.policy.switched(count)

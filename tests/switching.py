@@ -5,6 +5,7 @@ switch waits for the children to start. The switch's mechanics are then tested w
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import asyncload.adapt as adapt
@@ -26,13 +27,18 @@ def force_switch(monkeypatch, children: int = 2) -> None:
     monkeypatch.setattr(adapt, "gil_bound", lambda window: (True, "GIL: forced by the test"))
 
 
-def slow_builds(monkeypatch, pids: list[int] | None = None, seconds: float = 0.5) -> None:
+def slow_builds(monkeypatch, pids: list[int] | None = None, seconds: float = 0.5,
+                until: threading.Event | None = None) -> None:
     """Children's backends take ``seconds`` more to build (the fork server is warm after other
-    tests: a start that lasts); their pids go to ``pids``."""
+    tests: a start that lasts), or with ``until``, until the test sets it (a minute at most: no
+    hang); their pids go to ``pids``."""
     real = switch.build_backend
 
     def slow_build(*args, **kwargs):
-        time.sleep(seconds)
+        if until is not None:
+            until.wait(60)
+        else:
+            time.sleep(seconds)
         backend = real(*args, **kwargs)
         if pids is not None:
             pids.extend(process.pid for process in backend.pipes.processes)

@@ -310,7 +310,10 @@ def test_a_script_without_the_main_guard_moves_to_children_that_never_import_it(
 def test_looks_while_children_start_are_not_judged(monkeypatch):
     """Children starting take the cores the verdict counts as idle, so a look then would see
     "not the GIL" and stop them: only looks once they are ready count (the second GIL look in a
-    row switches). The judge here says GIL only when no children are starting."""
+    row switches). The judge here says GIL only when no children are starting; the children's
+    build ends once a look came while they started."""
+    import threading
+
     import asyncload.adapt as adapt
     import asyncload.switch as switch
 
@@ -325,17 +328,20 @@ def test_looks_while_children_start_are_not_judged(monkeypatch):
     monkeypatch.setattr(adapt, "gil_bound", judge)
     real_look = switch.Switch._look
 
-    def look(self):
+    seen_while_starting = threading.Event()
+
+    def look(self, now):
         looks_while_starting.append(self.starting is not None)
-        real_look(self)
+        if self.starting is not None:
+            seen_while_starting.set()
+        real_look(self, now)
 
     monkeypatch.setattr(switch.Switch, "_look", look)
-    slow_builds(monkeypatch)
+    slow_builds(monkeypatch, until=seen_while_starting)
     with loader_for(100_000, decode=as_array_slowly, seed=1) as loader:
         loader_box.append(loader)
-        deadline = time.monotonic() + 60
-        for _ in loader:  # until it switched, then a few batches on the children
-            if children_of(loader) == 2 or time.monotonic() > deadline:
+        for _ in loader:  # until it switched (the epoch bounds it)
+            if children_of(loader) == 2:
                 break
         assert children_of(loader) == 2, loader.stats.report()
         assert any(looks_while_starting), "looks came while the children started"

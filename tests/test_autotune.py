@@ -1,42 +1,48 @@
 """num_threads="auto" / io_concurrency="auto": the tuner's rules, and the loader under it."""
 
 import asyncio
+import math
 import threading
-import time
 
 import numpy as np
 
 from asyncload import AsyncLoader
-from asyncload.autotune import AutoTuner, Knob, _interval_figures
+from asyncload.autotune import AutoTuner, Knob, interval_figures
 from asyncload.gates import Gate
 from asyncload.stats.figures import LoaderStats
+from tests.stat_figures import Stats
+from tests.stat_figures import window as running_window
 
 
 def test_gate_limits_threads_and_follows_a_new_limit():
+    """Threads inside the gate wait for one another at a barrier of ``limit``: each round lets
+    exactly ``limit`` in at once (no sleep: the barrier is the event), never more."""
     gate, inside, peak, lock = Gate(2), [0], [0], threading.Lock()
 
-    def work():
-        with gate:
-            with lock:
-                inside[0] += 1
-                peak[0] = max(peak[0], inside[0])
-            time.sleep(0.05)
-            with lock:
-                inside[0] -= 1
+    def run(threads: int, limit: int) -> None:
+        barrier = threading.Barrier(limit, timeout=30)  # broken (an error) if the gate let fewer in
 
-    threads = [threading.Thread(target=work) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        def work():
+            with gate:
+                with lock:
+                    inside[0] += 1
+                    peak[0] = max(peak[0], inside[0])
+                barrier.wait()
+                with lock:
+                    inside[0] -= 1
+
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        assert not barrier.broken
+
+    run(6, 2)
     assert peak[0] == 2
     gate.set_limit(4)
-    threads = [threading.Thread(target=work) for _ in range(8)]
     peak[0] = 0
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run(8, 4)
     assert peak[0] == 4
 
 
@@ -103,41 +109,56 @@ def test_no_oscillation_between_two_settings():
     assert [change[1:4] for change in t.changes if change[1] == "num_threads"] == [("num_threads", 2, 3)]
 
 
-def test_interval_figures_are_differences():
+def testinterval_figures_are_differences():
     before = {"active_seconds": 2.0, "reads_in_flight/mean": 4.0, "batches": 5, "read/seconds": 1.0}
     after = {"active_seconds": 3.0, "reads_in_flight/mean": 6.0, "batches": 9, "read/seconds": 4.0}
-    w = _interval_figures(before, after)
+    w = interval_figures(before, after)
     assert (w["active_seconds"], w["batches"], w["read/seconds"]) == (1.0, 4, 3.0)
     assert w["reads_in_flight/mean"] == 10.0  # (6*3 - 4*2) / 1
 
 
-def test_auto_io_grows_for_slow_storage_and_delivers_everything():
-    async def slow(key):
-        await asyncio.sleep(0.05)
+def test_auto_io_raised_by_the_tuner_reaches_the_running_pipeline_and_delivers_everything():
+    """The tuner's raise (from numbers: ``test_adapt_logic.py``) reaches the pipeline while the
+    epoch runs: reads in flight double at each look that says storage made the loop wait. The
+    looks are the test's, at the times it says, not the clock's."""
+    async def read(key):
+        await asyncio.sleep(0)
         return key
 
-    loader = AsyncLoader(list(range(1200)), batch_size=32, read=slow, decode=np.int64, io_concurrency="auto", prefetch=4)
-    loader.tuner.interval = 0.2
+    loader = AsyncLoader(list(range(400)), batch_size=4, read=read, decode=np.int64, io_concurrency="auto")
+    loader.tuner.interval = math.inf  # no look of its own
+    start = loader.stats.limits["io_concurrency"]
+    stats = Stats()
+    storage = running_window(waited=0.6, **{"gil/late_ms": 0.1, "decodes_running/mean": 0.2, "decode/cpu_seconds": 0.2,
+                                    "cpu_seconds": 0.3, "reads_in_flight/mean": start, "io_concurrency": start})
+    got = []
     with loader:
-        got = sorted(v for batch in loader for v in batch.tolist())
-    assert got == list(range(1200))
-    assert loader.stats.limits["io_concurrency"] >= 64
-    assert loader.tuner.changes and all(name == "io_concurrency" for _, name, *_ in loader.tuner.changes)
+        for now, batch in enumerate(loader):
+            if now < 3:
+                loader.tuner.look(stats.run(storage), float(now))  # a baseline, then two raises
+            got.extend(batch.tolist())
+        assert loader._backend.pipes.settings.io_concurrency == 4 * start
+    assert sorted(got) == list(range(400))
+    assert loader.stats.limits["io_concurrency"] == 4 * start
+    assert [(old, new) for _, _, old, new, _ in loader.tuner.changes] == [(start, 2 * start), (2 * start, 4 * start)]
 
 
-def test_auto_threads_shrink_under_a_slow_consumer():
-    """The tuner lowers one thread every 3 calm looks: from however many threads this machine
-    starts with (its core count), down to 1, one step at a time."""
+def test_auto_threads_lowered_by_the_tuner_reach_the_running_pipeline():
+    """Calm looks (the loop never waited, a decode thread idle) lower the threads one step per
+    three looks, from however many this machine starts with down to 1, while the epoch runs and
+    delivers every sample. The looks are the test's, at the times it says."""
     loader = AsyncLoader(list(range(400)), batch_size=4, read=False, decode=np.int64, num_threads="auto")
-    loader.tuner.interval = 0.1
+    loader.tuner.interval = math.inf  # no look of its own
     start = loader.stats.limits["num_threads"]
-    deadline = time.monotonic() + 10 + 3 * loader.tuner.interval * 3 * start  # ample for start - 1 steps
+    stats = Stats()
+    got = []
     with loader:
-        while loader.stats.limits["num_threads"] > 1 and time.monotonic() < deadline:
-            for _ in loader:
-                time.sleep(0.01)
-                if loader.stats.limits["num_threads"] == 1:
-                    break
+        for now, batch in enumerate(loader):  # 100 batches: 3 looks a step is enough for 33 threads
+            threads = loader.stats.limits["num_threads"]
+            calm = running_window(waited=0.0, **{"decodes_running/mean": 0.0, "num_threads": threads})
+            loader.tuner.look(stats.run(calm), float(now))
+            got.extend(batch.tolist())
+    assert sorted(got) == list(range(400))
     assert loader.stats.limits["num_threads"] == 1
     steps = [(old, new) for _, name, old, new, _ in loader.tuner.changes if name == "num_threads"]
     assert steps == [(n, n - 1) for n in range(start, 1, -1)]

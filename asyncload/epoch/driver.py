@@ -3,6 +3,9 @@ moves the samples (one pipeline here, or N child processes: ``pipes.py``). It ta
 the plan (``plan.py``) up to ``window`` ahead, sends their rows out (``dispatch.py``), applies the
 failure policy to each answer, hands complete batches out in order (``handout.py``), drops what
 ``drop_last`` or an empty batch calls for, and records what the user got (``progress.py``).
+
+The decisions themselves are ``window.py``'s (logic, tested without threads); this class waits
+for the pipelines' answers and carries them out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
 from .progress import Progress
 from .settings import Settings
+from .window import Window
 
 
 class EpochDriver:
@@ -39,15 +43,10 @@ class EpochDriver:
         self.s = settings
         self.order = order
         self.progress = progress
-        self.window = backend.window
         self.plan = EpochPlan(order, progress.done, size, progress.batches, settings.skip_errors,
                               settings.max_failures, self.stats, progress.skipped, progress.repeated,
                               epoch=epoch, rank=rank)
-        self.batches: dict[int, InFlight] = {}  # assigned and not yet taken for the hand-out
-        self.assigned = 0
-        self.taken = 0  # batches handed out, dropped or raised
-        self.exhausted = False
-        self._drained = False  # drain(): exhausted for a switch of backends, not at the epoch's end
+        self.window = Window(self.plan, progress, backend.window, settings.in_order)  # the batches under way
         self.handout = HandOut(settings, self.stats, order)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
@@ -74,26 +73,23 @@ class EpochDriver:
 
     def _assign(self) -> None:
         """Sends new batches to the pipelines while fewer than ``window`` are ahead of the user."""
-        while not self.exhausted and self.assigned - self.taken < self.window:
-            positions, repeated = self.plan.take_batch(self.assigned)
+        window = self.window
+        while window.wants_batch():
+            positions, repeated = window.next_positions()
             if positions and self.pipes.ring.layout is None and not self._learn_layout(positions):
-                self.exhausted = True
+                window.exhausted = True
                 return
             if not positions:
-                self.exhausted = True
                 break
             with self._lock:
                 if self._stopped:
                     raise RuntimeError(ENDED)
-                batch = InFlight(self.assigned, positions, self.pipes.ring.take(),
-                              repeated=repeated, skipped=self._early_skips)
+                batch = window.add(positions, self.pipes.ring.take(), repeated, self._early_skips)
                 self._early_skips = []
-                self.batches[batch.number] = batch
-                self.assigned += 1
                 self._send_rows(batch, list(range(len(positions))))
         with self._lock:
             self._settle_known()
-        self._window_full(not self.exhausted)
+        self._window_full(not window.exhausted)
 
     def _window_full(self, full: bool) -> None:  # the stats' level of time with the window full ("memory")
         if full != self._full:
@@ -136,11 +132,9 @@ class EpochDriver:
         for position in sorted(self._known):
             failure = self.plan.record(position, self._known.pop(position))
             if failure is not None:
-                batch = InFlight(self.assigned, positions, None, errors={0: failure}, counted=True)
                 self.stats.level("batches_ready", 1)
                 with self._lock:
-                    self.batches[batch.number] = batch
-                    self.assigned += 1
+                    self.window.add(positions, None, error=failure)
                 return False
             self._early_skips.append(position)
         return False
@@ -180,77 +174,61 @@ class EpochDriver:
             self.stats.level("batches_ready", 1)
 
     def _failed(self, batch: InFlight, row: int, error: SampleError) -> None:
-        """The policy for a failed row: its batch raises, or the row gets the epoch's next
-        position, or (none left) becomes a hole."""
-        failure = self.plan.record(batch.positions[row], error)
-        if failure is not None:
-            batch.errors[row] = failure
-            return
-        batch.skipped.append(batch.positions[row])
-        replacement, repeat = self.plan.replacement()
-        if replacement is None:
-            batch.holes.add(row)
-            return
-        if repeat:
-            batch.repeated.append(replacement)
-        batch.positions[row] = replacement
-        self._send_rows(batch, [row])
+        """The policy for a failed row (``Window.failed``): a row given the epoch's next
+        position is sent again."""
+        if self.window.failed(batch, row, error):
+            self._send_rows(batch, [row])
 
     def _take_answers(self) -> None:  # those that have arrived, without waiting
         while (message := self.pipes.receive(self.run, block=False)) is not None:
             self._answer(message)
 
-    def _ready(self, number: int) -> bool:
-        return (batch := self.batches.get(number)) is not None and batch.complete()
-
     # ----- the user's thread -----
 
     def __iter__(self) -> Iterator[tuple[list[int], Any]]:
-        number = 0
+        window = self.window
         while True:
             if self._stopped:
                 raise RuntimeError(ENDED)
             self._assign()
-            batch = self._wait_for(number if self.s.in_order else None)
+            batch = self._wait_for()
             if batch is None:
                 return
-            number += 1
-            error = batch.first_error()
-            if error is not None:
+            verdict, delivered = window.verdict(batch)
+            if verdict == "raise":
                 if batch.buffer is not None:  # complete (no pipeline writes it): the ring may reuse it
                     batch.buffer.give_back()
+                error = batch.first_error()
+                assert error is not None
                 raise error
-            delivered = [p for row, p in enumerate(batch.positions) if row not in batch.holes]
-            if batch.holes and (not delivered or self.plan.keeps_short_rest):
-                self._drop(batch)  # a batch is never empty; drop_last drops one that skips left short
+            if verdict == "drop":
+                self._drop(batch)
                 continue
             assert batch.buffer is not None
             out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipes.ring.layout)
-            self.progress.handed_out(delivered, batch.skipped, batch.repeated)
-            self.progress.batches += 1
+            window.handed_out(batch, delivered)
             self._assign()
             if self.s.device_stage is not None:
                 self._take_answers()  # so that batch k+1, if done, is copied now
-            self.handout.prefetch_if_complete(number, self.batches.get(number))
+            self.handout.prefetch_if_complete(window.taken, window.batches.get(window.taken))
             try:
                 yield delivered, out
             finally:
                 del out
                 self.handout.release()  # the user asked for the next batch, or ended the loop
 
-    def _wait_for(self, number: int | None) -> InFlight | None:
-        """Blocks until batch ``number`` (or, with None, any batch) is complete and takes it;
-        None once the epoch has no more batches."""
+    def _wait_for(self) -> InFlight | None:
+        """Blocks until the batch the user gets next (``Window.next_ready``) is complete and
+        takes it; None once the epoch has no more batches."""
         started = time.perf_counter()
         while True:
-            ready = number if number is not None else next((n for n in self.batches if self._ready(n)), None)
-            if ready is not None and self._ready(ready):
+            ready = self.window.next_ready()
+            if ready is not None:
                 with self._lock:
-                    batch = self.batches.pop(ready)
-                    self.taken += 1
+                    batch = self.window.take(ready)
                 self.stats.level("batches_ready", -1)
                 break
-            if self.exhausted and self.taken >= self.assigned:
+            if self.window.finished:
                 return None
             self._answer(self.pipes.receive(self.run))
         self.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
@@ -260,21 +238,20 @@ class EpochDriver:
         """Assigns no more batches: the iteration ends after those under way (a switch of backends).
         Where the plan was already used up, the batches under way are the epoch's last: its end is
         still announced (``at_end``)."""
-        self._drained = not self.exhausted
-        self.exhausted = True
+        self.window.drain()
 
     @property
     def at_end(self) -> bool:
         """No batch comes after the one being handed out: the epoch's plan is used up and none is
         under way (Accelerate's ``end_of_dataloader``). A batch that skips leave empty is dropped
         after the fact, so with ``on_error="skip"`` the end may go unannounced."""
-        return self.exhausted and not self._drained and self.taken >= self.assigned
+        return self.window.at_end
 
     def _drop(self, batch: InFlight) -> None:
         """A batch that is not delivered: its buffer goes back, its skips stay on the record."""
         assert batch.buffer is not None
         batch.buffer.give_back()
-        self.progress.handed_out((), batch.skipped, batch.repeated)
+        self.window.dropped(batch)
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the run: complete batches go back to the ring now, the others once no pipeline
@@ -286,7 +263,7 @@ class EpochDriver:
             first = not self._stopped
             self._stopped = True
             if first:
-                for batch in self.batches.values():
+                for batch in self.window.batches.values():
                     if batch.counted:
                         self.stats.level("batches_ready", -1)
                     if batch.buffer is None or batch.number in self.pending_copies:
@@ -295,7 +272,7 @@ class EpochDriver:
                         self._unfinished.append(batch.buffer)
                     else:
                         batch.buffer.give_back()
-                self.batches.clear()
+                self.window.batches.clear()
                 self.dispatch.fills.clear()
                 self.pending_copies.clear()
         if first:
