@@ -66,7 +66,7 @@ class AutoTuner:
         last, self._last = self._last, figures
         if last is None:
             return
-        window = _interval_figures(last, figures)
+        window = interval_figures(last, figures)
         if window["active_seconds"] <= 0 or window["batches"] == 0:
             return
         self._decide(window)
@@ -123,7 +123,7 @@ class AutoTuner:
             self.stats.limits[knob.name] = knob.value
 
 
-def _interval_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def interval_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Figures for the time between two ``as_dict()`` snapshots: counts and seconds subtract,
     means are recomputed from their time integrals."""
     window = dict(after)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .adapt import THRESHOLDS, Policy, Step
-from .autotune import _interval_figures
+from .autotune import interval_figures
 from .backend import build_backend
 from .batch.crossing import unportable
 from .epoch.settings import Settings
@@ -96,7 +96,7 @@ class Switch:
             return  # a first look, or the stats changed with a switch: the next look has a window
         if self.starting is not None:
             return  # children starting take the idle cores: the window says nothing of the loader
-        step = self.policy.look(_interval_figures(last, figures))
+        step = self.policy.look(interval_figures(last, figures))
         if step is not None:
             self._carry_out(step)
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from asyncload import AsyncLoader
-from asyncload.autotune import AutoTuner, Knob, _interval_figures
+from asyncload.autotune import AutoTuner, Knob, interval_figures
 from asyncload.gates import Gate
 from asyncload.stats.figures import LoaderStats
 
@@ -106,7 +106,7 @@ def test_no_oscillation_between_two_settings():
 def test_interval_figures_are_differences():
     before = {"active_seconds": 2.0, "reads_in_flight/mean": 4.0, "batches": 5, "read/seconds": 1.0}
     after = {"active_seconds": 3.0, "reads_in_flight/mean": 6.0, "batches": 9, "read/seconds": 4.0}
-    w = _interval_figures(before, after)
+    w = interval_figures(before, after)
     assert (w["active_seconds"], w["batches"], w["read/seconds"]) == (1.0, 4, 3.0)
     assert w["reads_in_flight/mean"] == 10.0  # (6*3 - 4*2) / 1
 
