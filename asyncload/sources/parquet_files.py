@@ -36,7 +36,17 @@ def pyarrow_parquet() -> Any:
 
 class RangeFile(io.RawIOBase):
     """A read-only file of ``size`` bytes of which only ``parts`` (``(offset, bytes)`` pairs) are
-    known: what pyarrow needs to parse one row group's column chunks with its file's footer."""
+    known: what pyarrow needs to parse one row group's column chunks with its file's footer.
+
+    Why not fsspec's helpers (fsspec 2026.9 read): ``fsspec.parquet.open_parquet_file`` does its
+    own reads, synchronously, through the filesystem, while a row group's bytes here come from the
+    reader (on the event loop, with its retries, timeout, size budget, stats and the shard cache,
+    perhaps in a child process): it would read them a second time or not through the loader at
+    all. Its cache, ``fsspec.caching.KnownPartsOfAFile`` (the "parts" cache type), is no file
+    object (this class would stay, less its ``read``), joins adjacent parts by concatenating
+    bytes and slices ``bytes`` on each read (a copy of a row group's image column each time, where
+    ``memoryview`` here copies nothing), and by default pads a read outside the known parts with
+    zeros, where a read outside them here is a bug that must fail loudly."""
 
     def __init__(self, size: int, parts: Sequence[tuple[int, Any]]) -> None:
         super().__init__()
