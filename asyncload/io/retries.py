@@ -85,7 +85,7 @@ class RetryBudget:
     ``stop_after_delay``: under a time budget at least ``MIN_TIMED_RETRIES`` retries are made even
     past the budget (a read that fails by timing out spends ``read_timeout`` a try), and the last
     wait ends at the budget rather than a backoff step past it; and both read a clock that tests
-    replace (tenacity's reads ``time.monotonic`` itself)."""
+    replace (tenacity's own stops read ``time.monotonic``)."""
 
     retries: int | None = None
     seconds: float = 60.0
@@ -151,20 +151,20 @@ async def retried(fetch: Callable[[], Awaitable[Any]], budget: RetryBudget, what
     try:
         return await fetch()  # the caller's fetch applies the read timeout
     except Exception as error:
-        failed: Exception | None = error
+        first: Exception | None = error
 
     async def attempt() -> Any:
-        nonlocal failed
-        if failed is None:
-            try:
+        nonlocal first
+        try:
+            if first is None:
                 return await fetch()
-            except Exception as error:
-                failed = error
-        error, failed = failed, None
-        permanent = as_builtin(error)
-        if permanent is not None:
+            error, first = first, None
+            raise error
+        except Exception as error:
+            permanent = as_builtin(error)  # obstore's error for what no try fixes, as fsspec's
+            if permanent is None:
+                raise
             raise permanent from error
-        raise error
 
     loop = budget.retrying(asynchronous=True, on_retry=on_retry, clock=clock, sleep=sleep, started=started)
     try:
