@@ -197,8 +197,8 @@ def test_the_learnt_index_is_kept_and_learnt_again_only_when_a_shard_changes(tmp
     folder = tmp_path / "wds"
     shutil.copytree(FIXTURES / "wds", folder)
     learnt: list[str] = []
-    real = writer._index_shard
-    monkeypatch.setattr(writer, "_index_shard", lambda file, url: learnt.append(url) or real(file, url))
+    real = writer.index_shard
+    monkeypatch.setattr(writer, "index_shard", lambda file, url: learnt.append(url) or real(file, url))
     first = tar_shards(f"{folder}/{PATTERN}", cache_dir=str(tmp_path / "cache"))
     assert len(learnt) == 3 and len(list((tmp_path / "cache" / "indexes").glob("learnt-*.json"))) == 1
     said = capsys.readouterr().err
@@ -322,7 +322,7 @@ def test_a_list_of_tars_and_a_single_tar_are_shard_sets_too(tmp_path):
 
 
 def test_a_shard_read_that_fails_once_while_learning_is_read_again(tmp_path, monkeypatch):
-    real = writer._index_shard
+    real = writer.index_shard
     tries: list[str] = []
 
     def flaky(file, url):
@@ -331,9 +331,9 @@ def test_a_shard_read_that_fails_once_while_learning_is_read_again(tmp_path, mon
             raise ConnectionResetError("reset by peer")
         return real(file, url)
 
-    monkeypatch.setattr(writer, "_index_shard", flaky)
+    monkeypatch.setattr(writer, "index_shard", flaky)
     source = tar_shards(f"{FIXTURES / 'wds'}/{PATTERN}", index_dir=str(tmp_path), retries=1)
     assert len(source) == SAMPLES and sorted(tries).count(f"{FIXTURES / 'wds'}/000001.tar") == 2
-    monkeypatch.setattr(writer, "_index_shard", lambda file, url: (_ for _ in ()).throw(PermissionError("denied")))
+    monkeypatch.setattr(writer, "index_shard", lambda file, url: (_ for _ in ()).throw(PermissionError("denied")))
     with pytest.raises(StorageError, match=r"reading .*000000\.tar failed after 1 attempt: .*denied"):
         tar_shards(f"{FIXTURES / 'wds'}/{PATTERN}", index_dir=str(tmp_path / "other"), retries=1)

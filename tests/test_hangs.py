@@ -206,7 +206,7 @@ def test_a_timeout_the_called_function_raises_itself_is_its_own_error_at_once():
         error = run_bounded(attempt)
         assert isinstance(error, OSError) and error.errno == errno.ETIMEDOUT, error
         assert time.monotonic() - started < 10  # not the 30 s timeout
-    assert not calls._lost
+    assert not calls.pool.lost()
     calls.shutdown(5)
 
 

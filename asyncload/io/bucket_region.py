@@ -16,7 +16,7 @@ REGION_KEYS = {"region", "aws_region", "default_region", "aws_default_region", "
                "aws_endpoint_url", "endpoint_url"}
 
 
-def _region_known(config: dict[str, Any], provider: Any) -> bool:
+def region_known(config: dict[str, Any], provider: Any) -> bool:
     """Whether a region (or an endpoint other than AWS's) is set in the options, the environment
     or the credential provider."""
     keys = {k.lower() for k in config} | {k.lower() for k in getattr(provider, "config", None) or {}}
@@ -27,13 +27,19 @@ def _region_known(config: dict[str, Any], provider: Any) -> bool:
 _regions: dict[str, str | None] = {}  # bucket -> the region S3 named for it (None: it named none)
 
 
+def region_found(bucket: str) -> str | None:
+    """The region S3 named for ``bucket`` if it was asked already (``bucket_region``), else None:
+    what an event loop may use, as it must not wait for the question."""
+    return _regions.get(bucket)
+
+
 def region_to_find(fs: Any, path: str) -> str | None:
     """The bucket of ``path`` whose region ``fs`` (obstore's S3) would ask S3 for when it first
     serves it, if not asked yet; else None."""
     if not hasattr(fs, "_credential_provider") or fs.protocol not in ("s3", "s3a"):
         return None  # not obstore's S3 (s3fs finds regions itself)
     bucket = path.split("://", 1)[-1].split("/", 1)[0]
-    if bucket in _regions or _region_known(fs._config or {}, fs._credential_provider):
+    if bucket in _regions or region_known(fs._config or {}, fs._credential_provider):
         return None
     return bucket
 

@@ -5,19 +5,19 @@ it holds it, not after each chunk: a chunk whose GET is retried takes longer tha
 and only a stalled peer (stopped, a hung disk) stops beating; a dead one lets go of its flock. A
 wait on a peer whose heartbeat stood still for ``timeout`` ends (that read goes to storage), and
 so do the next reads of that shard at once while that peer still holds it unmoved; once it moves
-or lets go, the shard is waited for, or downloaded, again (never given up for the run)."""
+or lets go, the shard is waited for, or downloaded, again (never given up for the run).
+The lock, its wait and its heartbeat are ``heartbeat_lock``'s (shared with the member-table
+learner); what is the cache's own here is the memory of the peers a read gave up on."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
 from . import cache_files as files
-
-LOCK_POLL_S = 0.05
+from .heartbeat_lock import POLL_S as LOCK_POLL_S  # noqa: F401 - its name here before the lock was shared
+from .heartbeat_lock import LockWait, beat_async
 
 
 class PeerLocks:
@@ -47,23 +47,14 @@ class PeerLocks:
         """Takes the shard's lock (a descriptor) with ``try_lock`` (one non-blocking attempt that
         a cancel never loses); None if a peer holds it and its heartbeat stood still for
         ``timeout`` (remembered: ``still_stalled``)."""
-        beat, deadline = None, time.monotonic() + self.timeout
-        while True:
-            lock = await try_lock(shard.lock)
-            if lock is not None:
-                self._stalled.pop(url, None)
-                files.heartbeat(lock)
-                return lock
-            now, seen = time.monotonic(), files.last_beat(shard.lock)
-            if seen != beat:
-                beat, deadline = seen, now + self.timeout
-            elif now > deadline:
-                self._stalled[url] = seen
-                return None
-            await asyncio.sleep(LOCK_POLL_S)
+        wait = LockWait(shard.lock, self.timeout)
+        lock = await wait.take_async(try_lock)
+        if lock is None:
+            self._stalled[url] = wait.beat
+        else:
+            self._stalled.pop(url, None)
+        return lock
 
     async def beat(self, lock: int) -> None:
         """Touches the held ``lock``'s heartbeat every third of ``timeout`` until cancelled."""
-        while True:
-            await asyncio.sleep(self.timeout / 3)
-            files.heartbeat(lock)
+        await beat_async(lock, self.timeout)

@@ -24,7 +24,7 @@ import fsspec
 import fsspec.asyn
 from fsspec.core import split_protocol
 
-from .bucket_region import _region_known, _regions, bucket_region
+from .bucket_region import bucket_region, region_found, region_known
 from .limits import SampleTooLarge
 from .store_options import Unsupported, obstore_settings
 
@@ -81,10 +81,10 @@ def _store_class(protocol: str) -> type:
 
     def construct_store(self: Any, bucket: str) -> Any:
         config = self._config or {}
-        if OBSTORE_SCHEMES[protocol] == "s3" and not _region_known(config, self._credential_provider):
+        if OBSTORE_SCHEMES[protocol] == "s3" and not region_known(config, self._credential_provider):
             # An asynchronous instance runs on the reader's event loop, which must not block: the
             # reader asked first, off the loop (a lookup that timed out leaves the default).
-            region = _regions.get(bucket) if self.asynchronous else bucket_region(bucket)
+            region = region_found(bucket) if self.asynchronous else bucket_region(bucket)
             if region is not None:
                 config = {**config, "region": region}
         return from_url(f"{OBSTORE_SCHEMES[protocol]}://{bucket}", config=config, client_options=self._client_options,

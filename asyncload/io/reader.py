@@ -160,7 +160,7 @@ class Reader:
             info = await self._with_retries(lambda: within(fs._info(path), self.timeout))
         else:
             info = await self._with_retries(lambda: self._blocking.call_async(fs.info, path, timeout=self.timeout))
-        return _version_of(info)
+        return version_of(info)
 
     async def run_blocking(self, function: Callable[..., Any], *args: Any) -> Any:
         """Runs ``function(*args)`` on the I/O threads (file work that must not block the loop),
@@ -232,7 +232,7 @@ async def within(awaitable: Awaitable[Any], timeout: float) -> Any:
 VERSION_KEYS = ("ETag", "etag", "e_tag", "version_id", "generation", "mtime", "LastModified", "last_modified", "created")
 
 
-def _version_of(info: dict[str, Any]) -> str:
+def version_of(info: dict[str, Any]) -> str:
     """The fields of an fsspec ``info()`` that change when an object is rewritten (they differ
     between filesystems: s3fs's ETag, obstore's e_tag, gcsfs's generation, local mtime)."""
     found = {key: str(info[key]) for key in VERSION_KEYS if info.get(key) is not None}

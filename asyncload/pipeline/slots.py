@@ -1,4 +1,7 @@
 """What each decode thread is doing, so that a decode that never returns is abandoned, not waited for.
+The slot's protocol (``claim``/``abandon``) and the pool that replaces a lost thread are
+``io/blocking``'s, shared with the reads' blocking calls; the decode's own are the watchdog below,
+the job's place in the slot, and the poison of a buffer a stuck decode may still write.
 
 A thread running user code cannot be stopped. Each decode thread has a ``Slot``: when it starts
 a decode it writes the start time there (two attribute stores, no lock), and when the decode
@@ -30,23 +33,21 @@ import time
 import warnings
 from typing import Any, Callable
 
+from ..io.blocking import CallSlot
 from ..redact import bounded
 
 WATCH_S = 0.25  # how often the watchdog looks at the slots (a timeout is noticed that much late at most)
 
 
-class Slot:
-    """One decode thread's current decode: ``started`` (``time.perf_counter()``, None when none
-    runs), what to do if it times out (``on_timeout(slot, cause, submit)``) and the job's place."""
+class Slot(CallSlot):
+    """One decode thread's current decode (``io/blocking.CallSlot``: ``started``, ``abandoned``,
+    ``claim``, ``abandon``), what to do if it times out (``on_timeout(slot, cause, submit)``) and
+    the job's place. Abandoning one that writes its row itself poisons that buffer, until it returns."""
 
-    __slots__ = ("lock", "started", "abandoned", "thread", "on_timeout", "work", "rows", "index", "done", "writes",
-                 "reading")
+    __slots__ = ("on_timeout", "work", "rows", "index", "done", "writes", "reading")
 
     def __init__(self, thread: threading.Thread) -> None:
-        self.lock = threading.Lock()
-        self.started: float | None = None
-        self.abandoned = False
-        self.thread = thread
+        super().__init__(thread)
         self.on_timeout: Callable[[Slot, BaseException, Callable[[Any], None]], None] | None = None
         self.work: Any = None  # the job's fill, its rows, the row running and how many were done
         self.rows: Any = None
@@ -55,30 +56,18 @@ class Slot:
         self.writes: Any = None  # the BatchBuffer a decode_into job writes in itself (None: one that returns)
         self.reading = False  # the row's local file is being read (a timeout fails it at stage "read")
 
-    def claim(self) -> bool:
-        """On the decode thread, once the decode returned: True if its result may be written;
-        False if it was abandoned (the thread then writes nothing and ends; the buffer its
-        ``decode_into`` wrote is not poisoned by it any more: it has returned)."""
-        with self.lock:
-            if self.abandoned:
-                if self.writes is not None:
-                    _unpoison(self.writes)
-                    self.writes = None
-                return False
-            self.started = None
-            return True
+    def given_up(self) -> None:
+        """The buffer an in-place decode writes is poisoned, before anyone hears of the abandon:
+        it may write there whenever it returns, so it is never handed out meanwhile."""
+        if self.writes is not None:
+            _poison(self.writes)
 
-    def abandon(self, started: float | None = None) -> bool:
-        """On the watchdog (or a closing) thread: True if the decode in flight (the one that
-        began at ``started``, if given: not one begun since it was looked at) is abandoned now;
-        the buffer an in-place decode writes is poisoned then, before anyone hears of it."""
-        with self.lock:
-            if self.started is None or self.abandoned or (started is not None and self.started != started):
-                return False
-            self.abandoned = True
-            if self.writes is not None:  # it may write there whenever it returns: never hand it out
-                _poison(self.writes)
-            return True
+    def returned_late(self) -> None:
+        """The abandoned decode returned: the buffer its ``decode_into`` wrote is not poisoned by
+        it any more."""
+        if self.writes is not None:
+            _unpoison(self.writes)
+            self.writes = None
 
 
 _poison_lock = threading.Lock()  # the count of stuck writers of each poisoned buffer (slots of several threads)
@@ -146,7 +135,7 @@ class Watchdog:
             if started is None or now - started < timeout or not slot.abandon(started):
                 continue
             try:
-                if not self.workers.replace():
+                if not self.workers.replace(slot):
                     self.on_stuck(f"{len(self.workers.lost())} decodes are stuck past decode_timeout={timeout:g} s "
                                   f"and still running, more than this loader replaces threads for "
                                   f"({self.workers.max_lost}): the decode hangs")

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
-from ..io.reader import _version_of
+from ..io.reader import version_of
 from ..redact import shown
 from . import listing
 
@@ -88,7 +88,7 @@ class Source(Sequence):
             raise ValueError(f"{len(encoded)} URLs but {len(listing)} listing entries")
         # what the item cache checks a kept copy against: sizes, and a 64-bit hash of each version
         self._sizes = np.array([int(info.get("size") or 0) for info in listing or ()], dtype=np.int64)
-        self._versions = np.array([_hash64(_version_of(info)) for info in listing or ()], dtype=np.uint64)
+        self._versions = np.array([_hash64(version_of(info)) for info in listing or ()], dtype=np.uint64)
 
     def listed(self, index: int) -> tuple[int, str]:
         """Item ``index``'s size and version as listed (with ``listing``; see ``io/cache_items``)."""
@@ -116,7 +116,7 @@ def _hash64(text: str) -> int:
 
 
 Documented = TypeVar("Documented", bound=Callable[..., Any])
-# What the sources' docstrings share (image_folder, list_files, manifest, mds, litdata): ``_shared_docs``
+# What the sources' docstrings share (image_folder, list_files, manifest, mds, litdata): ``with_shared_docs``
 # puts it in place of "{storage_options}", "{timeout and retries}", "{cache}" and "{storage errors}".
 _STORAGE_OPTIONS = """storage_options (dict, optional): options for the storage client, as fsspec takes them
             (for S3, s3fs's: ``endpoint_url``, ``key``, ``secret``, ``anon``, ``profile``,
@@ -149,7 +149,7 @@ _STORAGE_ERROR = """StorageError: (an ``OSError``) if storage still fails after 
             the client's own exception is its ``__cause__``."""
 
 
-def _shared_docs(function: Documented) -> Documented:
+def with_shared_docs(function: Documented) -> Documented:
     """``function`` with the shared parts of its docstring in place, so ``help()`` shows them."""
     for marker, text in (("{storage_options}", _STORAGE_OPTIONS), ("{timeout and retries}", _TIMEOUT_AND_RETRIES),
                          ("{cache}", _CACHE), ("{storage errors}", _STORAGE_ERROR)):
@@ -161,7 +161,7 @@ def _extensions(extensions: Sequence[str]) -> str:
     return ", ".join(extensions)
 
 
-@_shared_docs
+@with_shared_docs
 def image_folder(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS, *,
                  timeout: float | None = None, retries: int | None = None, cache_dir: str | None = None,
                  cache_bytes: int | None = None) -> Source:
@@ -200,11 +200,11 @@ def image_folder(url: str, storage_options: dict | None = None, extensions: Sequ
         raise ValueError(f"{url}: looked for {looked_for} (<class>/<file>), found {found}")
     classes = sorted({cls for _, cls in in_class})
     index = {cls: i for i, cls in enumerate(classes)}
-    return Source((_to_url(fs, p) for p, _ in in_class), (index[c] for _, c in in_class), classes, cache_dir=cache_dir,
+    return Source((listing.url_of(fs, p) for p, _ in in_class), (index[c] for _, c in in_class), classes, cache_dir=cache_dir,
                   cache_bytes=cache_bytes, listing=None if infos is None else [infos[p] for p, _ in in_class])
 
 
-@_shared_docs
+@with_shared_docs
 def list_files(url: str, storage_options: dict | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS, *,
                timeout: float | None = None, retries: int | None = None, cache_dir: str | None = None,
                cache_bytes: int | None = None) -> Source:
@@ -231,11 +231,11 @@ def list_files(url: str, storage_options: dict | None = None, extensions: Sequen
     fs, _, paths = _find(url, storage_options, extensions, timeout, retries, looked_for, infos)
     if not paths:
         raise ValueError(f"{url}: looked for {looked_for}, found none")
-    return Source((_to_url(fs, p) for p in paths), cache_dir=cache_dir, cache_bytes=cache_bytes,
+    return Source((listing.url_of(fs, p) for p in paths), cache_dir=cache_dir, cache_bytes=cache_bytes,
                   listing=None if infos is None else [infos[p] for p in paths])
 
 
-@_shared_docs
+@with_shared_docs
 def manifest(url: str, storage_options: dict | None = None, *, timeout: float | None = None,
              retries: int | None = None, cache_dir: str | None = None, cache_bytes: int | None = None) -> Source:
     """The items a text file lists, one a line: ``url``, or ``url<TAB>label`` (or

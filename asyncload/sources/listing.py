@@ -1,7 +1,7 @@
 """Listing a folder or bucket prefix, and reading a small file such as a manifest, with the
 reader's timeout and retries, for the sources built before a loader runs.
 
-Why one place: every request a source makes up front goes through ``_retried``, which counts
+Why one place: every request a source makes up front goes through ``with_retries``, which counts
 attempts, waits the reader's backoff between them and turns what failed into one short error:
 ``FileNotFoundError`` where the folder, prefix, bucket or file is not there (another try
 cannot help), ``StorageError`` naming the URL and the attempts for anything else, with the
@@ -13,12 +13,11 @@ answers, ending in a 1,000-character Rust dump).
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import StorageError
 from ..io import object_store
-from ..io.retries import backoff, is_transient
+from ..io.retries import RetryBudget
 from ..io.store_options import named_retries
 
 T = TypeVar("T")
@@ -54,11 +53,11 @@ def find(url: str, storage_options: dict | None, *, timeout: float | None, retri
     with opened(url, storage_options, timeout) as (fs, root):
         where = "folder" if is_local(fs) else "bucket, or no object under that prefix"
         missing = f"{url}: no such {where} (looked for {looked_for})"
-        found = _retried(url, "listing", retries, missing, lambda: fs.find(root, detail=infos is not None))
+        found = with_retries(url, "listing", retries, missing, lambda: fs.find(root, detail=infos is not None))
         paths = sorted(found)
         if infos is not None:
             infos.update(found)
-        if not paths and not _retried(url, "listing", retries, missing, lambda: fs.isdir(root)):
+        if not paths and not with_retries(url, "listing", retries, missing, lambda: fs.isdir(root)):
             raise FileNotFoundError(missing)
     return fs, root.rstrip("/"), paths
 
@@ -68,7 +67,7 @@ def read_bytes(url: str, storage_options: dict | None, *, timeout: float | None,
     """The bytes of the file at ``url`` (``what`` names it in a FileNotFoundError)."""
     retries = retries_for(retries, storage_options)
     with opened(url, storage_options, timeout) as (fs, path):
-        return _retried(url, "reading", retries, f"{what} {url} not found", lambda: fs.cat_file(path))
+        return with_retries(url, "reading", retries, f"{what} {url} not found", lambda: fs.cat_file(path))
 
 
 def is_local(fs: Any) -> bool:
@@ -77,21 +76,34 @@ def is_local(fs: Any) -> bool:
     return protocol in LOCAL_PROTOCOLS
 
 
-def _retried(url: str, action: str, retries: int, missing: str, request: Callable[[], T]) -> T:
-    """``request()``, tried up to ``1 + retries`` times with the reader's backoff between tries.
-    Raises FileNotFoundError(``missing``) where storage says the thing is not there, and
+def url_of(fs: Any, path: str) -> str:
+    """The URL of ``path`` as ``fs`` listed it: the path itself on a local disk, else with its
+    protocol (``s3://bucket/key``), so every source names its items the way a user writes them."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def with_retries(url: str, action: str, retries: int, missing: str, request: Callable[[], T]) -> T:
+    """``request()``, tried up to ``1 + retries`` times in the reads' retry loop (tenacity's,
+    under a budget by count, with the reads' backoff: ``retries.RetryBudget``). Raises
+    FileNotFoundError(``missing``) where storage says the thing is not there, and
     StorageError(url, action, attempts, error) at once for an error another try cannot fix
     (denied, invalid), or once the retries are spent."""
-    for attempt in range(retries + 1):
+
+    def attempt() -> T:
         try:
             return request()
         except Exception as error:
-            if _is_missing(error):
+            if _is_missing(error):  # a permanent error: not tried again
                 raise FileNotFoundError(missing) from error
-            if not is_transient(error) or attempt == retries:
-                raise StorageError(url, action, attempt + 1, error) from error
-        time.sleep(backoff(attempt))
-    raise AssertionError("unreachable")
+            raise
+
+    loop = RetryBudget(retries=retries).retrying(asynchronous=False)
+    try:
+        return loop(attempt)
+    except FileNotFoundError:  # every one is ``missing`` (see attempt)
+        raise
+    except Exception as error:
+        raise StorageError(url, action, loop.statistics.get("attempt_number", 1), error) from error
 
 
 def _is_missing(error: Exception) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 from ..redact import shown
 from . import listing, shard_index
 from .chunked import ChunkedSource, Column, array, pil_raw, raw, scalar, text
-from .items import _shared_docs
+from .items import with_shared_docs
 
 # litdata's _NUMPY_DTYPES_MAPPING (constants._NUMPY_SCTYPES): the dtype numbers of its numpy
 # serializers, in full; the last four (objects, variable-size bytes and text, void) hold no
@@ -218,12 +218,12 @@ def _items(chunk: Any, number: int, index_url: str) -> int:
     """Chunk ``number``'s ``chunk_size`` (its item count): an integer >= 0, or ValueError
     naming the chunk (``ChunkedSource`` checks it against the chunk's listed size)."""
     items = chunk.get("chunk_size") if isinstance(chunk, dict) else None
-    if not shard_index._is_int(items) or items < 0:
-        raise shard_index._bad(index_url, number, None, "chunk_size", f"must be an integer >= 0, got {shown(items, 80)}")
+    if not shard_index.is_int(items) or items < 0:
+        raise shard_index.index_error(index_url, number, None, "chunk_size", f"must be an integer >= 0, got {shown(items, 80)}")
     return items
 
 
-@_shared_docs
+@with_shared_docs
 def litdata(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
             timeout: float | None = None, retries: int | None = None, **options: Any) -> LitdataSource:
     """The samples of the litdata dataset at ``url`` (its ``index.json``, or the folder or bucket

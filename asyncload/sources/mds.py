@@ -20,9 +20,9 @@ import numpy as np
 from ..redact import shown
 from . import listing
 from . import shard_index
-from .shard_index import MAX_SHARD_BYTES, _bad, _is_int
+from .shard_index import MAX_SHARD_BYTES, index_error, is_int
 from .chunked import ChunkedSource, Column, pil_raw, raw, scalar, text
-from .items import _shared_docs
+from .items import with_shared_docs
 
 SCALARS = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
 # MDS's ndarray dtype codes (encodings.NDArray._int2value_dtype) and shape-size codes
@@ -97,10 +97,10 @@ def checked_counts(shard: dict[str, Any], number: int, index_url: str) -> tuple[
     (a hostile or corrupt index may say 2**34 samples): ValueError naming the shard and field.
     ``ChunkedSource`` then checks ``bytes`` against the listed size."""
     size, samples = shard["raw_data"].get("bytes"), shard.get("samples")
-    if not _is_int(size) or not 0 <= size <= min(MAX_MDS_BYTES, MAX_SHARD_BYTES):
-        raise _bad(index_url, number, None, "raw_data.bytes", f"must be an integer in [0, 2**32], got {shown(size, 80)}")
-    if not _is_int(samples) or not 0 < samples <= (size - 8) // 4:
-        raise _bad(index_url, number, None, "samples", f"must be an integer in [1, {max(0, (size - 8) // 4)}] "
+    if not is_int(size) or not 0 <= size <= min(MAX_MDS_BYTES, MAX_SHARD_BYTES):
+        raise index_error(index_url, number, None, "raw_data.bytes", f"must be an integer in [0, 2**32], got {shown(size, 80)}")
+    if not is_int(samples) or not 0 < samples <= (size - 8) // 4:
+        raise index_error(index_url, number, None, "samples", f"must be an integer in [1, {max(0, (size - 8) // 4)}] "
                    f"(its offset table fits its {size} bytes), got {shown(samples, 80)}")
     return size, samples
 
@@ -110,14 +110,14 @@ def columns_of(shard: dict[str, Any], number: int, url: str) -> list[Column]:
     column lists that do not match."""
     names, encodings, sizes = shard.get("column_names"), shard.get("column_encodings"), shard.get("column_sizes")
     if not all(isinstance(field, list) for field in (names, encodings, sizes)) or not len(names) == len(encodings) == len(sizes):
-        raise _bad(url, number, None, "column_names", "column_names, column_encodings and column_sizes must be lists "
+        raise index_error(url, number, None, "column_names", "column_names, column_encodings and column_sizes must be lists "
                    f"of one entry per column, got {shown(names, 60)}, {shown(encodings, 60)}, {shown(sizes, 60)}")
     for field, values, valid in (("column_names", names, lambda v: isinstance(v, str)),
                                  ("column_encodings", encodings, lambda v: isinstance(v, str)),
-                                 ("column_sizes", sizes, lambda v: v is None or (_is_int(v) and v >= 0))):
+                                 ("column_sizes", sizes, lambda v: v is None or (is_int(v) and v >= 0))):
         wrong = [value for value in values if not valid(value)]
         if wrong:
-            raise _bad(url, number, None, field, f"has an entry {shown(wrong[0], 80)}: names and encodings are "
+            raise index_error(url, number, None, field, f"has an entry {shown(wrong[0], 80)}: names and encodings are "
                        "strings, sizes null or integers >= 0")
     columns = []
     for name, encoding, size in zip(names, encodings, sizes):
@@ -133,7 +133,7 @@ def columns_of(shard: dict[str, Any], number: int, url: str) -> list[Column]:
     return columns
 
 
-@_shared_docs
+@with_shared_docs
 def mds(url: str, storage_options: dict | None = None, *, image: str | None = None, label: str | None = None,
         timeout: float | None = None, retries: int | None = None, **options: Any) -> MDSSource:
     """The samples of the MDS dataset at ``url`` (its ``index.json``, or the folder or bucket

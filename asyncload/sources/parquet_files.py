@@ -19,7 +19,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import listing
-from .items import _to_url
 
 TAIL_BYTES = 64 << 10  # the first read of a file's end: the footer of most files fits
 GLOB_CHARS = "*?["
@@ -37,7 +36,17 @@ def pyarrow_parquet() -> Any:
 
 class RangeFile(io.RawIOBase):
     """A read-only file of ``size`` bytes of which only ``parts`` (``(offset, bytes)`` pairs) are
-    known: what pyarrow needs to parse one row group's column chunks with its file's footer."""
+    known: what pyarrow needs to parse one row group's column chunks with its file's footer.
+
+    Why not fsspec's helpers (fsspec 2026.9 read): ``fsspec.parquet.open_parquet_file`` does its
+    own reads, synchronously, through the filesystem, while a row group's bytes here come from the
+    reader (on the event loop, with its retries, timeout, size budget, stats and the shard cache,
+    perhaps in a child process): it would read them a second time or not through the loader at
+    all. Its cache, ``fsspec.caching.KnownPartsOfAFile`` (the "parts" cache type), is no file
+    object (this class would stay, less its ``read``), joins adjacent parts by concatenating
+    bytes and slices ``bytes`` on each read (a copy of a row group's image column each time, where
+    ``memoryview`` here copies nothing), and by default pads a read outside the known parts with
+    zeros, where a read outside them here is a bug that must fail loudly."""
 
     def __init__(self, size: int, parts: Sequence[tuple[int, Any]]) -> None:
         super().__init__()
@@ -126,16 +135,16 @@ def list_parquet(urls: str | Sequence[str], storage_options: dict | None, timeou
         with listing.opened(url, storage_options, timeout) as (fs, path):
             missing = f"{url}: no such Parquet file, folder or prefix"
             if any(char in path for char in GLOB_CHARS):
-                infos = listing._retried(url, "listing", tries, missing, lambda: fs.glob(path, detail=True))
+                infos = listing.with_retries(url, "listing", tries, missing, lambda: fs.glob(path, detail=True))
             elif path.endswith(".parquet"):
-                infos = {path: listing._retried(url, "listing", tries, missing, lambda: fs.info(path))}
+                infos = {path: listing.with_retries(url, "listing", tries, missing, lambda: fs.info(path))}
             else:
-                infos = listing._retried(url, "listing", tries, missing, lambda: fs.find(path, detail=True))
+                infos = listing.with_retries(url, "listing", tries, missing, lambda: fs.find(path, detail=True))
             files = sorted((name, int(info["size"])) for name, info in infos.items()
                            if name.endswith(".parquet") and info.get("type", "file") == "file")
             if not files:
                 raise FileNotFoundError(f"{url}: no .parquet file there")
-            found.extend((_to_url(fs, name), size) for name, size in files)
+            found.extend((listing.url_of(fs, name), size) for name, size in files)
     return found
 
 
@@ -147,7 +156,7 @@ def read_ranges(urls: Sequence[str], starts: Sequence[int], ends: Sequence[int],
     tries = listing.retries_for(retries, storage_options)
     with listing.opened(urls[0], storage_options, timeout) as (fs, _):
         paths = [fs._strip_protocol(url) for url in urls]
-        return listing._retried(urls[0], "reading", tries, f"{urls[0]} not found",
+        return listing.with_retries(urls[0], "reading", tries, f"{urls[0]} not found",
                                 lambda: fs.cat_ranges(paths, list(starts), list(ends)))
 
 

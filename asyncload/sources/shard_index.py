@@ -35,16 +35,16 @@ def shard_url(base_url: str, url: Any, number: int, allow_external: bool, field:
     folder only with ``allow_external`` (``tar_shards``'s; MDS and litdata indexes never)."""
     trust = "; pass tar_shards(..., allow_external_shards=True) if you trust this index" if field == "url" else ""
     if not isinstance(url, str) or not url:
-        raise _bad(base_url, number, None, field, f"must be a non-empty string, got {shown(url, 80)}")
+        raise index_error(base_url, number, None, field, f"must be a non-empty string, got {shown(url, 80)}")
     if "://" in url or "::" in url or url.startswith("/"):
         if allow_external:
             return url
         why = "another location" if url.startswith("/") else "another protocol or store"
-        raise _bad(base_url, number, None, field, f"{shown(url, 80)} points to {why}, outside the index's folder{trust}")
+        raise index_error(base_url, number, None, field, f"{shown(url, 80)} points to {why}, outside the index's folder{trust}")
     relative = posixpath.normpath(url)
     if relative == ".." or relative.startswith("../"):
         if not allow_external:
-            raise _bad(base_url, number, None, field, f"{shown(url, 80)} climbs out of the index's folder{trust}")
+            raise index_error(base_url, number, None, field, f"{shown(url, 80)} climbs out of the index's folder{trust}")
     return posixpath.join(base_url, url)
 
 
@@ -60,33 +60,33 @@ def flatten(shards: Any, base_url: str, allow_external: bool) -> dict[str, Any]:
     member_start, member_ext, member_offset, member_size = [0], [], [], []
     for number, shard in enumerate(shards):
         if not isinstance(shard, dict):
-            raise _bad(base_url, number, None, "shard", f"must be an object, got {shown(shard, 80)}")
+            raise index_error(base_url, number, None, "shard", f"must be an object, got {shown(shard, 80)}")
         urls.append(shard_url(base_url, shard.get("url"), number, allow_external))
         size = shard.get("bytes")
-        if not _is_int(size) or not 0 <= size <= MAX_SHARD_BYTES:
-            raise _bad(base_url, number, None, "bytes", f"must be an integer in [0, 2**40], got {shown(size, 80)}")
+        if not is_int(size) or not 0 <= size <= MAX_SHARD_BYTES:
+            raise index_error(base_url, number, None, "bytes", f"must be an integer in [0, 2**40], got {shown(size, 80)}")
         shard_bytes.append(size)
         shard_keys, members, shard_labels = shard.get("keys"), shard.get("members"), shard.get("labels")
         if not isinstance(shard_keys, list) or not all(isinstance(key, str) for key in shard_keys):
-            raise _bad(base_url, number, None, "keys", "must be a list of strings")
+            raise index_error(base_url, number, None, "keys", "must be a list of strings")
         if not isinstance(members, list) or len(members) != len(shard_keys):
-            raise _bad(base_url, number, None, "members", f"must be a list of one entry per key ({len(shard_keys)})")
+            raise index_error(base_url, number, None, "members", f"must be a list of one entry per key ({len(shard_keys)})")
         if shard_labels is not None and (not isinstance(shard_labels, list) or len(shard_labels) != len(shard_keys)
-                                         or not all(label is None or _is_int(label) for label in shard_labels)):
-            raise _bad(base_url, number, None, "labels", "must be null or a list of one integer (or null) per key")
+                                         or not all(label is None or is_int(label) for label in shard_labels)):
+            raise index_error(base_url, number, None, "labels", "must be null or a list of one integer (or null) per key")
         counts.append(len(shard_keys))
         keys.extend(shard_keys)
         labels.extend(shard_labels or [None] * len(shard_keys))
         for sample, entry in enumerate(members):
             if not isinstance(entry, list) or not entry:
-                raise _bad(base_url, number, sample, "members", f"must be a non-empty list, got {shown(entry, 80)}")
+                raise index_error(base_url, number, sample, "members", f"must be a non-empty list, got {shown(entry, 80)}")
             for member in entry:
                 if not (isinstance(member, list) and len(member) == 3 and isinstance(member[0], str)):
-                    raise _bad(base_url, number, sample, "members", f"each must be [extension, offset, size], got {shown(member, 80)}")
+                    raise index_error(base_url, number, sample, "members", f"each must be [extension, offset, size], got {shown(member, 80)}")
                 ext, offset, size = member
-                if not _is_int(offset) or not _is_int(size):
-                    raise _bad(base_url, number, sample, "offset" if not _is_int(offset) else "size",
-                               f"must be an integer, got {shown(offset if not _is_int(offset) else size, 80)}")
+                if not is_int(offset) or not is_int(size):
+                    raise index_error(base_url, number, sample, "offset" if not is_int(offset) else "size",
+                               f"must be an integer, got {shown(offset if not is_int(offset) else size, 80)}")
                 member_ext.append(ext_ids.setdefault(ext, len(ext_ids)))
                 member_offset.append(offset)
                 member_size.append(size)
@@ -116,7 +116,7 @@ def _check_ranges(flat: dict[str, Any], base_url: str) -> None:
             m = int(np.argmax(bad))
             sample, shard = int(sample_of[m]), int(shard_of[m])
             in_shard = sample - int(np.sum(flat["counts"][:shard]))
-            raise _bad(base_url, shard, in_shard, field, f"of member {int(m - start[sample])} "
+            raise index_error(base_url, shard, in_shard, field, f"of member {int(m - start[sample])} "
                        f"(offset {int(offset[m])}, size {int(size[m])}) {what}")
 
     fail_at(offset < TAR_HEADER, "offset", "is before the end of the first tar header (512)")
@@ -138,10 +138,10 @@ def _int64(values: list[int]) -> np.ndarray:
         raise ValueError(f"an index offset or size does not fit 64 bits: {shown(max(values, key=abs), 80)}") from None
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _bad(base_url: str, shard: int, sample: int | None, field: str, what: str) -> ValueError:
+def index_error(base_url: str, shard: int, sample: int | None, field: str, what: str) -> ValueError:
     where = f"shard {shard}" + (f", sample {sample}" if sample is not None else "")
     return ValueError(f"shard index of {base_url}: {where}: field '{field}' {what}")

@@ -13,7 +13,7 @@ ranks, not resumable). Learning first keeps every epoch, the first included, the
 
 Shared by a node's ranks and processes: the first to come takes an ``flock`` on the index's lock
 file and learns; the others wait on that lock (a dead learner lets go of it; one that stops
-beating for ``timeout`` is not waited for longer: ``learn_lock``) and then read what it wrote. A kept index is used only if it names the same
+beating for ``timeout`` is not waited for longer: ``io/heartbeat_lock``) and then read what it wrote. A kept index is used only if it names the same
 shards with the same sizes and versions (ETag, else modification time: one listing of the
 shards' folders checks that each run); else it is learnt again.
 """
@@ -29,12 +29,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Sequence
 
-from ..io import object_store
-from ..io.reader import _version_of
+from ..io import heartbeat_lock, object_store
+from ..io.reader import version_of
 from .. import redact
-from . import brace, learn_lock, listing
+from . import brace, listing
 from .shard_index import INDEX_FORMAT
 
 LEARN_THREADS = 8  # shards read at once while learning (each a long streaming read)
@@ -101,8 +102,8 @@ def listed(urls: Sequence[str], storage_options: dict | None, timeout: float | N
         with listing.opened(folder, storage_options, timeout) as (fs, path):
             missing = redact.bounded(f"{folder}: no such folder or prefix (looked for the shards "
                                      f"{by_folder[folder][0]} ...)", 400)
-            infos = listing._retried(folder, "listing", tries, missing, lambda: fs.find(path, maxdepth=1, detail=True))
-            names = {fs._strip_protocol(name).rstrip("/"): (int(info["size"]), _version_of(info))
+            infos = listing.with_retries(folder, "listing", tries, missing, lambda: fs.find(path, maxdepth=1, detail=True))
+            names = {fs._strip_protocol(name).rstrip("/"): (int(info["size"]), version_of(info))
                      for name, info in infos.items()}
             for url in by_folder[folder]:
                 entry = names.get(fs._strip_protocol(url).rstrip("/"))
@@ -126,7 +127,11 @@ def learnt_index(urls: Sequence[str], path: str, storage_options: dict | None, t
     versions = [version for _, version in sizes_versions]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     patience = timeout if timeout is not None else object_store.LISTING_TIMEOUT_S
-    with learn_lock.held(path + ".lock", patience, _say):
+    lock = Path(path + ".lock")
+    with heartbeat_lock.held(lock, patience, name="asyncload-learn-beat",
+                             on_wait=lambda: _say(f"waiting for another process to learn the member table ({lock})"),
+                             on_stalled=lambda: _say(f"the process learning the member table ({lock}) showed no "
+                                                     f"progress for {patience:g} s: learning it here too")):
         kept = _kept(path, urls, sizes, versions)
         if kept is not None:
             return kept
@@ -145,7 +150,7 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
           retries: int | None) -> list[dict[str, Any]]:
     """Each shard's index entry, from one streaming read of it (``LEARN_THREADS`` at once),
     printing progress every ``PROGRESS_EVERY_S`` seconds."""
-    from .writer import _index_shard
+    from .writer import index_shard
 
     tries = listing.retries_for(retries, storage_options)
     total = sum(sizes)
@@ -157,13 +162,13 @@ def learn(urls: list[str], sizes: list[int], storage_options: dict | None, timeo
             fs, path = object_store.url_to_fs(url, storage_options, listing=True, timeout=timeout)
             try:
                 with fs.open(path, "rb") as file:
-                    return _index_shard(file, url)
+                    return index_shard(file, url)
             except ValueError as error:  # what the shard holds (not a read that failed): as it is
                 return error
             finally:
                 object_store.release(fs)
 
-        entry = listing._retried(url, "reading", tries, redact.bounded(f"shard {url} not found", 400), read)
+        entry = listing.with_retries(url, "reading", tries, redact.bounded(f"shard {url} not found", 400), read)
         if isinstance(entry, ValueError):
             raise entry
         return entry

@@ -249,7 +249,7 @@ def _tars_in(url: str, storage_options: dict | None, timeout: float | None, retr
     tries = listing.retries_for(retries, storage_options)
     with listing.opened(url, storage_options, timeout) as (fs, root):
         try:
-            paths = listing._retried(url, "listing", tries, f"{url}: no such folder or prefix",
+            paths = listing.with_retries(url, "listing", tries, f"{url}: no such folder or prefix",
                                      lambda: fs.find(root, maxdepth=1))
         except FileNotFoundError:
             return []

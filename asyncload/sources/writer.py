@@ -139,7 +139,7 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
         for url in urls:
             fs, path = clients.for_url(url)
             with fs.open(path, "rb") as file:
-                entry = _index_shard(file, url)
+                entry = index_shard(file, url)
             entry["bytes"] = fs.size(path)
             inside = url.startswith(base.rstrip("/") + "/") and ".." not in url.split("/")
             relative = posixpath.relpath(url, base) if inside else url
@@ -150,7 +150,7 @@ def index_shards(urls: Sequence[str], out: str | None = None, *, storage_options
     return out
 
 
-def _index_shard(file: Any, url: str) -> dict[str, Any]:
+def index_shard(file: Any, url: str) -> dict[str, Any]:
     """One shard's index entry from one streaming pass over its tar ``file``. A member's
     extension is lower-cased (``a.JPG`` is ``jpg``) and a sample with two members of one
     extension is refused, as WebDataset's ``group_by_keys`` does; a tar cut short (or not a tar)
