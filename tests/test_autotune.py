@@ -110,7 +110,7 @@ def test_no_oscillation_between_two_settings():
     assert [change[1:4] for change in t.changes if change[1] == "num_threads"] == [("num_threads", 2, 3)]
 
 
-def testinterval_figures_are_differences():
+def test_interval_figures_are_differences():
     before = {"active_seconds": 2.0, "reads_in_flight/mean": 4.0, "batches": 5, "read/seconds": 1.0}
     after = {"active_seconds": 3.0, "reads_in_flight/mean": 6.0, "batches": 9, "read/seconds": 4.0}
     w = interval_figures(before, after)
