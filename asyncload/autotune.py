@@ -151,9 +151,12 @@ class AutoTuner:
             self._change(io, max(io.floor, io.value // 2), "the loop did not wait and reads in flight had room")
 
     def _io_cap(self, window: dict[str, Any]) -> int:
-        """Reads in flight whose bytes fit the memory budget, at the mean object size so far."""
-        read = self.stats.snapshot().read
-        mean_bytes = read.bytes / read.items if read.items else 0
+        """Reads in flight whose bytes fit the memory budget, at the mean object size so far: from
+        the figures of this look (``Looks.last``, the stats' running ones), not the live stats,
+        so that the rule is decided from the numbers ``look`` was given."""
+        figures = self.looks.last or {}
+        items = figures.get("read/items", 0)
+        mean_bytes = figures.get("read/bytes", 0) / items if items else 0
         return MAX_IO if mean_bytes == 0 else max(1, min(MAX_IO, int(self.memory_budget // mean_bytes)))
 
     def _change(self, knob: Knob, value: int, why: str) -> None:

@@ -166,3 +166,17 @@ def test_children_are_not_added_while_the_loop_does_not_wait():
     chooser.switched(2)
     steps = looking(chooser, [window(rate=100), window(rate=300, waited=0.01)], processes=2)
     assert steps == [None, ("settle", 2)]
+
+
+def test_the_tuner_keeps_reads_in_flight_within_the_memory_budget_of_the_figures_it_sees():
+    """The cap comes from the figures of the look (mean object size so far), not from the
+    live stats: 1 GiB over 10 MiB objects is 102 reads, not the 128 a doubling would give."""
+    t, threads, io = tuner()
+    io.set(64)
+    stats = Stats()
+    storage = window(waited=0.6, **{"gil/late_ms": 0.1, "decodes_running/mean": 0.2, "decode/cpu_seconds": 0.2,
+                                    "cpu_seconds": 0.3, "reads_in_flight/mean": 63.5, "io_concurrency": 64,
+                                    "read/items": 100, "read/bytes": 100 * 10 * 2**20})
+    observe(t, stats, storage, 1.0)
+    observe(t, stats, storage, 2.0)
+    assert [(old, new) for _, _, old, new, _ in t.changes] == [(64, 102)]
