@@ -80,10 +80,11 @@ class AutoTuner:
     """Moves ``threads`` and/or ``io`` knobs from the loader's stats; see the module's docstring."""
 
     def __init__(self, stats: LoaderStats, threads: Knob | None, io: Knob | None, interval: float = 1.0,
-                 memory_budget: int = 2**30, now: float | None = None) -> None:
+                 memory_budget: int = 2**30, clock: Callable[[], float] = time.perf_counter) -> None:
         self.stats = stats
         self.knobs = {knob.name: knob for knob in (threads, io) if knob is not None}
-        self.looks = Looks(interval, time.perf_counter() if now is None else now)
+        self.clock = clock  # seconds; a test's own, to drive ``observe`` without waiting
+        self.looks = Looks(interval, clock())
         self.memory_budget = memory_budget
         self.changes: list[tuple[float, str, int, int, str]] = []  # (time, knob, old, new, why)
         self._calm_looks = 0
@@ -99,7 +100,7 @@ class AutoTuner:
 
     def observe(self) -> None:
         """Called by the user's thread at each batch; decides at most once per ``interval``."""
-        now = time.perf_counter()
+        now = self.clock()
         if self.looks.due(now):
             self.look(self.stats.as_dict(), now)
 

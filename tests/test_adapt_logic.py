@@ -10,7 +10,6 @@ from typing import Any
 
 from asyncload.adapt import Policy, Thresholds, gil_bound
 from asyncload.autotune import AutoTuner, Knob, Looks, interval_figures
-from asyncload.stats.figures import LoaderStats
 from tests.stat_figures import Stats, window
 
 # ----- looks -----
@@ -49,16 +48,30 @@ def test_interval_figures_recompute_means_from_their_time_integrals():
 # ----- the tuner -----
 
 
+class Fed:
+    """What the tuner reads: the stats' running figures (``as_dict``) and the clock (``now``),
+    both set by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.figures: dict[str, Any] = {}
+        self.now = now
+        self.limits: dict[str, int] = {}
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.figures
+
+
 def tuner(now: float = 0.0) -> tuple[AutoTuner, Knob, Knob]:
     threads, io = Knob("num_threads", 2, 1, 8), Knob("io_concurrency", 16, 1, 1024)
-    return AutoTuner(LoaderStats(16, 2, 2), threads, io, interval=1.0, now=now), threads, io
+    fed = Fed(now)
+    return AutoTuner(fed, threads, io, interval=1.0, clock=lambda: fed.now), threads, io  # type: ignore[arg-type]
 
 
 def observe(t: AutoTuner, stats: Stats, figures: dict[str, Any], now: float) -> None:
-    """What ``AutoTuner.observe`` does at a batch handed out at ``now`` (seconds)."""
-    running = stats.run(figures)
-    if t.looks.due(now):
-        t.look(running, now)
+    """A batch handed out at ``now`` (seconds) after ``figures``' window of running: the real
+    ``AutoTuner.observe``, its stats and clock the test's."""
+    t.stats.figures, t.stats.now = stats.run(figures), now  # type: ignore[attr-defined]
+    t.observe()
 
 
 def test_the_tuner_doubles_reads_in_flight_when_storage_is_the_wait_once_per_interval():
