@@ -6,11 +6,14 @@ falling -> stay, or back in this process)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from asyncload.adapt import Policy, Thresholds, gil_bound
 from asyncload.autotune import AutoTuner, Knob, Looks, interval_figures
+from asyncload.switch import Switch
 from tests.stat_figures import Stats, window
+from tests.switching import set_thresholds
 
 # ----- looks -----
 
@@ -117,6 +120,54 @@ def test_the_tuner_does_not_count_a_look_with_no_batch_as_calm():
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):
         observe(t, stats, idle, now)
     assert (threads.value, t.changes) == (4, []), "no batch: nothing to judge"
+
+
+class SwitchStats(Fed):
+    """A backend's stats as the switch reads them: running figures, the clock, the choice's line."""
+
+    processes_choice: str | None = None
+    tracer = None
+
+    def carry(self, earlier: Any) -> None:
+        pass
+
+
+def test_the_switchs_looks_at_once_every_look_s_not_judged_while_children_start_and_anew_after_a_switch(
+        monkeypatch):
+    """The real ``Switch.due``, its clock and stats the test's, its policy a recorder: the first
+    look sets the baseline at once; then one every ``look_s``; a look while children start is
+    taken (the next window starts there) but not judged; after a switch, the new backend's first
+    look comes at once and only sets its baseline."""
+    set_thresholds(monkeypatch, look_s=0.3)
+    fed, stats, judged = SwitchStats(0.0), Stats(), []
+    chosen = Switch(None, SimpleNamespace(stats=fed, processes=0), None, None, 4, use=lambda backend: None,  # type: ignore[arg-type]
+                    clock=lambda: fed.now)
+    chosen.policy = SimpleNamespace(state="measuring", look=lambda seen: judged.append(seen["samples"]),  # type: ignore[assignment]
+                                    switched=lambda count: None, count=2)
+
+    def batch(now: float, rate: float) -> None:  # a batch handed out at ``now`` after ``rate`` samples of running
+        fed.figures, fed.now = stats.run(window(rate=rate)), now
+        assert not chosen.due()
+
+    batch(0.0, 10)
+    batch(0.1, 20)
+    assert judged == [], "the first look (at once) is the baseline; the next is look_s after it"
+    batch(0.3, 30)
+    assert judged == [50]
+    chosen.starting = SimpleNamespace(count=2, thread=SimpleNamespace(join=lambda wait: None, is_alive=lambda: True))  # type: ignore[assignment]
+    batch(0.6, 40)
+    assert judged == [50], "children starting: not judged"
+    chosen.starting = None
+    batch(0.9, 50)
+    assert judged == [50, 50], "the window since the look while they started"
+    chosen.target = SimpleNamespace(stats=SwitchStats(0.9), processes=2)  # type: ignore[assignment]
+    chosen.take()
+    fed, stats = chosen.backend.stats, Stats(processes=2)
+    batch(1.0, 60)
+    batch(1.2, 70)
+    assert judged == [50, 50], "after a switch the first look (at once) is the new backend's baseline"
+    batch(1.3, 80)
+    assert judged == [50, 50, 150]
 
 
 # ----- processes=None's decisions -----
