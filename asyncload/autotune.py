@@ -80,10 +80,11 @@ class AutoTuner:
     """Moves ``threads`` and/or ``io`` knobs from the loader's stats; see the module's docstring."""
 
     def __init__(self, stats: LoaderStats, threads: Knob | None, io: Knob | None, interval: float = 1.0,
-                 memory_budget: int = 2**30, now: float | None = None) -> None:
+                 memory_budget: int = 2**30, clock: Callable[[], float] = time.perf_counter) -> None:
         self.stats = stats
         self.knobs = {knob.name: knob for knob in (threads, io) if knob is not None}
-        self.looks = Looks(interval, time.perf_counter() if now is None else now)
+        self.clock = clock  # seconds; a test's own, to drive ``observe`` without waiting
+        self.looks = Looks(interval, clock())
         self.memory_budget = memory_budget
         self.changes: list[tuple[float, str, int, int, str]] = []  # (time, knob, old, new, why)
         self._calm_looks = 0
@@ -99,7 +100,7 @@ class AutoTuner:
 
     def observe(self) -> None:
         """Called by the user's thread at each batch; decides at most once per ``interval``."""
-        now = time.perf_counter()
+        now = self.clock()
         if self.looks.due(now):
             self.look(self.stats.as_dict(), now)
 
@@ -151,9 +152,12 @@ class AutoTuner:
             self._change(io, max(io.floor, io.value // 2), "the loop did not wait and reads in flight had room")
 
     def _io_cap(self, window: dict[str, Any]) -> int:
-        """Reads in flight whose bytes fit the memory budget, at the mean object size so far."""
-        read = self.stats.snapshot().read
-        mean_bytes = read.bytes / read.items if read.items else 0
+        """Reads in flight whose bytes fit the memory budget, at the mean object size so far: from
+        the figures of this look (``Looks.last``, the stats' running ones), not the live stats,
+        so that the rule is decided from the numbers ``look`` was given."""
+        figures = self.looks.last or {}
+        items = figures.get("read/items", 0)
+        mean_bytes = figures.get("read/bytes", 0) / items if items else 0
         return MAX_IO if mean_bytes == 0 else max(1, min(MAX_IO, int(self.memory_budget // mean_bytes)))
 
     def _change(self, knob: Knob, value: int, why: str) -> None:

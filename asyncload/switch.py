@@ -54,8 +54,10 @@ class Switch:
     with each backend switched to (its stats and tuner become the loader's)."""
 
     def __init__(self, settings: Settings, backend: Backend, device: torch.device | None,
-                 thread_limit: int | None, threads: int, use: Callable[[Backend], None]) -> None:
+                 thread_limit: int | None, threads: int, use: Callable[[Backend], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings = settings
+        self.clock = clock  # seconds, for the looks; a test's own, to drive ``due`` without waiting
         self.backend = backend
         self.device = device
         self.thread_limit = thread_limit  # num_threads="auto": the tuner's starting total
@@ -73,7 +75,7 @@ class Switch:
         self._why = ""
         self.choice = "in this process (measuring: children if the GIL turns out to be the limit)"
         self._show()
-        self.looks = Looks(self.thresholds.look_s, time.perf_counter(), at_once=True)
+        self.looks = Looks(self.thresholds.look_s, clock(), at_once=True)
 
     # ----- looking -----
 
@@ -82,7 +84,7 @@ class Switch:
         if self.starting is not None and (self.armed or not self.thresholds.wait_for_children):
             self._poll_starting()
         if self.policy.state not in ("settled", "starting"):
-            now = time.perf_counter()
+            now = self.clock()
             if self.looks.due(now):
                 self._look(now)
         return self.target is not None and self.armed
@@ -180,7 +182,7 @@ class Switch:
         self.target = backend  # taken once armed
         # The looks while they started saw their start's CPU, not the loader's: not judged
         # (``_look``); the next window starts now.
-        self.looks.take(self.backend.stats.as_dict(), time.perf_counter())
+        self.looks.take(self.backend.stats.as_dict(), self.clock())
 
     def _cannot(self, reason: str, count: int) -> None:
         """Children cannot be used: say so once, in one line, and stay."""

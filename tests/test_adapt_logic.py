@@ -6,12 +6,14 @@ falling -> stay, or back in this process)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from asyncload.adapt import Policy, Thresholds, gil_bound
 from asyncload.autotune import AutoTuner, Knob, Looks, interval_figures
-from asyncload.stats.figures import LoaderStats
+from asyncload.switch import Switch
 from tests.stat_figures import Stats, window
+from tests.switching import set_thresholds
 
 # ----- looks -----
 
@@ -49,16 +51,30 @@ def test_interval_figures_recompute_means_from_their_time_integrals():
 # ----- the tuner -----
 
 
+class Fed:
+    """What the tuner reads: the stats' running figures (``as_dict``) and the clock (``now``),
+    both set by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.figures: dict[str, Any] = {}
+        self.now = now
+        self.limits: dict[str, int] = {}
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.figures
+
+
 def tuner(now: float = 0.0) -> tuple[AutoTuner, Knob, Knob]:
     threads, io = Knob("num_threads", 2, 1, 8), Knob("io_concurrency", 16, 1, 1024)
-    return AutoTuner(LoaderStats(16, 2, 2), threads, io, interval=1.0, now=now), threads, io
+    fed = Fed(now)
+    return AutoTuner(fed, threads, io, interval=1.0, clock=lambda: fed.now), threads, io  # type: ignore[arg-type]
 
 
 def observe(t: AutoTuner, stats: Stats, figures: dict[str, Any], now: float) -> None:
-    """What ``AutoTuner.observe`` does at a batch handed out at ``now`` (seconds)."""
-    running = stats.run(figures)
-    if t.looks.due(now):
-        t.look(running, now)
+    """A batch handed out at ``now`` (seconds) after ``figures``' window of running: the real
+    ``AutoTuner.observe``, its stats and clock the test's."""
+    t.stats.figures, t.stats.now = stats.run(figures), now  # type: ignore[attr-defined]
+    t.observe()
 
 
 def test_the_tuner_doubles_reads_in_flight_when_storage_is_the_wait_once_per_interval():
@@ -104,6 +120,54 @@ def test_the_tuner_does_not_count_a_look_with_no_batch_as_calm():
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):
         observe(t, stats, idle, now)
     assert (threads.value, t.changes) == (4, []), "no batch: nothing to judge"
+
+
+class SwitchStats(Fed):
+    """A backend's stats as the switch reads them: running figures, the clock, the choice's line."""
+
+    processes_choice: str | None = None
+    tracer = None
+
+    def carry(self, earlier: Any) -> None:
+        pass
+
+
+def test_the_switchs_looks_at_once_every_look_s_not_judged_while_children_start_and_anew_after_a_switch(
+        monkeypatch):
+    """The real ``Switch.due``, its clock and stats the test's, its policy a recorder: the first
+    look sets the baseline at once; then one every ``look_s``; a look while children start is
+    taken (the next window starts there) but not judged; after a switch, the new backend's first
+    look comes at once and only sets its baseline."""
+    set_thresholds(monkeypatch, look_s=0.3)
+    fed, stats, judged = SwitchStats(0.0), Stats(), []
+    chosen = Switch(None, SimpleNamespace(stats=fed, processes=0), None, None, 4, use=lambda backend: None,  # type: ignore[arg-type]
+                    clock=lambda: fed.now)
+    chosen.policy = SimpleNamespace(state="measuring", look=lambda seen: judged.append(seen["samples"]),  # type: ignore[assignment]
+                                    switched=lambda count: None, count=2)
+
+    def batch(now: float, rate: float) -> None:  # a batch handed out at ``now`` after ``rate`` samples of running
+        fed.figures, fed.now = stats.run(window(rate=rate)), now
+        assert not chosen.due()
+
+    batch(0.0, 10)
+    batch(0.1, 20)
+    assert judged == [], "the first look (at once) is the baseline; the next is look_s after it"
+    batch(0.3, 30)
+    assert judged == [50]
+    chosen.starting = SimpleNamespace(count=2, thread=SimpleNamespace(join=lambda wait: None, is_alive=lambda: True))  # type: ignore[assignment]
+    batch(0.6, 40)
+    assert judged == [50], "children starting: not judged"
+    chosen.starting = None
+    batch(0.9, 50)
+    assert judged == [50, 50], "the window since the look while they started"
+    chosen.target = SimpleNamespace(stats=SwitchStats(0.9), processes=2)  # type: ignore[assignment]
+    chosen.take()
+    fed, stats = chosen.backend.stats, Stats(processes=2)
+    batch(1.0, 60)
+    batch(1.2, 70)
+    assert judged == [50, 50], "after a switch the first look (at once) is the new backend's baseline"
+    batch(1.3, 80)
+    assert judged == [50, 50, 150]
 
 
 # ----- processes=None's decisions -----
@@ -166,3 +230,17 @@ def test_children_are_not_added_while_the_loop_does_not_wait():
     chooser.switched(2)
     steps = looking(chooser, [window(rate=100), window(rate=300, waited=0.01)], processes=2)
     assert steps == [None, ("settle", 2)]
+
+
+def test_the_tuner_keeps_reads_in_flight_within_the_memory_budget_of_the_figures_it_sees():
+    """The cap comes from the figures of the look (mean object size so far), not from the
+    live stats: 1 GiB over 10 MiB objects is 102 reads, not the 128 a doubling would give."""
+    t, threads, io = tuner()
+    io.set(64)
+    stats = Stats()
+    storage = window(waited=0.6, **{"gil/late_ms": 0.1, "decodes_running/mean": 0.2, "decode/cpu_seconds": 0.2,
+                                    "cpu_seconds": 0.3, "reads_in_flight/mean": 63.5, "io_concurrency": 64,
+                                    "read/items": 100, "read/bytes": 100 * 10 * 2**20})
+    observe(t, stats, storage, 1.0)
+    observe(t, stats, storage, 2.0)
+    assert [(old, new) for _, _, old, new, _ in t.changes] == [(64, 102)]

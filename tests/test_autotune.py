@@ -10,6 +10,7 @@ from asyncload import AsyncLoader
 from asyncload.autotune import AutoTuner, Knob, interval_figures
 from asyncload.gates import Gate
 from asyncload.stats.figures import LoaderStats
+from asyncload.stats.machine import usable_cores
 from tests.stat_figures import Stats
 from tests.stat_figures import window as running_window
 
@@ -109,7 +110,7 @@ def test_no_oscillation_between_two_settings():
     assert [change[1:4] for change in t.changes if change[1] == "num_threads"] == [("num_threads", 2, 3)]
 
 
-def testinterval_figures_are_differences():
+def test_interval_figures_are_differences():
     before = {"active_seconds": 2.0, "reads_in_flight/mean": 4.0, "batches": 5, "read/seconds": 1.0}
     after = {"active_seconds": 3.0, "reads_in_flight/mean": 6.0, "batches": 9, "read/seconds": 4.0}
     w = interval_figures(before, after)
@@ -146,19 +147,21 @@ def test_auto_io_raised_by_the_tuner_reaches_the_running_pipeline_and_delivers_e
 def test_auto_threads_lowered_by_the_tuner_reach_the_running_pipeline():
     """Calm looks (the loop never waited, a decode thread idle) lower the threads one step per
     three looks, from however many this machine starts with down to 1, while the epoch runs and
-    delivers every sample. The looks are the test's, at the times it says."""
-    loader = AsyncLoader(list(range(400)), batch_size=4, read=False, decode=np.int64, num_threads="auto")
+    delivers every sample. The looks are the test's, at the times it says: one a batch, so the
+    epoch has a baseline's and three looks a step's batches for this machine's cores, at least 100."""
+    items = 4 * max(100, 3 * usable_cores() + 2)
+    loader = AsyncLoader(list(range(items)), batch_size=4, read=False, decode=np.int64, num_threads="auto")
     loader.tuner.interval = math.inf  # no look of its own
     start = loader.stats.limits["num_threads"]
     stats = Stats()
     got = []
     with loader:
-        for now, batch in enumerate(loader):  # 100 batches: 3 looks a step is enough for 33 threads
+        for now, batch in enumerate(loader):
             threads = loader.stats.limits["num_threads"]
             calm = running_window(waited=0.0, **{"decodes_running/mean": 0.0, "num_threads": threads})
             loader.tuner.look(stats.run(calm), float(now))
             got.extend(batch.tolist())
-    assert sorted(got) == list(range(400))
+    assert sorted(got) == list(range(items))
     assert loader.stats.limits["num_threads"] == 1
     steps = [(old, new) for _, name, old, new, _ in loader.tuner.changes if name == "num_threads"]
     assert steps == [(n, n - 1) for n in range(start, 1, -1)]

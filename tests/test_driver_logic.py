@@ -7,6 +7,7 @@ state recorded here with a real loader's, end to end."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -254,6 +255,52 @@ def test_the_state_after_k_batches_is_the_one_a_real_loader_records(processes, k
         state = loader.state_dict()
     assert got == handed
     assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.progress.as_state()
+
+
+@pytest.mark.parametrize("case", [
+    dict(items=16, world_size=2, rank=1, failing={3}),  # rank 1's part used up: a repeat fills the DDP quota
+    dict(items=8, drop_last=True, failing={1}),  # nothing left to replace it: the batch left short is dropped
+    dict(items=10, failing={9}),  # nothing left to replace it: the short last batch is delivered shorter
+], ids=["ranks", "drop_last", "last_batch"])
+def test_the_epoch_and_its_state_are_the_ones_a_real_loader_gives(case):
+    """One failure (so its batch's answer is the only one that matters, whatever the threads'
+    order): the batches delivered and the state after the last of them, here and through a real
+    loader, over ranks, with ``drop_last``, and at the epoch's last batch."""
+    failing, ranks = case.pop("failing"), {key: case[key] for key in ("rank", "world_size") if key in case}
+    logic = Run(window=2, **case)
+    handed = [batch for batch in logic.epoch(failing=failing) if batch != "drop"]
+    with AsyncLoader(list(range(case["items"])), batch_size=4, read=False, decode=FailsOn(failing), on_error="skip",
+                     max_failures=5, shuffle=False, prefetch=2, processes=0, drop_last=case.get("drop_last", False),
+                     **ranks) as loader:
+        got = []
+        for batch in loader:
+            got.append(batch[:, 0].tolist())
+            state = loader.state_dict()
+    assert got == handed
+    assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.progress.as_state()
+
+
+def test_out_of_order_a_real_loader_hands_out_first_the_batch_that_finished_first():
+    """As ``test_out_of_order_a_finished_batch_passes_a_slow_one``, through a real loader: batch
+    0's second sample waits (an event, not a timer) until the user has had a batch."""
+    handed = threading.Event()
+
+    def decode(index):
+        if index == 1:
+            handed.wait(30)
+        return np.full(2, index, np.int64)
+
+    logic = Run(window=2, in_order=False)
+    logic.assign()
+    logic.answer(1)
+    with AsyncLoader(list(range(12)), batch_size=4, read=False, decode=decode, shuffle=False, prefetch=2,
+                     processes=0, num_threads=2, in_order=False) as loader:
+        got = []
+        for batch in loader:
+            got.append(batch[:, 0].tolist())
+            handed.set()
+    assert got[0] == logic.hand_out() == [4, 5, 6, 7]
+    assert sorted(got[1:]) == [[0, 1, 2, 3], [8, 9, 10, 11]]
 
 
 # ----- which pipeline fills which rows -----

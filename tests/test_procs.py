@@ -336,7 +336,7 @@ def test_stopped_runs_give_their_segments_back_once_the_children_confirm():
     batches = iter(loader)
     assert next(batches).tolist() == list(range(8))  # waiting for it takes in the children's answers
     assert wait_until(lambda: not pool._stopping or next(batches) is None, timeout=10)
-    current = [batch.buffer for batch in loader._passes.driver.batches.values()]
+    current = [batch.buffer for batch in loader._passes.driver.window.batches.values()]
     assert all(not b.in_pipeline or any(b is c for c in current) for b in held), "given back to the ring"
     loader.close()
 

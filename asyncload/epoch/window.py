@@ -1,8 +1,10 @@
 """The driver's decisions over the batches of its window, as logic: fed events (a batch assigned,
 a row failed, a batch taken for the hand-out), it says what to do, and touches no thread, queue,
 buffer or clock, so that it is tested alone (``tests/test_driver_logic.py``). The driver
-(``driver.py``) calls it on the user's thread, under its lock, and carries the decisions out:
-it sends the rows, waits for the answers, hands out or gives the buffers back.
+(``driver.py``) calls it on the user's thread and carries the decisions out: it sends the rows,
+waits for the answers, hands out or gives the buffers back. Only what ``stop()`` (any thread)
+also touches, ``batches`` added, failed or taken, is changed under the driver's lock; the rest
+(``wants_batch``, ``next_ready``, ``verdict``, the record) is the user's thread's alone.
 
 What it decides: whether another batch may be assigned (at most ``size`` ahead of the user);
 what a failed row becomes (its batch raises, or the row takes the epoch's next position, or it
