@@ -236,7 +236,7 @@ def test_gpu_decode_true_where_the_stage_cannot_run_says_so(tmp_path):
     import pyarrow.parquet as pq
 
     from asyncload import mds, parquet
-    from asyncload.arguments import default_decode
+    from asyncload.settings import default_decode
 
     FIXTURES = Path(__file__).parent / "fixtures" / "formats"  # test_formats' committed MDS folder
 

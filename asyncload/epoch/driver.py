@@ -19,20 +19,20 @@ from ..errors import SampleError
 from ..order.epoch_size import EpochSize
 from ..pipeline.messages import Done, Failed
 from ..pipeline.pipes import ENDED, Backend
+from ..settings import LoaderSettings
 from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import InFlight
 from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
 from .progress import Progress
-from .settings import Settings
 
 
 class EpochDriver:
     """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run.
     ``rank``: this process's rank in a job of several, put on each failure recorded (None alone)."""
 
-    def __init__(self, backend: Backend, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
+    def __init__(self, backend: Backend, settings: LoaderSettings, epoch: int, order: np.ndarray, progress: Progress,
                  size: EpochSize, rank: int | None = None) -> None:
         self.pipes = backend.pipes
         self.stats = backend.stats
@@ -48,7 +48,7 @@ class EpochDriver:
         self.taken = 0  # batches handed out, dropped or raised
         self.exhausted = False
         self._drained = False  # drain(): exhausted for a switch of backends, not at the epoch's end
-        self.handout = HandOut(settings, self.stats, order)
+        self.handout = HandOut(settings, self.stats, order, backend.device_stage)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
@@ -229,7 +229,7 @@ class EpochDriver:
             self.progress.handed_out(delivered, batch.skipped, batch.repeated)
             self.progress.batches += 1
             self._assign()
-            if self.s.device_stage is not None:
+            if self.handout.stage is not None:
                 self._take_answers()  # so that batch k+1, if done, is copied now
             self.handout.prefetch_if_complete(number, self.batches.get(number))
             try:
