@@ -208,9 +208,15 @@ class AsyncLoader:
         collate: Callable[[Any], Any] | None = None,
         gpu_decode: bool | str = "auto",
     ) -> None:
-        arguments = dict(locals())  # the parameters above, by name (nothing else is local yet)
-        del arguments["self"]
-        self._settings = settings = loader_settings(**arguments)  # checked and resolved, once
+        settings = loader_settings(  # every argument, checked and resolved once
+            source=source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, read=read,
+            decode=decode, num_threads=num_threads, io_concurrency=io_concurrency, prefetch=prefetch,
+            in_order=in_order, device=device, on_error=on_error, storage_options=storage_options, rank=rank,
+            world_size=world_size, max_failures=max_failures, progress=progress, normalize=normalize,
+            read_timeout=read_timeout, read_retries=read_retries, read_retry_seconds=read_retry_seconds,
+            max_sample_bytes=max_sample_bytes, decode_timeout=decode_timeout, isolate=isolate, processes=processes,
+            trace=trace, trace_events=trace_events, collate=collate, gpu_decode=gpu_decode)
+        self._settings = settings
         self.device = settings.device
         self._ranks = find_ranks(rank, world_size)  # provisional unless given or from torch.distributed
         self._loaded_under: Ranks | None = None  # the provisional ranks a state not yet resumed was loaded under
