@@ -17,11 +17,12 @@ import torch
 
 from .batch.buffers import BufferRing
 from .batch.layout import Field, SampleLayout
-from .epoch.settings import Settings
+from .device import DeviceStage
 from .pipeline.batched import image_placement
 from .pipeline.pipes import Backend, LocalPipes, Pipes
 from .procs.merged import ProcessStats
 from .procs.parent import ProcessPool
+from .settings import LoaderSettings
 from .stats.figures import LoaderStats
 from .stats.trace import Tracer
 
@@ -34,36 +35,34 @@ def window(prefetch: int, processes: int) -> int:
     return max(prefetch, 2 * processes)
 
 
-def build_backend(settings: Settings, processes: int, device: torch.device | None, *, threads: int,
-                  thread_limit: int | None, tracer: Tracer | None) -> Backend:
+def build_backend(settings: LoaderSettings, processes: int, *, device_stage: DeviceStage | None,
+                  tracer: Tracer | None) -> Backend:
     """The backend for ``settings``: ``processes`` children (0: in this process), each running
-    the pipeline on its share of the threads and reads (``thread_limit``: with
-    ``num_threads="auto"``, the threads that may work at once to start with); its stats count
-    ``threads`` decode threads and record into ``tracer``; its ring is allocated at once when the
-    decoder declares its output."""
+    the pipeline on its share of the threads and reads; its stats count the decode threads
+    working at first and record into ``tracer``; its ring is allocated at once when the decoder
+    declares its output. ``device_stage`` and ``tracer`` are the loader's, kept across backends."""
+    device = settings.device
     on_device = image_placement(settings.decode, device, processes)  # what cannot run fails before any start
     layout = known_layout(settings)
     keep = window(settings.prefetch, processes) + 2
     pipes: Pipes
     if processes:  # reads and decodes run in the children; the device stage and normalize here
-        stats: LoaderStats = ProcessStats(settings.io_concurrency, threads, settings.prefetch, processes)
+        stats: LoaderStats = ProcessStats(settings.io_concurrency, settings.num_threads, settings.prefetch, processes)
         stats.tracer = tracer  # the children's events are merged into it as they arrive
-        trace_events = None if tracer is None else tracer.events.maxlen
-        arguments = vars(settings.pipeline(processes, thread_limit, trace_events))
-        pipes = ProcessPool(processes, arguments, stats, keep=keep, device=device)
+        pipes = ProcessPool(processes, settings, stats, keep=keep)
         if layout is not None:
             pipes.ring.configure(layout, settings.batch_size)
     else:
-        stats = LoaderStats(settings.io_concurrency, threads, settings.prefetch)
+        stats = LoaderStats(settings.io_concurrency, settings.num_threads, settings.prefetch)
         stats.tracer = tracer
         ring = BufferRing(keep=settings.prefetch + 2, pin_memory=torch.cuda.is_available())
         if layout is not None:
             ring.configure(layout, settings.batch_size, on_device)
-        pipes = LocalPipes(settings.pipeline(), ring, stats, settings.thread_gate)
-    return Backend(pipes, window(settings.prefetch, processes), processes)
+        pipes = LocalPipes(settings, ring, stats)
+    return Backend(pipes, window(settings.prefetch, processes), processes, device_stage)
 
 
-def known_layout(settings: Settings) -> SampleLayout | None:
+def known_layout(settings: LoaderSettings) -> SampleLayout | None:
     """With a decoder that declares its output (the default), the batch layout, so that buffers
     need no first sample: its field, then a label and a mix's source number if the rows carry
     them (int64, on the host). None: the first sample decides (``epoch/probe.py``)."""

@@ -11,18 +11,21 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .arguments import check_arguments, initial_reads, make_sampler, make_settings, make_tuner
+from .autotune import MAX_IO, AutoTuner, Knob
 from .backend import build_backend
-from .device import resolve_device
+from .device import DeviceStage
 from .epoch.passes import Passes
 from .epoch.progress import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
+from .order.mix_order import MixSampler
 from .order.ranks import Ranks, find_ranks, settle
-from .order.sampler import source_digest
-from .pipeline.pipes import Backend
-from .procs.processes import process_count
+from .order.sampler import EpochSampler, source_digest
+from .order.shard_order import ShardSampler
+from .pipeline.pipes import Backend, Pipes
+from .settings import LoaderSettings, loader_settings
+from .sources.mix_source import MixedSource
 from .sources.shards import ShardSource
-from .stats.machine import usable_cores
+from .stats.figures import LoaderStats
 from .stats.trace import DEFAULT_EVENTS, Tracer
 from .switch import adaptive_switch
 from .trainers import EpochBatches, SourceDataset
@@ -159,7 +162,9 @@ class AsyncLoader:
             but a bool or "auto" (0, 1) are a ``ValueError``. The stage runs in this process (with
             ``processes=N`` the children decode instead). See docs/guides/gpu-decode.md.
 
-    Attributes: ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
+    Attributes: ``settings`` (read-only: these arguments checked and resolved, one frozen,
+    printable ``LoaderSettings`` that every stage and child process reads; e.g. the decode and
+    thread counts the defaults chose), ``stats`` (``loader.stats.report()``: time per stage, the bottleneck),
     ``sampler`` (``sampler.order(epoch)``; ``sampler.set_epoch`` is the loader's, for Lightning),
     ``batch_sampler`` (each batch's source indices), ``dataset`` (the source's items),
     ``batch_size``, ``drop_last``, ``epoch`` (what ``state_dict()`` records), ``device``,
@@ -203,19 +208,19 @@ class AsyncLoader:
         collate: Callable[[Any], Any] | None = None,
         gpu_decode: bool | str = "auto",
     ) -> None:
-        check_arguments(on_error, io_concurrency, prefetch, read, max_failures,
-                        dict(decode_timeout=decode_timeout, max_sample_bytes=max_sample_bytes,
-                             read_retry_seconds=read_retry_seconds))
-        cores = usable_cores()
-        auto_threads, auto_io = num_threads == "auto", io_concurrency == "auto"
-        threads = cores if auto_threads or num_threads is None else int(num_threads)
-        io = initial_reads(io_concurrency, isinstance(source, ShardSource))
-        self.device = resolve_device(device)
-        self._given = (rank, world_size)
+        settings = loader_settings(  # every argument, checked and resolved once
+            source=source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, read=read,
+            decode=decode, num_threads=num_threads, io_concurrency=io_concurrency, prefetch=prefetch,
+            in_order=in_order, device=device, on_error=on_error, storage_options=storage_options, rank=rank,
+            world_size=world_size, max_failures=max_failures, progress=progress, normalize=normalize,
+            read_timeout=read_timeout, read_retries=read_retries, read_retry_seconds=read_retry_seconds,
+            max_sample_bytes=max_sample_bytes, decode_timeout=decode_timeout, isolate=isolate, processes=processes,
+            trace=trace, trace_events=trace_events, collate=collate, gpu_decode=gpu_decode)
+        self._settings = settings
+        self.device = settings.device
         self._ranks = find_ranks(rank, world_size)  # provisional unless given or from torch.distributed
         self._loaded_under: Ranks | None = None  # the provisional ranks a state not yet resumed was loaded under
-        self.sampler = make_sampler(source, batch_size, read, decode, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                    rank=self._ranks.rank or 0, world_size=self._ranks.world_size)
+        self.sampler = make_sampler(settings, rank=self._ranks.rank or 0, world_size=self._ranks.world_size)
         self._epochs = Epochs()  # which epoch a pass runs, and what it handed out
         self.sampler.follow = self._epochs.choose  # Lightning's sampler.set_epoch (no reference to the loader)
         self.dataset = SourceDataset(source)  # what the trainers read (trainers.py)
@@ -224,29 +229,23 @@ class AsyncLoader:
         self._passes = Passes(self._epochs)  # the pass running, if any
         self._closed = False
         self.progress = progress
-        count = process_count(processes, isolate)
-        self._settings = make_settings(
-            source, read, decode, batch_size=batch_size, threads=threads, cores=cores,
-            auto_threads=auto_threads, io=io, prefetch=prefetch, in_order=in_order, on_error=on_error,
-            max_failures=max_failures, storage_options=storage_options, read_timeout=read_timeout,
-            read_retries=read_retries, read_retry_seconds=read_retry_seconds, max_sample_bytes=max_sample_bytes,
-            decode_timeout=decode_timeout, normalize=normalize, device=self.device, collate=collate,
-            gpu_decode=gpu_decode, processes=count)
-        limit = threads if auto_threads else None
-        self._backend = build_backend(self._settings, count, self.device, threads=threads, thread_limit=limit,
-                                      tracer=Tracer(trace, trace_events) if trace is not None else None)
-        self._tuning = (auto_threads, auto_io, threads, io)
+        stage = DeviceStage(settings.device, settings.normalize) if settings.device is not None else None
+        tracer = Tracer(settings.trace, settings.trace_events) if settings.trace is not None else None
+        self._backend = build_backend(settings, settings.processes, device_stage=stage, tracer=tracer)
         self._use(self._backend)
-        self._switch = adaptive_switch(processes, count, self._settings, self._backend, self.device, limit, threads,
-                                       self._use)  # processes=None: moves to children when the GIL is the limit
+        self._switch = adaptive_switch(settings, self._backend, self._use)  # moves to children when the GIL is the limit
+
+    @property
+    def settings(self) -> LoaderSettings:
+        """The loader's arguments, checked and resolved (read-only): what every stage runs with."""
+        return self._settings
 
     def _use(self, backend: Backend) -> None:
         """The backend that moves the samples from now on (``processes=None`` switches): its stats
         are the loader's, its tuner the loader's."""
         self._backend = backend
         self.stats = backend.stats
-        self.tuner = make_tuner(self.stats, backend.pipes, self._settings.num_threads, *self._tuning,
-                                backend.processes)
+        self.tuner = make_tuner(self.stats, backend.pipes, self._settings, backend.processes)
 
     def __len__(self) -> int:
         """Batches in one epoch for this rank (the same on every rank)."""
@@ -271,7 +270,7 @@ class AsyncLoader:
         the fix; so is a state loaded under a guess that ``torch.distributed`` now contradicts."""
         if self._ranks.settled:
             return
-        ranks = settle(self._ranks, self._given, strict)
+        ranks = settle(self._ranks, (self._settings.rank, self._settings.world_size), strict)
         loaded = self._loaded_under
         if loaded is not None and (ranks.rank, ranks.world_size) != (loaded.rank, loaded.world_size):
             raise ValueError(
@@ -379,3 +378,30 @@ class AsyncLoader:
             self.close()
         except Exception:
             pass
+
+
+def make_sampler(settings: LoaderSettings, rank: int, world_size: int) -> EpochSampler:
+    """The epoch's order over the source: a tar shard source's keeps each rank on a few shards; a
+    mix's is its seeded mixed sequence."""
+    source = settings.source
+    order = dict(shuffle=settings.shuffle, seed=settings.seed, drop_last=settings.drop_last, rank=rank,
+                 world_size=world_size)
+    if isinstance(source, MixedSource):
+        return MixSampler(source, settings.batch_size, **order)
+    if isinstance(source, ShardSource):
+        return ShardSampler(source, settings.batch_size, **order)
+    return EpochSampler(len(source), settings.batch_size, **order)
+
+
+def make_tuner(stats: LoaderStats, pipes: Pipes, settings: LoaderSettings, processes: int) -> AutoTuner | None:
+    """With ``"auto"`` settings, a tuner whose knobs act on the pipelines (totals over the
+    processes, each taking its share): threads from ``num_threads`` up to the threads started,
+    reads in flight from ``io_concurrency``."""
+    if not (settings.auto_threads or settings.auto_io):
+        return None
+    low = max(1, processes)
+    thread_knob = (Knob("num_threads", settings.num_threads, low, settings.threads_started,
+                        apply=lambda value: pipes.set_limits(value, None)) if settings.auto_threads else None)
+    io_knob = (Knob("io_concurrency", settings.io_concurrency, low, MAX_IO,
+                    apply=lambda value: pipes.set_limits(None, value)) if settings.auto_io else None)
+    return AutoTuner(stats, thread_knob, io_knob)

@@ -19,33 +19,29 @@ import time
 import warnings
 from typing import Callable
 
-import torch
-
 from .adapt import THRESHOLDS, Policy, Step
 from .autotune import Looks
 from .backend import build_backend
 from .batch.crossing import unportable
-from .epoch.settings import Settings
 from .errors import describe
 from .pipeline.batched import image_placement, is_batched
 from .pipeline.pipes import Backend
 from .procs.choice import CHILD_BYTES_GUESS, blocked_message, children_blocked, children_memory_allows, children_pss
 from .procs.guard import guard_advice, refuse_while_bootstrapping
 from .procs.parent import ProcessPool
+from .settings import LoaderSettings
 from .stats.machine import usable_cores
 
 READY_TIMEOUT_S = 120.0  # with wait_for_children: how long the children may take to start
 
 
-def adaptive_switch(processes: int | str | None, count: int, settings: Settings, backend: Backend,
-                    device: torch.device | None, thread_limit: int | None, threads: int,
-                    use: Callable[[Backend], None]) -> Switch | None:
+def adaptive_switch(settings: LoaderSettings, backend: Backend, use: Callable[[Backend], None]) -> Switch | None:
     """The loader's ``Switch`` where it may move: ``processes=None`` (or ``"auto"``) without
     ``isolate``, with a decoder of samples (one of whole batches stays where it is)."""
-    if count or processes not in (None, "auto") or is_batched(settings.decode):
+    if not settings.adaptive or is_batched(settings.decode):
         return None
     refuse_while_bootstrapping(say=False)  # a child importing an unguarded script: the parent says why
-    return Switch(settings, backend, device, thread_limit, threads, use)
+    return Switch(settings, backend, use)
 
 
 class Switch:
@@ -53,15 +49,11 @@ class Switch:
     of the choice (``choice``: one line, shown by ``stats.report()``). ``use``: the loader's, called
     with each backend switched to (its stats and tuner become the loader's)."""
 
-    def __init__(self, settings: Settings, backend: Backend, device: torch.device | None,
-                 thread_limit: int | None, threads: int, use: Callable[[Backend], None],
+    def __init__(self, settings: LoaderSettings, backend: Backend, use: Callable[[Backend], None],
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings = settings
         self.clock = clock  # seconds, for the looks; a test's own, to drive ``due`` without waiting
         self.backend = backend
-        self.device = device
-        self.thread_limit = thread_limit  # num_threads="auto": the tuner's starting total
-        self.threads = threads
         self.use = use
         self.thresholds = THRESHOLDS
         self.policy = Policy(usable_cores(), self._memory_allows, self.thresholds)
@@ -129,21 +121,21 @@ class Switch:
     def _build(self, count: int) -> Backend:
         """A new backend of ``count`` children (0: this process), recording into the loader's
         tracer, its ring laid out as the one in use when the layout was learnt here."""
-        backend = build_backend(self.settings, count, self.device, threads=self.threads,
-                                thread_limit=self.thread_limit, tracer=self.backend.stats.tracer)
+        backend = build_backend(self.settings, count, device_stage=self.backend.device_stage,
+                                tracer=self.backend.stats.tracer)
         layout = self.backend.ring.layout
         if backend.ring.layout is None and layout is not None:
             if count:
                 backend.ring.configure(layout, self.settings.batch_size)
             else:
                 backend.ring.configure(layout, self.settings.batch_size,
-                                       image_placement(self.settings.decode, self.device, 0))
+                                       image_placement(self.settings.decode, self.settings.device, 0))
         return backend
 
     def _start(self, count: int, why: str, armed: bool = True) -> None:
         ring = self.backend.ring  # in this process: values its samples put aside must be able to travel
         aside = ring.aside_values() if hasattr(ring, "aside_values") else []  # from children: they did
-        blocked = (children_blocked(vars(self.settings.pipeline(count, self.thread_limit)))
+        blocked = (children_blocked(self.settings.for_children())
                    or unportable(ring.layout, aside))
         if blocked is not None:
             self._cannot(blocked, count)

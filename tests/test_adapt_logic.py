@@ -140,7 +140,7 @@ def test_the_switchs_looks_at_once_every_look_s_not_judged_while_children_start_
     look comes at once and only sets its baseline."""
     set_thresholds(monkeypatch, look_s=0.3)
     fed, stats, judged = SwitchStats(0.0), Stats(), []
-    chosen = Switch(None, SimpleNamespace(stats=fed, processes=0), None, None, 4, use=lambda backend: None,  # type: ignore[arg-type]
+    chosen = Switch(None, SimpleNamespace(stats=fed, processes=0), use=lambda backend: None,  # type: ignore[arg-type]
                     clock=lambda: fed.now)
     chosen.policy = SimpleNamespace(state="measuring", look=lambda seen: judged.append(seen["samples"]),  # type: ignore[assignment]
                                     switched=lambda count: None, count=2)

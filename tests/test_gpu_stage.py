@@ -162,9 +162,9 @@ def test_the_loader_tells_the_policy_the_training_step_s_time(folder):
 def test_without_cuda_the_default_is_unchanged_and_true_says_why(folder):
     source = image_folder(str(folder))
     with AsyncLoader(source) as loader:  # gpu_decode="auto" without CUDA: the CPU path, as before
-        assert type(loader._settings.decode) is ImageDecoder
+        assert type(loader.settings.decode) is ImageDecoder
     with AsyncLoader(source, gpu_decode=False) as loader:
-        assert type(loader._settings.decode) is ImageDecoder
+        assert type(loader.settings.decode) is ImageDecoder
     with pytest.raises(ValueError, match="gpu_decode=True needs device='cuda'"):
         AsyncLoader(source, gpu_decode=True)
     with pytest.raises(ValueError, match="gpu_decode must be 'auto', True or False"):
@@ -182,7 +182,7 @@ def test_the_stage_runs_in_this_process_only(folder, extra):
 def test_on_cuda_the_default_loader_routes_to_the_stage(folder):
     source = image_folder(str(folder))
     with AsyncLoader(source, batch_size=8, device="cuda", decode=ImageDecoder(SIZE, train=True)) as loader:
-        assert isinstance(loader._settings.decode, GpuImageDecoder)
+        assert isinstance(loader.settings.decode, GpuImageDecoder)
         batches = [(images.clone(), labels.clone()) for images, labels in loader]
         assert "GPU decode (auto)" in loader.stats.report()
     expected, _ = run_epoch(source, ImageDecoder(SIZE, train=True), batch_size=8, seed=0)
@@ -191,7 +191,7 @@ def test_on_cuda_the_default_loader_routes_to_the_stage(folder):
         difference = np.abs(images.cpu().numpy().astype(int) - images_cpu.numpy())
         assert difference.mean() < 1.5
     with AsyncLoader(source, device="cuda", gpu_decode=False) as loader:
-        assert type(loader._settings.decode) is ImageDecoder
+        assert type(loader.settings.decode) is ImageDecoder
 
 
 @pytest.mark.parametrize("value", [0, 1, 0.0, "off", None])
@@ -237,7 +237,7 @@ def test_gpu_decode_true_where_the_stage_cannot_run_says_so(tmp_path):
     import pyarrow.parquet as pq
 
     from asyncload import mds, parquet
-    from asyncload.arguments import default_decode
+    from asyncload.settings import default_decode
 
     FIXTURES = Path(__file__).parent / "fixtures" / "formats"  # test_formats' committed MDS folder
 

@@ -398,7 +398,7 @@ def test_the_watchdog_goes_on_after_a_report_of_a_stuck_decode_raises():
 def test_stuck_decodes_give_their_place_in_the_tuners_gate_back(gate, monkeypatch):
     """num_threads="auto": a gate lets ``threads`` of the started threads work. Stuck decodes
     used to keep their places in it, so their replacements waited at the gate for ever."""
-    monkeypatch.setattr("asyncload.loader.usable_cores", lambda: 2)
+    monkeypatch.setattr("asyncload.settings.usable_cores", lambda: 2)
     with AsyncLoader(list(range(24)), batch_size=4, shuffle=False, read=False, decode=HangingDecode({1, 2, 5, 6}, gate),
                      num_threads="auto", decode_timeout=0.5, on_error="skip", max_failures=4) as loader:
         got = run_bounded(lambda: samples(loader))

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import gc
 import inspect
 import re
@@ -222,7 +223,8 @@ def test_error_in_first_sample_of_a_user_decode(tmp_path):
         raise RuntimeError(f"cannot decode {i}")
 
     with index_loader(n=4, shuffle=False) as loader:
-        loader._backend.pipes.settings.decode = decode  # the in-process pipeline's own settings
+        pipes = loader._backend.pipes  # the next run's pipeline reads its settings
+        pipes.settings = dataclasses.replace(pipes.settings, decode=decode)
         with pytest.raises(SampleError, match="sample 0 failed at decode: RuntimeError: cannot decode 0"):
             list(loader)
 

@@ -22,13 +22,13 @@ from ..errors import SampleError
 from ..order.epoch_size import EpochSize
 from ..pipeline.messages import Done, Failed
 from ..pipeline.pipes import ENDED, Backend
+from ..settings import LoaderSettings
 from .dispatch import Dispatch
 from .handout import HandOut
 from .in_flight import InFlight
 from .plan import EpochPlan
 from .probe import pipeline_failed, probe_layout
 from .progress import Progress
-from .settings import Settings
 from .window import Window
 
 
@@ -36,7 +36,7 @@ class EpochDriver:
     """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run.
     ``rank``: this process's rank in a job of several, put on each failure recorded (None alone)."""
 
-    def __init__(self, backend: Backend, settings: Settings, epoch: int, order: np.ndarray, progress: Progress,
+    def __init__(self, backend: Backend, settings: LoaderSettings, epoch: int, order: np.ndarray, progress: Progress,
                  size: EpochSize, rank: int | None = None) -> None:
         self.pipes = backend.pipes
         self.stats = backend.stats
@@ -47,7 +47,7 @@ class EpochDriver:
                               settings.max_failures, self.stats, progress.skipped, progress.repeated,
                               epoch=epoch, rank=rank)
         self.window = Window(self.plan, progress, backend.window, settings.in_order)  # the batches under way
-        self.handout = HandOut(settings, self.stats, order)
+        self.handout = HandOut(settings, self.stats, order, backend.device_stage)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
         self._known: dict[int, SampleError] = {}  # positions whose sample failed in the probe
@@ -208,7 +208,7 @@ class EpochDriver:
             out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipes.ring.layout)
             window.handed_out(batch, delivered)
             self._assign()
-            if self.s.device_stage is not None:
+            if self.handout.stage is not None:
                 self._take_answers()  # so that batch k+1, if done, is copied now
             self.handout.prefetch_if_complete(window.taken, window.batches.get(window.taken))
             try:

@@ -23,17 +23,19 @@ import numpy as np
 from ..batch.assemble import assemble, host_part
 from ..batch.buffers import BatchBuffer, hole_moves
 from ..batch.layout import SampleLayout
-from ..device import PendingCopy, convert_batch, normalize_fixed
+from ..device import DeviceStage, PendingCopy, convert_batch, normalize_fixed
+from ..settings import LoaderSettings
 from ..stats.figures import LoaderStats
 from .in_flight import InFlight
-from .settings import Settings
 
 
 class HandOut:
     """Turns complete batch buffers into the user's batches, on the user's thread."""
 
-    def __init__(self, settings: Settings, stats: LoaderStats, order: np.ndarray) -> None:
+    def __init__(self, settings: LoaderSettings, stats: LoaderStats, order: np.ndarray,
+                 device_stage: DeviceStage | None = None) -> None:
         self.s = settings
+        self.stage = device_stage  # the backend's, with a CUDA device
         self.stats = stats
         self.order = order  # epoch position -> source index
         # Checked once, not per batch: only a source with host fields costs anything at hand-out.
@@ -62,7 +64,7 @@ class HandOut:
             self.stats.add_sources(self.s.source_names, buffer.arrays[-1][:size])
         if target is not buffer.layout or target.leaves is not None or buffer.side:
             return self._assembled(number, buffer, size, target)
-        stage = self.s.device_stage
+        stage = self.stage
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
             return buffer.layout.unflatten(stage.hand_over(pending))
@@ -76,7 +78,7 @@ class HandOut:
     def _assembled(self, number: int, buffer: BatchBuffer, size: int, target: SampleLayout) -> Any:
         """A batch with more than fixed fields (``batch/assemble.py``): its storage copied to the
         device like any batch's (the ragged values with it), or tracked views on the host."""
-        stage = self.s.device_stage
+        stage = self.stage
         if stage is not None:
             pending = self.pending_copies.pop(number, None) or self.start_copy(buffer, size)
             host = getattr(pending, "host", buffer)  # see start_copy
@@ -88,7 +90,7 @@ class HandOut:
 
     def wants_copy(self, number: int) -> bool:
         """Whether batch ``number``'s copy should start now, once it is complete."""
-        return self.s.device_stage is not None and self.s.in_order and number not in self.pending_copies
+        return self.stage is not None and self.s.in_order and number not in self.pending_copies
 
     def prefetch_if_complete(self, number: int, batch: InFlight | None) -> None:
         """With a device stage: if batch ``number`` is already complete (no errors, no holes),
@@ -107,9 +109,9 @@ class HandOut:
     def start_copy(self, buffer: BatchBuffer, size: int) -> PendingCopy:
         """Issues a batch's host-to-device copy. The stats count batches and bytes and the host
         time to issue it; the copy itself runs on the GPU, overlapped, unmeasured by design."""
-        assert self.s.device_stage is not None
+        assert self.stage is not None
         started = time.perf_counter()
-        pending = self.s.device_stage.start_copy(buffer, size)
+        pending = self.stage.start_copy(buffer, size)
         if buffer.layout.leaves is not None or buffer.side:  # the buffer may be reused before the hand-out
             pending.host = host_part(buffer, size)  # type: ignore[attr-defined]
         ended = time.perf_counter()

@@ -14,11 +14,11 @@ import weakref
 from typing import Any, Iterator
 
 from ..pipeline.pipes import Backend
+from ..settings import LoaderSettings
 from ..stats.bar import ProgressBar
 from ..trainers import EpochEnd
 from .driver import EpochDriver
 from .progress import Epochs, Progress
-from .settings import Settings
 
 
 class Passes:
@@ -28,7 +28,7 @@ class Passes:
         self.epochs = epochs
         self.driver: EpochDriver | None = None
 
-    def start(self, backend: Backend, settings: Settings, sampler: Any, tuner: Any, bar: bool,
+    def start(self, backend: Backend, settings: LoaderSettings, sampler: Any, tuner: Any, bar: bool,
               owner: Any = None, switch: Any = None) -> Iterator[Any]:
         """A new pass: the epoch ``epochs`` says, or the rest of one. Called at the pass's first
         ``next()`` (``AsyncLoader.__iter__`` returns a generator whose body calls it), so nothing
@@ -50,7 +50,7 @@ class Passes:
         weakref.finalize(iteration, stop_unless_stopped, driver)
         return iteration
 
-    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: Settings,
+    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: LoaderSettings,
                  tuner: Any, bar_stats: Any, owner: Any, switch: Any) -> Iterator[Any]:  # owner: kept alive
         bar = ProgressBar.for_pass(bar_stats, sampler, progress, epoch) if bar_stats is not None else None
         end = EpochEnd()  # Accelerate's gradient accumulation syncs at the epoch's last batch
@@ -85,7 +85,7 @@ class Passes:
             if bar is not None:
                 bar.close()
 
-    def _switched(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: Settings,
+    def _switched(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: LoaderSettings,
                   switch: Any, owner: Any) -> tuple[EpochDriver, Any]:
         """The drained ``driver`` stops; a new one on the switch's new backend goes on over the
         epoch's progress; the old backend is closed once its run has stopped."""

@@ -24,6 +24,7 @@ from ..errors import SampleError
 from ..gates import AsyncGate, Gate
 from ..io.cache_items import CopyRead
 from ..io.reader import Reader
+from ..settings import LoaderSettings, share
 from ..sources.shard_stream import reader_shard_stream
 from . import cached_reads
 from .batched import BatchJobs, is_batched
@@ -32,7 +33,6 @@ from .keys import split
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
 from .refetch import Refetch
 from .run_state import RunState
-from .settings import PipelineSettings
 from .slots import Watchdog
 from .threads import LoopThread, wait_ended
 from .workers import DecodeWorkers
@@ -40,27 +40,40 @@ from .workers import DecodeWorkers
 
 class Pipeline:
     """Reads and decodes into batch buffers it is given by number (``buffers``); answers through
-    ``send`` (thread-safe). ``handle`` takes messages from one thread; ``close`` ends its threads."""
+    ``send`` (thread-safe). ``handle`` takes messages from one thread; ``close`` ends its threads.
+    ``processes``: in a child, how many there are, for its ``share`` of the threads and reads;
+    in this process, the loader's ``gate`` and the tuner's ``io_concurrency`` come instead."""
 
-    def __init__(self, settings: PipelineSettings, buffers: Callable[[int], BatchBuffer],
-                 send: Callable[[Any], None], stats: Any, gate: Gate | None = None) -> None:
+    def __init__(self, settings: LoaderSettings, buffers: Callable[[int], BatchBuffer],
+                 send: Callable[[Any], None], stats: Any, processes: int = 0, gate: Gate | None = None,
+                 io_concurrency: int | None = None) -> None:
         self.s = settings
         self.buffers = buffers
         self.send = send
         self.stats = stats
-        self.gate = gate if gate is not None else (Gate(settings.thread_limit) if settings.thread_limit else None)
-        self.workers = DecodeWorkers(settings.num_threads, self.gate)
-        self.io_limit = settings.io_concurrency
-        self.read_slots = AsyncGate(settings.io_concurrency)
+        threads = share(settings.threads_started, processes)
+        if gate is None and settings.auto_threads:
+            gate = Gate(share(settings.num_threads, processes))
+        self.gate = gate
+        self.workers = DecodeWorkers(threads, self.gate)
+        self.io_limit = io_concurrency if io_concurrency is not None else share(settings.io_concurrency, processes)
+        self.read_slots = AsyncGate(self.io_limit)
         self.runs: dict[int, RunState] = {}
-        self._chunk = chunk_rows(settings.batch_size, settings.num_threads)
+        self._chunk = chunk_rows(settings.batch_size, threads)
         self._lock = threading.Lock()  # row counts and run states, shared by the loop and decode threads
         self._closing = False  # close() has scheduled the loop's shutdown
         self.loop_thread = LoopThread()
         self.loop, self.thread = self.loop_thread.loop, self.loop_thread.thread
-        self.reader: Reader = asyncio.run_coroutine_threadsafe(settings.reader(self.loop, stats), self.loop).result()
+        self.reader: Reader = asyncio.run_coroutine_threadsafe(self._new_reader(), self.loop).result()
         self.cached_read = None if settings.read is not None else cached_reads.item_cache(settings.source, self.reader)
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
+
+    async def _new_reader(self) -> Reader:
+        """The pipeline's reader, made on its event loop."""
+        s = self.s
+        return Reader(self.loop, storage_options=s.storage_options, timeout=s.read_timeout, retries=s.read_retries,
+                      io_concurrency=self.io_limit, stats=self.stats, user_read=s.read if callable(s.read) else None,
+                      retry_seconds=s.read_retry_seconds, max_bytes=s.max_sample_bytes)
 
     # ----- the driver's thread (or a child's control thread) -----
 

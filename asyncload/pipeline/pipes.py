@@ -7,7 +7,6 @@ numbered buffers) and count in one kind of stats, so the driver cannot tell them
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import time
 import warnings
@@ -15,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..batch.buffers import BatchBuffer, BufferRing
+from ..device import DeviceStage
 from ..gates import Gate
+from ..settings import LoaderSettings
 from ..stats.figures import LoaderStats
 from .messages import Stop, Stopped
 from .pipeline import Pipeline
-from .settings import PipelineSettings
 
 ENDED = "this iteration has ended: the loader was closed or iterated anew"
 STOP_TIMEOUT_S = 20.0  # how long a stop waits for the threads: a read's timeout is on its own threads
@@ -57,6 +57,7 @@ class Backend:
     pipes: Pipes
     window: int
     processes: int  # 0: the one pipeline in this process
+    device_stage: DeviceStage | None = None  # the loader's, with a CUDA device: copies batches there
 
     @property
     def ring(self) -> Any:
@@ -77,11 +78,14 @@ class LocalPipes:
 
     count = 1
 
-    def __init__(self, settings: PipelineSettings, ring: BufferRing, stats: LoaderStats, gate: Gate | None) -> None:
-        self.settings = settings  # this pipeline's own: the tuner changes its reads in flight
+    def __init__(self, settings: LoaderSettings, ring: BufferRing, stats: LoaderStats) -> None:
+        self.settings = settings
         self.ring = ring
         self.stats = stats
-        self.gate = gate
+        # What the tuner moves, for this run and the next ones: how many decode threads work
+        # (with num_threads="auto"), how many reads are in flight.
+        self.gate = Gate(settings.num_threads) if settings.auto_threads else None
+        self.io_concurrency = settings.io_concurrency
         self._pipelines: dict[int, Pipeline] = {}  # by run: a stop cut short is finished later
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._runs = 0
@@ -90,8 +94,8 @@ class LocalPipes:
     def new_run(self) -> int:
         self._runs += 1
         self._answers = queue.SimpleQueue()
-        self._pipelines[self._runs] = Pipeline(dataclasses.replace(self.settings), self.ring.buffer,
-                                               self._answers.put, self.stats, gate=self.gate)
+        self._pipelines[self._runs] = Pipeline(self.settings, self.ring.buffer, self._answers.put, self.stats,
+                                               gate=self.gate, io_concurrency=self.io_concurrency)
         return self._runs
 
     def send(self, index: int, message: Any) -> None:
@@ -147,7 +151,7 @@ class LocalPipes:
         if num_threads is not None and self.gate is not None:
             self.gate.set_limit(num_threads)
         if io_concurrency is not None:
-            self.settings.io_concurrency = io_concurrency
+            self.io_concurrency = io_concurrency
             pipeline = self._pipelines.get(self._runs)
             if pipeline is not None:
                 pipeline.set_limits(None, io_concurrency)

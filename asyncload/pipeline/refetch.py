@@ -14,18 +14,18 @@ import asyncio
 from typing import Any, Coroutine, Protocol
 
 from ..errors import SampleError
+from ..settings import LoaderSettings
 from ..sources.shards import ShardSample
 from .jobs import Row, Work
 from .keys import split
 from .run_state import RunState
-from .settings import PipelineSettings
 from .threads import LoopThread
 
 
 class Rows(Protocol):
     """What a retry needs of the pipeline (``pipeline.py``, which imports this module)."""
 
-    s: PipelineSettings
+    s: LoaderSettings
     loop_thread: LoopThread
 
     def _row_failed(self, work: Work, row: int, error: SampleError) -> None: ...

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..batch.buffers import BatchBuffer
 from ..pipeline.pipeline import Pipeline
-from ..pipeline.settings import PipelineSettings
+from ..settings import LoaderSettings, share
 from ..stats.figures import LoaderStats
 from ..stats.trace import Tracer
 from . import shm
@@ -39,10 +39,11 @@ CLOSE_WAIT_S = 1.5  # Close: how long the pipeline's threads may take to end (th
 CHILD_NICENESS = 10  # at least: the child yields the CPU to the training process (see _lower_priority)
 
 
-def child_main(conn: Any, payload: dict[str, bytes], environ: dict[str, str]) -> None:
-    """The child process: builds its filler, then serves the parent until it closes or dies.
-    ``environ``: the parent's environment when it started this child (a fork server's own is
-    the one it started with: ``start.py``)."""
+def child_main(conn: Any, payload: dict[str, bytes], count: int, environ: dict[str, str]) -> None:
+    """The child process: builds its pipeline from the loader's settings (``payload``, pickled
+    field by field) with its share of the threads and reads among ``count`` children, then
+    serves the parent until it closes or dies. ``environ``: the parent's environment when it
+    started this child (a fork server's own is the one it started with: ``start.py``)."""
     lead_group()  # first: what this process starts is in its group, and ends with it
     _leave_fork_server()
     threading.Thread(target=_exit_with_parent, name="asyncload-lifeline", daemon=True).start()
@@ -54,11 +55,12 @@ def child_main(conn: Any, payload: dict[str, bytes], environ: dict[str, str]) ->
     child = _Child(conn)
     threading.excepthook = child.thread_died
     try:
-        settings = PipelineSettings(**{name: unpickle(name, data) for name, data in payload.items()})
-        child.stats.limits.update(io_concurrency=settings.io_concurrency, num_threads=settings.num_threads)
-        if settings.trace_events is not None:
+        settings = LoaderSettings(**{name: unpickle(name, data) for name, data in payload.items()})
+        child.stats.limits.update(io_concurrency=share(settings.io_concurrency, count),
+                                  num_threads=share(settings.threads_started, count))
+        if settings.trace is not None:  # the parent traces: this child records its events, sent with its answers
             child.stats.tracer = Tracer(None, settings.trace_events, multiprocessing.current_process().name)
-        child.pipeline = Pipeline(settings, child.segments.__getitem__, child.send, child.stats)
+        child.pipeline = Pipeline(settings, child.segments.__getitem__, child.send, child.stats, processes=count)
     except BaseException as error:
         child.send(Broken(portable(error)))
         _wait_for_close(conn)  # exiting now could break the pipe before the parent reads why

@@ -26,8 +26,8 @@ from typing import Any, NoReturn
 import torch
 
 from ..pipeline.keys import split
-from ..pipeline.settings import share
 from ..redact import shown
+from ..settings import LoaderSettings, share
 from . import shm
 from .guard import guard_advice, refuse_while_bootstrapping
 from .lifetime import end_group
@@ -46,12 +46,12 @@ class ProcessPool:
     """The children, their pipes and the segment ring they share with this process: the
     driver's pipelines (``pipeline/pipes.py``'s ``Pipes``), one per child."""
 
-    def __init__(self, count: int, arguments: dict[str, Any], stats: ProcessStats, keep: int,
-                 device: torch.device | None) -> None:
+    def __init__(self, count: int, settings: LoaderSettings, stats: ProcessStats, keep: int) -> None:
         refuse_while_bootstrapping()
         reason = shm.supported()
         if reason:
             raise RuntimeError(reason)
+        arguments = settings.for_children()  # the loader's value: each child takes its share of the totals
         payload = pickled_arguments(arguments)
         refusal = script_refusal(payload, arguments)  # before any child could run the script's top level
         if refusal is not None:
@@ -60,13 +60,14 @@ class ProcessPool:
         self.conns: list[Any] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.send_locks = [threading.Lock() for _ in range(count)]
+        device = settings.device
         self.ring = SegmentRing(keep, device, self._announce, self._forget)
         # The finalizer must not reach this object (the ring's callbacks do): only plain parts.
         self._finalizer = weakref.finalize(self, _shut_down, self.processes, self.conns, self.send_locks,
                                            self.ring.segments, device)
         main = needs_main(payload) is not None  # else the children never import the user's script
         for index in range(count):
-            conn, process = start_child(index, payload, main)
+            conn, process = start_child(index, count, payload, main)
             self.conns.append(conn)
             self.processes.append(process)
         self._stopping: dict[int, tuple[set[int], list[Any]]] = {}  # run -> (children yet to answer, buffers)
@@ -75,7 +76,7 @@ class ProcessPool:
         self._broken: tuple[str, BaseException | None] | None = None
         self._closed = False
         self._runs = 0
-        self._source, self._labelled = arguments["source"], arguments["labelled"]  # to name what a dead child held
+        self._source, self._labelled = settings.source, settings.labelled  # to name what a dead child held
         self._held: list[dict[tuple[int, Any], Any]] = [{} for _ in range(count)]  # (run, fill) -> its indices
         self._ready = 0  # children that said they built their pipeline
 

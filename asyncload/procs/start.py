@@ -60,14 +60,15 @@ def child_context() -> BaseContext:
     return context
 
 
-def start_child(index: int, payload: dict[str, bytes], main: bool = True) -> tuple[Any, BaseProcess]:
-    """Child ``index`` running ``child_main`` on ``payload`` (the pickled pipeline settings),
+def start_child(index: int, count: int, payload: dict[str, bytes], main: bool = True) -> tuple[Any, BaseProcess]:
+    """Child ``index`` of ``count`` running ``child_main`` on ``payload`` (the loader's settings
+    pickled field by field: ``LoaderSettings.for_children``),
     with this process's environment as it is now (the fork server's is older), and this
     process's end of its pipe. ``main``: whether the child imports the user's ``__main__``
     first (only to unpickle what the script defines: ``script.needs_main``)."""
     context = child_context()
     conn, child_end = context.Pipe(duplex=True)
-    process = context.Process(target=child_main, args=(child_end, payload, dict(os.environ)),
+    process = context.Process(target=child_main, args=(child_end, payload, count, dict(os.environ)),
                               name=f"asyncload-{index}", daemon=True)
     try:
         with contextlib.nullcontext() if main else without_main():
