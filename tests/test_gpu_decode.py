@@ -140,8 +140,21 @@ def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
     gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized([whole, truncated, padded], None)
     assert gpu_rows == [0, 2] and cpu_rows == [1]
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, fell_back, _ = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
+    failures, _, fell_back = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
     assert fell_back == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
+
+
+def test_a_batch_result_still_unpacks_as_three_values_with_its_reasons_beside():
+    """A user's batched decoder that wraps this one (``failures, event, on_cpu = ...``, the
+    contract the loader documents) keeps working: the reasons are an attribute, kept by
+    ``_replace``, not a fourth member."""
+    whole = encoded("china", "jpeg_q90_420")
+    out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
+    result = on_cpu(32).decode_batch([whole, whole[: len(whole) // 2]], [None, None], out)
+    failures, event, fell_back = result
+    assert len(result) == 3 and fell_back == [1] and list(failures) == [1] and event is None
+    assert result.why == {1: "truncated JPEG (no end marker)"}
+    assert result._replace(failures={}).why == result.why and result._replace(failures={}).failures == {}
 
 
 def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
@@ -149,7 +162,7 @@ def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
     ImageDecoder's message, not the batch with a TypeError from slicing a dict."""
     whole = encoded("china", "jpeg_q90_420")
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, on_cpu_rows, _ = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
+    failures, _, on_cpu_rows = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
     assert on_cpu_rows == [1] and list(failures) == [1]
     assert str(failures[1]) == ("ImageDecoder got a dict ('image', 'label'), not an image's bytes: pass "
                                 'decode=Members("image", "label", image=ImageDecoder(...))')

@@ -81,16 +81,29 @@ OUT_OF_MEMORY = "GPU out of memory"
 GPU_ERROR = "GPU decode error"
 
 
-class BatchResult(NamedTuple):
-    """``failures``: row -> the exception that row's bytes raised (its row in ``out`` is left as
-    it was); ``event``: recorded on the stream after the last write (None off CUDA); ``on_cpu``:
-    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share);
-    ``why``: row of ``on_cpu`` -> the reason (``NOT_JPEG``, ``REFUSED``, ...)."""
-
+class _BatchFields(NamedTuple):
     failures: dict[int, Exception]
     event: torch.cuda.Event | None
     on_cpu: list[int]
-    why: dict[int, str] = {}  # never mutated: every result of ours passes its own
+
+
+class BatchResult(_BatchFields):
+    """``failures``: row -> the exception that row's bytes raised (its row in ``out`` is left as
+    it was); ``event``: recorded on the stream after the last write (None off CUDA); ``on_cpu``:
+    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share).
+    ``why`` (an attribute, not a fourth member: ``failures, event, on_cpu = decode_batch(...)``
+    in a user's decoder that wraps this one keeps working): row of ``on_cpu`` -> the reason
+    (``NOT_JPEG``, ``REFUSED``, ...)."""
+
+    def __new__(cls, failures: dict[int, Exception], event: torch.cuda.Event | None, on_cpu: list[int],
+                why: dict[int, str] | None = None) -> "BatchResult":
+        result = super().__new__(cls, failures, event, on_cpu)
+        result.why = {} if why is None else why
+        return result
+
+    def _replace(self, **changes: Any) -> "BatchResult":
+        why = changes.pop("why", self.why)
+        return BatchResult(*super()._replace(**changes), why=why)
 
 
 class GpuImageDecoder:
