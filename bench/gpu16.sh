@@ -7,7 +7,7 @@
 # test photos; neither step is needed again while .gpu16/ is there):
 #   bash ../shared/gpu16/prepare.sh --gpu-decode && bash bench/gpu16.sh --prepare
 # Then with the device tool, from the repository root, carrying .gpu16 (about 35 MB):
-#   run(command="bash bench/gpu16.sh", carry=[".gpu16"], timeout_s=600)
+#   run(command="bash bench/gpu16.sh", carry=[".gpu16"], timeout_s=540)  # the steps end by 7.5 min
 # Everything lands in $OUT/gpu16-<date>/ as it is written (bench/results/ without $OUT), so a call
 # cut short at its limit still brings back what the finished steps wrote: copy it into
 # bench/results/ here and commit it. Each step has its own time limit and the next one runs
