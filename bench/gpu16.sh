@@ -93,6 +93,18 @@ for name, tensor in zip(("baseline ROI", "progressive whole"), out):
 if out[0] is not None:
     expected = torch.from_numpy(image[10:110, 20:220]).permute(2, 0, 1).float()
     print("ROI mean level difference vs the source", float((out[0].cpu().float() - expected).abs().mean()))
+# an RGB-coded JPEG (Adobe APP14 transform 0, no JFIF): the stage refuses it from its header;
+# this says whether nvJPEG itself would get its colours right (a large difference: it would not)
+import struct
+app14 = b"\xff\xee" + struct.pack(">H", 14) + b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 0)
+rgb = jpeg[:2] + app14 + jpeg[4 + struct.unpack(">H", jpeg[4:6])[0]:] if jpeg[2:4] == b"\xff\xe0" else None
+if rgb is not None:
+    with torch.cuda.stream(stream):
+        decoded = decode([rgb], [None], stream)[0]
+    stream.synchronize()
+    expected = torch.from_numpy(simplejpeg.decode_jpeg(rgb)).permute(2, 0, 1).float()
+    print("RGB-coded JPEG on the GPU:", None if decoded is None else
+          f"mean level difference vs libjpeg {float((decoded.cpu().float() - expected).abs().mean()):.2f}")
 stage = GpuImageDecoder(224, train=True)
 rows = torch.zeros((64, 224, 224, 3), dtype=torch.uint8, device="cuda")
 stream.wait_stream(torch.cuda.current_stream())  # the zeros are written before the stage's rows

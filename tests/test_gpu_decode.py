@@ -3,6 +3,7 @@ its CPU backend (the same calls as on a GPU, into host memory): the regions, the
 fallbacks to the CPU path, the pixel budget. Tests that need CUDA are marked ``cuda``."""
 
 import os
+import struct
 import subprocess
 import sys
 import warnings
@@ -82,6 +83,28 @@ def test_each_refusal_has_its_reason_from_the_header_alone():
     assert sizes[0] == (427, 640) and sizes[11] == (2000, 2000)
     assert gpu.jpeg_frame(good) == (0xC0, 8) and gpu.jpeg_frame(np.frombuffer(good, np.uint8)) == (0xC0, 8)
     assert gpu.jpeg_frame(encoded("flower", "jpeg_progressive"))[0] == 0xC2
+
+
+def _rgb_coded(data: bytes) -> bytes:
+    """``data`` (a JFIF JPEG) with its JFIF marker replaced by an Adobe APP14 one saying "no colour
+    transform": libjpeg then reads its three components as R, G and B, not Y, Cb and Cr."""
+    assert data[2:4] == b"\xff\xe0"
+    app14 = b"\xff\xee" + struct.pack(">H", 14) + b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 0)
+    return data[:2] + app14 + data[4 + struct.unpack(">H", data[4:6])[0]:]
+
+
+def test_an_rgb_coded_jpeg_goes_to_the_cpu_path_which_decodes_it_without_a_colour_transform():
+    """nvImageCodec's parser takes every 3-component JPEG for YCbCr: an RGB-coded one (Adobe
+    transform 0, no JFIF) would come out of the GPU converted as YCbCr, wrong without a word."""
+    from asyncload.decode import gpu
+
+    rgb = _rgb_coded(encoded("china", "jpeg_q90_420"))
+    assert simplejpeg.decode_jpeg_header(rgb)[2] == "RGB"
+    assert gpu.gpu_refusal(rgb, None) == (gpu.RGB_CODED, (427, 640))
+    out = torch.zeros((1, 64, 64, 3), dtype=torch.uint8)
+    result = on_cpu(64).decode_batch([rgb], [None], out)
+    assert result.failures == {} and result.on_cpu == [0] and result.why == {0: gpu.RGB_CODED}
+    within_a_level(out[0], ImageDecoder(64)(rgb))
 
 
 def test_the_region_decoded_is_the_crop_box_or_the_centre_crop_s_lines():

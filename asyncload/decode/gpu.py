@@ -57,7 +57,11 @@ from .split import SplitPolicy
 Key = tuple[int, ...] | None
 RegionDecode = Callable[[Sequence[bytes], Sequence[Box | None], Any], list[torch.Tensor | None]]
 JPEG_END = b"\xff\xd9"  # the EOI marker: a JPEG without it at its end is truncated
-GPU_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
+# simplejpeg's names. Not "RGB" (three components coded without a colour transform, said by an Adobe
+# APP14 marker and no JFIF one): nvImageCodec's parser files every 3-component JPEG as YCbCr
+# ("assume that 3 channels is always going to be YCbCr", src/parsers/jpeg.cpp), so the GPU would
+# convert it as YCbCr, wrong colours without an error; CMYK and YCCK go to the CPU too.
+GPU_COLOURSPACES = ("YCbCr", "Gray")
 # The frames nvImageCodec decodes on the GPU (its nvjpeg_cuda_decoder; the hardware engines take a
 # subset and hand the rest to it): baseline, extended sequential and progressive, Huffman-coded.
 GPU_FRAMES = (0xC0, 0xC1, 0xC2)
@@ -75,6 +79,7 @@ ARITHMETIC = "arithmetic-coded JPEG"
 HIERARCHICAL = "hierarchical JPEG"
 NOT_8_BIT = "JPEG of more than 8 bits"
 CMYK = "CMYK/YCCK JPEG"
+RGB_CODED = "RGB-coded JPEG (no colour transform)"
 OVER_BUDGET = "over the pixel budget"
 REFUSED = "refused by nvImageCodec"
 OUT_OF_MEMORY = "GPU out of memory"
@@ -397,7 +402,7 @@ def gpu_refusal(data: Any, max_pixels: int | None) -> tuple[str | None, tuple[in
     except Exception:  # a header libjpeg rejects: the CPU path raises the clear error
         return BAD_HEADER, None
     if colourspace not in GPU_COLOURSPACES:
-        return CMYK, (height, width)
+        return (RGB_CODED if colourspace == "RGB" else CMYK), (height, width)
     if max_pixels is not None and height * width > max_pixels:
         return OVER_BUDGET, (height, width)
     return None, (height, width)
