@@ -14,7 +14,7 @@ and is copied up, alone, counted in ``stats.decoded_on_cpu`` and by reason in
 ``stats.decoded_on_cpu_why``: from its header (``gpu_refusal``, before any GPU memory is taken)
 not a JPEG, a truncated one (no EOI marker: nvJPEG might decode it silently), a frame
 nvImageCodec has no GPU decoder for with a region (lossless, arithmetic, hierarchical, more than
-8 bits), CMYK/YCCK, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
+8 bits), CMYK/YCCK or RGB-coded, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
 fails on (out of GPU memory included; a call that failed as a whole is retried one image at a
 time first). One image never fails the batch; one neither path decodes fails as it would without
 the stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header
@@ -376,7 +376,8 @@ def gpu_refusal(data: Any, max_pixels: int | None) -> tuple[str | None, tuple[in
     the GPU might decode what is there without a word, while the strict CPU path raises the clear
     error), a header libjpeg cannot read, a frame nvImageCodec has no GPU decoder for with a
     region (lossless, arithmetic-coded, hierarchical, more than 8 bits a sample; read from the
-    SOF marker, ``jpeg_frame``), CMYK/YCCK (nvJPEG converts those otherwise than the CPU path),
+    SOF marker, ``jpeg_frame``), CMYK/YCCK (nvJPEG converts those otherwise than the CPU path)
+    and RGB-coded JPEGs (``GPU_COLOURSPACES``),
     more pixels than ``max_pixels`` at full size (the CPU path may decode it reduced, else
     raises the clear error)."""
     if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):  # a dict: the CPU path names it
