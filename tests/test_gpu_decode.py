@@ -238,7 +238,9 @@ def test_a_call_that_failed_as_a_whole_is_retried_one_image_at_a_time():
 
 def test_a_gpu_that_decodes_nothing_even_alone_says_so_once():
     """Every JPEG refused in the batch and again alone (nvImageCodec without its nvJPEG
-    extension): all on the CPU path, pixels right, one warning naming what to install."""
+    extension): all on the CPU path, pixels right, one warning naming what to install; later
+    batches are not retried one image at a time (with CUDA, each retry first emptied PyTorch's
+    cache: a device sync and the training step's blocks given back, every batch)."""
     datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_q90_420")]
     out = torch.zeros((2, 64, 64, 3), dtype=torch.uint8)
     decoder = on_cpu(64, decode_regions=Refusing(refused=[len(data) for data in datas]))
@@ -247,7 +249,9 @@ def test_a_gpu_that_decodes_nothing_even_alone_says_so_once():
     assert result.on_cpu == [0, 1] and result.why == {0: "refused by nvImageCodec", 1: "refused by nvImageCodec"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        decoder.decode_batch(datas, [None] * 2, out)  # said once
+        later = decoder.decode_batch(datas, [None] * 2, out)  # said once
+    assert later.why == result.why
+    assert decoder.decode_regions.calls == [2, 1, 1, 2], "once warned, no retry one by one (nor empty_cache) each batch"
     for row in range(2):
         within_a_level(out[row], ImageDecoder(64)(datas[row]))
 

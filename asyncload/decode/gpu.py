@@ -303,7 +303,12 @@ class GpuImageDecoder:
             images = self.decode_regions(encoded, regions, stream)
         except Exception as error:  # one bad file (or out of memory) fails the whole call
             images, reasons = None, [_gpu_error(error)] * len(rows)
-        if images is None or len(images) != len(rows) or (len(rows) > 1 and all(image is None for image in images)):
+        failed_whole = images is None or len(images) != len(rows) or (len(rows) > 1 and all(image is None for image in images))
+        if failed_whole and images is not None and self._warned:
+            # nvImageCodec has decoded nothing here, even alone (warned): no retry one by one, and no
+            # empty_cache() each batch (it syncs the device and flushes the training step's blocks)
+            images = [None] * len(rows)
+        elif failed_whole:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             alone = [self._decode_alone(data, region, stream) for data, region in zip(encoded, regions)]
