@@ -430,6 +430,37 @@ def test_nvimgcodec_s_settings_are_scoped_to_its_import_and_a_user_s_own_wins(tm
     assert done.stdout.split("\n")[0] == "(3, 8, 8) None 1 []", done.stderr
 
 
+def test_without_any_nvidia_package_the_import_error_says_what_to_install(monkeypatch):
+    """``find_spec("nvidia.nvimgcodec")`` imports its parent and raises where no ``nvidia``
+    package is installed at all (a CPU-only torch): ``load`` still raises its own ImportError,
+    naming the package, not a bare "No module named 'nvidia'"."""
+    import importlib.util
+    import builtins
+
+    from asyncload.decode import nvimgcodec
+
+    def no_parent(name, *args, **kwargs):
+        raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+
+    real_import = builtins.__import__
+
+    def no_nvidia(name, *args, **kwargs):
+        if name == "nvidia" or name.startswith("nvidia."):
+            raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_parent)
+    monkeypatch.setattr(builtins, "__import__", no_nvidia)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    nvimgcodec.load.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"GPU decode needs nvImageCodec: pip install"):
+            nvimgcodec.load()
+    finally:
+        monkeypatch.undo()
+        nvimgcodec.load.cache_clear()
+
+
 @cuda
 @pytest.mark.parametrize("train", [False, True])
 def test_on_cuda_the_gpu_matches_the_cpu_path_within_a_level(train):
