@@ -434,8 +434,8 @@ def test_without_any_nvidia_package_the_import_error_says_what_to_install(monkey
     """``find_spec("nvidia.nvimgcodec")`` imports its parent and raises where no ``nvidia``
     package is installed at all (a CPU-only torch): ``load`` still raises its own ImportError,
     naming the package, not a bare "No module named 'nvidia'"."""
-    import importlib.util
     import builtins
+    import importlib.util
 
     from asyncload.decode import nvimgcodec
 

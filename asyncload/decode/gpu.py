@@ -303,7 +303,8 @@ class GpuImageDecoder:
             images = self.decode_regions(encoded, regions, stream)
         except Exception as error:  # one bad file (or out of memory) fails the whole call
             images, reasons = None, [_gpu_error(error)] * len(rows)
-        failed_whole = images is None or len(images) != len(rows) or (len(rows) > 1 and all(image is None for image in images))
+        failed_whole = (images is None or len(images) != len(rows)
+                        or (len(rows) > 1 and all(image is None for image in images)))
         if failed_whole and images is not None and self._warned:
             # nvImageCodec has decoded nothing here, even alone (warned): no retry one by one, and no
             # empty_cache() each batch (it syncs the device and flushes the training step's blocks)
