@@ -7,11 +7,13 @@
 # test photos; neither step is needed again while .gpu16/ is there):
 #   bash ../shared/gpu16/prepare.sh --gpu-decode && bash bench/gpu16.sh --prepare
 # Then with the device tool, from the repository root, carrying .gpu16 (about 35 MB):
-#   run(command="bash bench/gpu16.sh", carry=[".gpu16"], timeout_s=600)
-# Everything lands in bench/results/gpu16-<date>/ on the box and in $OUT, which comes back: copy
-# it into bench/results/ here and commit it. Each step has its own time limit and the next one runs
-# whatever the last did; steps.txt says how each ended. SAMPLES (default 8192 an epoch) and
-# ROUNDS (3) size the bench.
+#   run(command="bash bench/gpu16.sh", carry=[".gpu16"], timeout_s=540)  # the steps end by 7.5 min
+# Everything lands in $OUT/gpu16-<date>/ as it is written (bench/results/ without $OUT), so a call
+# cut short at its limit still brings back what the finished steps wrote: copy it into
+# bench/results/ here and commit it. Each step has its own time limit and the next one runs
+# whatever the last did; steps.txt says how each ended. The limits add up to 7.5 minutes with
+# their grace (the call must stay within 8, leaving device time for a rerun). SAMPLES (default
+# 8192 an epoch) and ROUNDS (3) size the bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,13 +38,13 @@ EOF
 fi
 
 [[ -d .gpu16/whl ]] || { echo "no .gpu16/whl: run prepare.sh --gpu-decode and bench/gpu16.sh --prepare here first, then carry .gpu16"; exit 2; }
-results="bench/results/gpu16-$(date -u +%Y-%m-%d-%H%M)"
+results="${OUT:-bench/results}/gpu16-$(date -u +%Y-%m-%d-%H%M)"  # straight into $OUT: nothing is lost at a timeout
 mkdir -p "$results"
 steps="$results/steps.txt"
 step() {  # step NAME SECONDS COMMAND...: runs it under a time limit, its output in NAME.log
   local name=$1 limit=$2 started=$SECONDS
   shift 2
-  timeout --kill-after=10 "$limit" "$@" > "$results/$name.log" 2>&1
+  timeout --kill-after=5 "$limit" "$@" > "$results/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc in $((SECONDS - started)) s (limit $limit s)" | tee -a "$steps"
   tail -n 25 "$results/$name.log"
@@ -58,7 +60,7 @@ done
 [[ -d .gpu16/photos ]] && export ASYNCLOAD_TEST_PHOTOS="$PWD/.gpu16/photos"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; } > "$results/machine.txt" 2>&1
 
-step probe 60 python3 - <<'EOF'
+step probe 45 python3 - <<'EOF'
 # nvImageCodec's CUDA decode, alone and in the stage: does nvJPEG load, does a region decode on
 # the GPU, what falls back and why (a None here: the nvJPEG extension did not load)
 import io
@@ -91,8 +93,21 @@ for name, tensor in zip(("baseline ROI", "progressive whole"), out):
 if out[0] is not None:
     expected = torch.from_numpy(image[10:110, 20:220]).permute(2, 0, 1).float()
     print("ROI mean level difference vs the source", float((out[0].cpu().float() - expected).abs().mean()))
+# an RGB-coded JPEG (Adobe APP14 transform 0, no JFIF): the stage refuses it from its header;
+# this says whether nvJPEG itself would get its colours right (a large difference: it would not)
+import struct
+app14 = b"\xff\xee" + struct.pack(">H", 14) + b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 0)
+rgb = jpeg[:2] + app14 + jpeg[4 + struct.unpack(">H", jpeg[4:6])[0]:] if jpeg[2:4] == b"\xff\xe0" else None
+if rgb is not None:
+    with torch.cuda.stream(stream):
+        decoded = decode([rgb], [None], stream)[0]
+    stream.synchronize()
+    expected = torch.from_numpy(simplejpeg.decode_jpeg(rgb)).permute(2, 0, 1).float()
+    print("RGB-coded JPEG on the GPU:", None if decoded is None else
+          f"mean level difference vs libjpeg {float((decoded.cpu().float() - expected).abs().mean()):.2f}")
 stage = GpuImageDecoder(224, train=True)
 rows = torch.zeros((64, 224, 224, 3), dtype=torch.uint8, device="cuda")
+stream.wait_stream(torch.cuda.current_stream())  # the zeros are written before the stage's rows
 for attempt in range(3):
     started = time.perf_counter()
     result = stage.decode_batch([jpeg] * 64, [(0, index) for index in range(64)], rows, stream=stream)
@@ -101,15 +116,12 @@ for attempt in range(3):
           f"on the CPU {result.on_cpu} {result.why}")
 EOF
 
-step tests 120 python3 -m pytest -m cuda -o addopts= -p no:cacheprovider -rs -q \
+step tests 90 python3 -m pytest -m cuda -o addopts= -p no:cacheprovider -rs -q \
   tests/test_gpu_decode.py tests/test_gpu_stage.py tests/test_batched_decode.py
 samples=${SAMPLES:-8192}
 rounds=${ROUNDS:-3}
-step bench_no_model 170 python3 -m bench.gpu_decode --no-model --samples "$samples" --rounds "$rounds" \
+step bench_no_model 150 python3 -m bench.gpu_decode --no-model --samples "$samples" --rounds "$rounds" \
   --out "$results/gpu-decode-no-model.json"
-step bench_resnet18 170 python3 -m bench.gpu_decode --model-only --samples "$samples" --rounds "$rounds" \
+step bench_resnet18 150 python3 -m bench.gpu_decode --model-only --samples "$samples" --rounds "$rounds" \
   --out "$results/gpu-decode-resnet18.json"
-if [[ -n "${OUT:-}" ]]; then
-  mkdir -p "$OUT/$(basename "$results")" && cp -r "$results"/. "$OUT/$(basename "$results")/"
-fi
 cat "$steps"

@@ -3,6 +3,7 @@ its CPU backend (the same calls as on a GPU, into host memory): the regions, the
 fallbacks to the CPU path, the pixel budget. Tests that need CUDA are marked ``cuda``."""
 
 import os
+import struct
 import subprocess
 import sys
 import warnings
@@ -84,6 +85,28 @@ def test_each_refusal_has_its_reason_from_the_header_alone():
     assert gpu.jpeg_frame(encoded("flower", "jpeg_progressive"))[0] == 0xC2
 
 
+def _rgb_coded(data: bytes) -> bytes:
+    """``data`` (a JFIF JPEG) with its JFIF marker replaced by an Adobe APP14 one saying "no colour
+    transform": libjpeg then reads its three components as R, G and B, not Y, Cb and Cr."""
+    assert data[2:4] == b"\xff\xe0"
+    app14 = b"\xff\xee" + struct.pack(">H", 14) + b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 0)
+    return data[:2] + app14 + data[4 + struct.unpack(">H", data[4:6])[0]:]
+
+
+def test_an_rgb_coded_jpeg_goes_to_the_cpu_path_which_decodes_it_without_a_colour_transform():
+    """nvImageCodec's parser takes every 3-component JPEG for YCbCr: an RGB-coded one (Adobe
+    transform 0, no JFIF) would come out of the GPU converted as YCbCr, wrong without a word."""
+    from asyncload.decode import gpu
+
+    rgb = _rgb_coded(encoded("china", "jpeg_q90_420"))
+    assert simplejpeg.decode_jpeg_header(rgb)[2] == "RGB"
+    assert gpu.gpu_refusal(rgb, None) == (gpu.RGB_CODED, (427, 640))
+    out = torch.zeros((1, 64, 64, 3), dtype=torch.uint8)
+    result = on_cpu(64).decode_batch([rgb], [None], out)
+    assert result.failures == {} and result.on_cpu == [0] and result.why == {0: gpu.RGB_CODED}
+    within_a_level(out[0], ImageDecoder(64)(rgb))
+
+
 def test_the_region_decoded_is_the_crop_box_or_the_centre_crop_s_lines():
     """Only what the transform reads is decoded: the random box (the CPU path's, from the same
     key), and in eval the lines of the long axis the centre crop's taps reach."""
@@ -140,8 +163,21 @@ def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
     gpu_rows, cpu_rows, _ = GpuImageDecoder.split_sized([whole, truncated, padded], None)
     assert gpu_rows == [0, 2] and cpu_rows == [1]
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, fell_back, _ = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
+    failures, _, fell_back = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
     assert fell_back == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
+
+
+def test_a_batch_result_still_unpacks_as_three_values_with_its_reasons_beside():
+    """A user's batched decoder that wraps this one (``failures, event, on_cpu = ...``, the
+    contract the loader documents) keeps working: the reasons are an attribute, kept by
+    ``_replace``, not a fourth member."""
+    whole = encoded("china", "jpeg_q90_420")
+    out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
+    result = on_cpu(32).decode_batch([whole, whole[: len(whole) // 2]], [None, None], out)
+    failures, event, fell_back = result
+    assert len(result) == 3 and fell_back == [1] and list(failures) == [1] and event is None
+    assert result.why == {1: "truncated JPEG (no end marker)"}
+    assert result._replace(failures={}).why == result.why and result._replace(failures={}).failures == {}
 
 
 def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
@@ -149,7 +185,7 @@ def test_a_dict_in_a_batch_fails_its_row_alone_saying_to_pass_members():
     ImageDecoder's message, not the batch with a TypeError from slicing a dict."""
     whole = encoded("china", "jpeg_q90_420")
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
-    failures, _, on_cpu_rows, _ = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
+    failures, _, on_cpu_rows = on_cpu(32).decode_batch([whole, {"image": whole, "label": 1}], [None, None], out)
     assert on_cpu_rows == [1] and list(failures) == [1]
     assert str(failures[1]) == ("ImageDecoder got a dict ('image', 'label'), not an image's bytes: pass "
                                 'decode=Members("image", "label", image=ImageDecoder(...))')
@@ -202,7 +238,9 @@ def test_a_call_that_failed_as_a_whole_is_retried_one_image_at_a_time():
 
 def test_a_gpu_that_decodes_nothing_even_alone_says_so_once():
     """Every JPEG refused in the batch and again alone (nvImageCodec without its nvJPEG
-    extension): all on the CPU path, pixels right, one warning naming what to install."""
+    extension): all on the CPU path, pixels right, one warning naming what to install; later
+    batches are not retried one image at a time (with CUDA, each retry first emptied PyTorch's
+    cache: a device sync and the training step's blocks given back, every batch)."""
     datas = [encoded("china", "jpeg_q90_420"), encoded("flower", "jpeg_q90_420")]
     out = torch.zeros((2, 64, 64, 3), dtype=torch.uint8)
     decoder = on_cpu(64, decode_regions=Refusing(refused=[len(data) for data in datas]))
@@ -211,7 +249,9 @@ def test_a_gpu_that_decodes_nothing_even_alone_says_so_once():
     assert result.on_cpu == [0, 1] and result.why == {0: "refused by nvImageCodec", 1: "refused by nvImageCodec"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        decoder.decode_batch(datas, [None] * 2, out)  # said once
+        later = decoder.decode_batch(datas, [None] * 2, out)  # said once
+    assert later.why == result.why
+    assert decoder.decode_regions.calls == [2, 1, 1, 2], "once warned, no retry one by one (nor empty_cache) each batch"
     for row in range(2):
         within_a_level(out[row], ImageDecoder(64)(datas[row]))
 
@@ -388,6 +428,37 @@ def test_nvimgcodec_s_settings_are_scoped_to_its_import_and_a_user_s_own_wins(tm
     env["PYNVIMGCODEC_VERBOSITY"] = "1"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.stdout.split("\n")[0] == "(3, 8, 8) None 1 []", done.stderr
+
+
+def test_without_any_nvidia_package_the_import_error_says_what_to_install(monkeypatch):
+    """``find_spec("nvidia.nvimgcodec")`` imports its parent and raises where no ``nvidia``
+    package is installed at all (a CPU-only torch): ``load`` still raises its own ImportError,
+    naming the package, not a bare "No module named 'nvidia'"."""
+    import builtins
+    import importlib.util
+
+    from asyncload.decode import nvimgcodec
+
+    def no_parent(name, *args, **kwargs):
+        raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+
+    real_import = builtins.__import__
+
+    def no_nvidia(name, *args, **kwargs):
+        if name == "nvidia" or name.startswith("nvidia."):
+            raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_parent)
+    monkeypatch.setattr(builtins, "__import__", no_nvidia)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    nvimgcodec.load.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"GPU decode needs nvImageCodec: pip install"):
+            nvimgcodec.load()
+    finally:
+        monkeypatch.undo()
+        nvimgcodec.load.cache_clear()
 
 
 @cuda

@@ -93,6 +93,21 @@ def test_the_gpu_s_first_call_is_the_warm_up_and_is_not_measured():
     assert policy.gpu.value == 20000
 
 
+def test_a_gpu_that_decodes_none_of_its_rows_is_measured_at_zero_and_keeps_only_probes():
+    """Every row of its calls fell back (nvImageCodec without nvJPEG): a rate of 0, not "not
+    measured yet", so the GPU keeps only its probe share instead of half of every batch."""
+    policy = SplitPolicy("auto", cpu_threads=4)
+    policy.gpu_done(128, 1.0)  # the warm-up
+    policy.gpu_done(0, 0.2)
+    policy.cpu_done(32, 0.1)
+    assert policy.gpu.value == 0.0
+    shares = [policy.gpu_rows(256) for _ in range(PROBE_EVERY)]
+    assert shares == [0] * (PROBE_EVERY - 1) + [256 // 16], shares
+    assert "GPU 0 rows/s" in policy.why
+    policy.gpu_done(16, 16 / 8000)  # it decodes again: it wins its share back
+    assert policy.gpu.value > 0 and policy.gpu_rows(256) > 0
+
+
 def feed(policy: SplitPolicy, batches: int, gpu_rate: float, cpu_rate_per_thread: float) -> list[int]:
     """The loader's loop: each side hears of a call only when it was given rows."""
     shares = []

@@ -14,7 +14,7 @@ and is copied up, alone, counted in ``stats.decoded_on_cpu`` and by reason in
 ``stats.decoded_on_cpu_why``: from its header (``gpu_refusal``, before any GPU memory is taken)
 not a JPEG, a truncated one (no EOI marker: nvJPEG might decode it silently), a frame
 nvImageCodec has no GPU decoder for with a region (lossless, arithmetic, hierarchical, more than
-8 bits), CMYK/YCCK, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
+8 bits), CMYK/YCCK or RGB-coded, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
 fails on (out of GPU memory included; a call that failed as a whole is retried one image at a
 time first). One image never fails the batch; one neither path decodes fails as it would without
 the stage (``SampleError``, or skipped). A JPEG corrupt inside its scans, behind a valid header
@@ -57,7 +57,11 @@ from .split import SplitPolicy
 Key = tuple[int, ...] | None
 RegionDecode = Callable[[Sequence[bytes], Sequence[Box | None], Any], list[torch.Tensor | None]]
 JPEG_END = b"\xff\xd9"  # the EOI marker: a JPEG without it at its end is truncated
-GPU_COLOURSPACES = ("RGB", "YCbCr", "Gray")  # simplejpeg's names; CMYK and YCCK go to the CPU
+# simplejpeg's names. Not "RGB" (three components coded without a colour transform, said by an Adobe
+# APP14 marker and no JFIF one): nvImageCodec's parser files every 3-component JPEG as YCbCr
+# ("assume that 3 channels is always going to be YCbCr", src/parsers/jpeg.cpp), so the GPU would
+# convert it as YCbCr, wrong colours without an error; CMYK and YCCK go to the CPU too.
+GPU_COLOURSPACES = ("YCbCr", "Gray")
 # The frames nvImageCodec decodes on the GPU (its nvjpeg_cuda_decoder; the hardware engines take a
 # subset and hand the rest to it): baseline, extended sequential and progressive, Huffman-coded.
 GPU_FRAMES = (0xC0, 0xC1, 0xC2)
@@ -75,22 +79,36 @@ ARITHMETIC = "arithmetic-coded JPEG"
 HIERARCHICAL = "hierarchical JPEG"
 NOT_8_BIT = "JPEG of more than 8 bits"
 CMYK = "CMYK/YCCK JPEG"
+RGB_CODED = "RGB-coded JPEG (no colour transform)"
 OVER_BUDGET = "over the pixel budget"
 REFUSED = "refused by nvImageCodec"
 OUT_OF_MEMORY = "GPU out of memory"
 GPU_ERROR = "GPU decode error"
 
 
-class BatchResult(NamedTuple):
-    """``failures``: row -> the exception that row's bytes raised (its row in ``out`` is left as
-    it was); ``event``: recorded on the stream after the last write (None off CUDA); ``on_cpu``:
-    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share);
-    ``why``: row of ``on_cpu`` -> the reason (``NOT_JPEG``, ``REFUSED``, ...)."""
-
+class _BatchFields(NamedTuple):
     failures: dict[int, Exception]
     event: torch.cuda.Event | None
     on_cpu: list[int]
-    why: dict[int, str] = {}  # never mutated: every result of ours passes its own
+
+
+class BatchResult(_BatchFields):
+    """``failures``: row -> the exception that row's bytes raised (its row in ``out`` is left as
+    it was); ``event``: recorded on the stream after the last write (None off CUDA); ``on_cpu``:
+    the rows the GPU left to the CPU path (fallbacks, for the loader's stats; not the CPU share).
+    ``why`` (an attribute, not a fourth member: ``failures, event, on_cpu = decode_batch(...)``
+    in a user's decoder that wraps this one keeps working): row of ``on_cpu`` -> the reason
+    (``NOT_JPEG``, ``REFUSED``, ...)."""
+
+    def __new__(cls, failures: dict[int, Exception], event: torch.cuda.Event | None, on_cpu: list[int],
+                why: dict[int, str] | None = None) -> "BatchResult":
+        result = super().__new__(cls, failures, event, on_cpu)
+        result.why = {} if why is None else why
+        return result
+
+    def _replace(self, **changes: Any) -> "BatchResult":
+        why = changes.pop("why", self.why)
+        return BatchResult(*super()._replace(**changes), why=why)
 
 
 class GpuImageDecoder:
@@ -285,7 +303,13 @@ class GpuImageDecoder:
             images = self.decode_regions(encoded, regions, stream)
         except Exception as error:  # one bad file (or out of memory) fails the whole call
             images, reasons = None, [_gpu_error(error)] * len(rows)
-        if images is None or len(images) != len(rows) or (len(rows) > 1 and all(image is None for image in images)):
+        failed_whole = (images is None or len(images) != len(rows)
+                        or (len(rows) > 1 and all(image is None for image in images)))
+        if failed_whole and images is not None and self._warned:
+            # nvImageCodec has decoded nothing here, even alone (warned): no retry one by one, and no
+            # empty_cache() each batch (it syncs the device and flushes the training step's blocks)
+            images = [None] * len(rows)
+        elif failed_whole:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             alone = [self._decode_alone(data, region, stream) for data, region in zip(encoded, regions)]
@@ -358,7 +382,8 @@ def gpu_refusal(data: Any, max_pixels: int | None) -> tuple[str | None, tuple[in
     the GPU might decode what is there without a word, while the strict CPU path raises the clear
     error), a header libjpeg cannot read, a frame nvImageCodec has no GPU decoder for with a
     region (lossless, arithmetic-coded, hierarchical, more than 8 bits a sample; read from the
-    SOF marker, ``jpeg_frame``), CMYK/YCCK (nvJPEG converts those otherwise than the CPU path),
+    SOF marker, ``jpeg_frame``), CMYK/YCCK (nvJPEG converts those otherwise than the CPU path)
+    and RGB-coded JPEGs (``GPU_COLOURSPACES``),
     more pixels than ``max_pixels`` at full size (the CPU path may decode it reduced, else
     raises the clear error)."""
     if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):  # a dict: the CPU path names it
@@ -384,7 +409,7 @@ def gpu_refusal(data: Any, max_pixels: int | None) -> tuple[str | None, tuple[in
     except Exception:  # a header libjpeg rejects: the CPU path raises the clear error
         return BAD_HEADER, None
     if colourspace not in GPU_COLOURSPACES:
-        return CMYK, (height, width)
+        return (RGB_CODED if colourspace == "RGB" else CMYK), (height, width)
     if max_pixels is not None and height * width > max_pixels:
         return OVER_BUDGET, (height, width)
     return None, (height, width)

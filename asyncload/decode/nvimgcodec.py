@@ -44,7 +44,10 @@ def _extensions_dir() -> Path | None:
     """The wheel's ``extensions`` folder, found without importing it (the import is what prints)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("nvidia.nvimgcodec")
+    try:
+        spec = importlib.util.find_spec("nvidia.nvimgcodec")
+    except ImportError:  # no ``nvidia`` package at all (find_spec imports the parent): the import says what to install
+        return None
     if spec is None or spec.origin is None:
         return None
     folder = Path(spec.origin).parent / "extensions"

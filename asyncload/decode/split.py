@@ -78,8 +78,16 @@ class SplitPolicy:
     # ----- events -----
 
     def gpu_done(self, rows: int, seconds: float) -> None:
+        """A GPU call given rows decoded ``rows`` of them in ``seconds`` (the others fell back to
+        the CPU). None decoded is a rate of 0, not no measurement: else a GPU that decodes nothing
+        (nvImageCodec without its nvJPEG extension) kept half of every batch for ever, all of it
+        decoded by the CPU path on the GPU job's one thread."""
         self.gpu_calls += 1
-        if self.gpu_calls > 1:  # the first call's time is the warm-up's
+        if self.gpu_calls <= 1:  # the first call's time is the warm-up's
+            return
+        if rows == 0 and seconds > 0:
+            self.gpu.value = 0.0 if self.gpu.value is None else (1 - SMOOTHING) * self.gpu.value
+        else:
             self.gpu.add(rows, seconds)
 
     def cpu_done(self, rows: int, seconds: float) -> None:
