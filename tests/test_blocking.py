@@ -182,3 +182,27 @@ def test_a_call_that_returns_between_its_abandon_and_its_replace_leaves_no_lost_
     pool.submit(done.set)
     assert done.wait(10) or watcher == "abandon_all"
     stop(pool)
+
+
+def test_a_shutdown_waits_for_a_thread_started_as_it_began():
+    """A thread started as the shutdown begins (a call submitted then; or a lost call returning,
+    whose thread takes its own place) is one the shutdown waits for: it reports a thread still
+    running, not that all have ended."""
+    calls, hold, let_go = BlockingCalls(2, "asyncload-test"), threading.Event(), threading.Event()
+    first = calls.submit(hold.wait)  # on the first thread, which ends soon after the shutdown began
+    assert wait_until(lambda: first.started is not None, timeout=10)
+    real_stop, late = calls.pool.stop, []
+
+    def stop_as_a_call_comes() -> bool:
+        late.append(calls.submit(let_go.wait))  # on a second thread, started now
+        assert wait_until(lambda: late[0].started is not None, timeout=10)
+        hold.set()
+        return real_stop()
+
+    calls.pool.stop = stop_as_a_call_comes
+    try:
+        assert calls.shutdown(0.2) is False, "a thread still runs its call"
+    finally:
+        let_go.set()
+    assert late[0].future.result(10) is True
+    assert wait_ended([slot.thread for slot in calls.pool.slots], time.monotonic() + 10) == []

@@ -152,6 +152,8 @@ class AbandoningPool:
 
     def _start_one(self) -> None:
         with self._lock:
+            if self.stopping:  # a stop's all_threads() would not wait for it
+                return
             thread = self._new_thread()
         thread.start()
 
@@ -422,8 +424,8 @@ class BlockingCalls:
         """Cancels queued calls and waits up to ``timeout`` s for the running ones, but not for
         those already past their timeout (their callers have moved on; their threads end when
         the calls return). True when every thread waited for has ended."""
+        self.pool.stop()  # first: no thread starts after it (a call submitted now, a lost one's place)
         workers = self.pool.all_threads()
-        self.pool.stop()
         deadline = time.monotonic() + timeout
         for thread in workers:
             thread.join(max(0.0, deadline - time.monotonic()))
