@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Callable
 
 import pytest
 
-from asyncload.io.blocking import AbandoningPool, BlockingCalls, StuckCalls, current_slot
+from asyncload.io.blocking import AbandoningPool, BlockingCalls, CallSlot, StuckCalls, current_slot
 from asyncload.pipeline.threads import wait_ended
 from asyncload.pipeline.workers import DecodeWorkers
 from tests.conftest import wait_until
@@ -94,9 +95,11 @@ def test_a_blocking_call_past_its_timeout_is_abandoned_and_its_late_result_never
 
     async def main() -> list:
         outcomes = []
-        for function in (stuck, lambda: "next"):
+        # the stuck call's timeout is the one clock here: it fails only by hanging; the next call
+        # gets a long one, so a loaded machine that starts it late does not fail it
+        for function, timeout in ((stuck, 0.2), (lambda: "next", 60)):
             try:
-                outcomes.append(await calls.call_async(function, timeout=0.2))
+                outcomes.append(await calls.call_async(function, timeout=timeout))
             except TimeoutError as error:
                 outcomes.append(str(error))
         return outcomes
@@ -136,3 +139,72 @@ def test_too_many_stuck_calls_refuse_new_ones():
     assert wait_until(lambda: not calls.pool.lost(), timeout=10)
     assert calls.call(lambda: "back", timeout=10) == "back"
     calls.shutdown(10)
+
+
+
+class ReturnsAsAbandoned(CallSlot):
+    """A slot whose call returns, and whose thread ends, just after the watcher's ``abandon``
+    won and before the watcher counts the thread lost (``returns()``, set by the test)."""
+
+    __slots__ = ()
+    returns: Callable[[], None] = staticmethod(lambda: None)
+
+    def abandon(self, started: float | None = None) -> bool:
+        won = super().abandon(started)
+        if won:
+            ReturnsAsAbandoned.returns()
+        return won
+
+
+@pytest.mark.parametrize("watcher", ["replace", "abandon_all"])
+def test_a_call_that_returns_between_its_abandon_and_its_replace_leaves_no_lost_thread_behind(watcher, monkeypatch):
+    """The watcher abandons under the slot's lock, then counts the thread lost under the pool's:
+    the call may return in between and its thread end first (a call that ends at its timeout).
+    It must not stay counted lost for ever (a ghost that the cap, ``StuckCalls`` and ``serving``
+    count), nor be replaced twice (once as its thread ends, once by the watcher)."""
+    pool, hanging = AbandoningPool(1, "asyncload-test", slot=ReturnsAsAbandoned), Hanging()
+    pool.ensure_serving()
+    pool.submit(hanging.job("stuck"))
+    assert wait_until(lambda: len(hanging.started) == 1, timeout=10)
+    slot, started = hanging.started[0]
+
+    def returns() -> None:
+        hanging.let_go.set()
+        assert wait_ended([slot.thread], time.monotonic() + 10) == []
+
+    monkeypatch.setattr(ReturnsAsAbandoned, "returns", staticmethod(returns))
+    if watcher == "replace":  # a read's caller, or the decode's watchdog
+        assert slot.abandon(started) and pool.replace(slot)
+    else:  # a stop
+        pool.abandon_all()
+    assert hanging.results == []
+    assert pool.lost() == [], "no ghost: its thread has ended"
+    assert pool.serving() == 1 and len(pool.slots) == 1, "one thread took its place, not two"
+    done = threading.Event()
+    pool.submit(done.set)
+    assert done.wait(10) or watcher == "abandon_all"
+    stop(pool)
+
+
+def test_a_shutdown_waits_for_a_thread_started_as_it_began():
+    """A thread started as the shutdown begins (a call submitted then; or a lost call returning,
+    whose thread takes its own place) is one the shutdown waits for: it reports a thread still
+    running, not that all have ended."""
+    calls, hold, let_go = BlockingCalls(2, "asyncload-test"), threading.Event(), threading.Event()
+    first = calls.submit(hold.wait)  # on the first thread, which ends soon after the shutdown began
+    assert wait_until(lambda: first.started is not None, timeout=10)
+    real_stop, late = calls.pool.stop, []
+
+    def stop_as_a_call_comes() -> bool:
+        late.append(calls.submit(let_go.wait))  # on a second thread, started now
+        assert wait_until(lambda: late[0].started is not None, timeout=10)
+        hold.set()
+        return real_stop()
+
+    calls.pool.stop = stop_as_a_call_comes
+    try:
+        assert calls.shutdown(0.2) is False, "a thread still runs its call"
+    finally:
+        let_go.set()
+    assert late[0].future.result(10) is True
+    assert wait_ended([slot.thread for slot in calls.pool.slots], time.monotonic() + 10) == []

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from asyncload.io import cache_files as files
+from asyncload.io import heartbeat_lock
 from asyncload.io.cache_lock import PeerLocks
 from asyncload.io.heartbeat_lock import POLL_S, LockWait, held
 
@@ -140,3 +141,14 @@ def test_the_learner_runs_without_the_lock_of_a_stalled_peer_and_says_so(lock_pa
     fd = files.try_lock(lock_path)
     assert fd is not None, "let go after the block"
     os.close(fd)
+
+
+@pytest.mark.parametrize("patience", [0.0, 0.01])
+def test_the_learner_beats_no_faster_than_it_polls(lock_path, monkeypatch, patience):
+    """A short ``timeout`` (``tar_shards(timeout=0)`` is accepted) must not turn the beat into a
+    spin: the learner beat every ``max(patience / 3, POLL_S)`` before the lock was shared."""
+    periods = []
+    monkeypatch.setattr(heartbeat_lock, "_beat", lambda lock, every, stop: periods.append(every))
+    with held(lock_path, patience) as got:
+        assert got is True
+    assert periods == [POLL_S]

@@ -145,3 +145,10 @@ def test_the_backoff_is_the_budgets_wait():
     first = [RetryBudget(retries=10).wait(attempt, 0.0) for attempt in range(1, 11)]
     random.seed(4)
     assert first == [retries.backoff(attempt) for attempt in range(10)]
+
+
+def test_a_pause_asked_past_the_budget_is_never_negative():
+    """tenacity before 8.3 (``tenacity>=8`` is allowed) asks the wait after its stop, a moment
+    later: a read whose stop said "once more" just under the budget must not wait (nor count in
+    ``retry_wait_seconds``) a negative time."""
+    assert RetryBudget(seconds=60.0).pause(MIN_TIMED_RETRIES + 1, 60.001) == 0.0

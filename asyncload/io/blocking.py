@@ -152,6 +152,8 @@ class AbandoningPool:
 
     def _start_one(self) -> None:
         with self._lock:
+            if self.stopping:  # a stop's all_threads() would not wait for it
+                return
             thread = self._new_thread()
         thread.start()
 
@@ -187,9 +189,9 @@ class AbandoningPool:
         the gate goes back, and another thread takes its place. False when ``max_lost`` threads
         are stuck already (none is started)."""
         with self._lock:
-            self._lost.add(slot)
-            if self.stopping:
-                thread = None
+            self._lose(slot)
+            if self.stopping or len(self.slots) - len(self._lost) >= self.count:
+                thread = None  # or its call returned meanwhile and its thread took its own place (_end_lost)
             elif len(self._lost) > self.max_lost:
                 thread = False
             else:
@@ -206,8 +208,16 @@ class AbandoningPool:
         for slot in slots:
             if slot.abandon():
                 with self._lock:
-                    self._lost.add(slot)
+                    self._lose(slot)
                 self._let_go()
+
+    def _lose(self, slot: CallSlot) -> None:
+        """Under ``_lock``, once ``slot.abandon`` won: its thread counts as lost, unless its call
+        returned between that abandon and this (the slot's lock is let go first) and the thread
+        already ended (``_end_lost``: gone from ``slots``). Counted then, it would stay lost for
+        ever: a ghost that ``max_lost``, ``StuckCalls`` and ``serving`` count, never removed."""
+        if slot in self.slots:
+            self._lost.add(slot)
 
     def _let_go(self) -> None:
         """An abandoned thread's place in the gate goes back now (the gate outlives this pool);
@@ -414,8 +424,8 @@ class BlockingCalls:
         """Cancels queued calls and waits up to ``timeout`` s for the running ones, but not for
         those already past their timeout (their callers have moved on; their threads end when
         the calls return). True when every thread waited for has ended."""
+        self.pool.stop()  # first: no thread starts after it (a call submitted now, a lost one's place)
         workers = self.pool.all_threads()
-        self.pool.stop()
         deadline = time.monotonic() + timeout
         for thread in workers:
             thread.join(max(0.0, deadline - time.monotonic()))

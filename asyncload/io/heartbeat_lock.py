@@ -105,7 +105,8 @@ def held(path: Path, patience: float, on_wait: Callable[[], None] | None = None,
         yield False
         return
     stop = threading.Event()
-    beater = threading.Thread(target=_beat, args=(lock, beat_period(patience), stop), name=name, daemon=True)
+    every = max(beat_period(patience), POLL_S)  # a short timeout must not make the beat a spin
+    beater = threading.Thread(target=_beat, args=(lock, every, stop), name=name, daemon=True)
     beater.start()
     try:
         yield True

@@ -103,7 +103,7 @@ class RetryBudget:
         pause = backoff(attempt - 1)
         if self.retries is not None or attempt <= MIN_TIMED_RETRIES:
             return pause
-        return min(pause, self.seconds - failing_for)
+        return max(0.0, min(pause, self.seconds - failing_for))  # tenacity < 8.3 asks after its stop, a moment later
 
     def wait(self, attempt: int, failing_for: float) -> float | None:
         """Seconds to wait before the next try after try ``attempt`` (1-based) failed, the read
