@@ -295,6 +295,3 @@ def _find(url: str, storage_options: dict | None, extensions: Sequence[str], tim
     wanted = tuple(e.lower() for e in extensions)
     return fs, root, [p for p in paths if p.lower().endswith(wanted)]
 
-
-def _to_url(fs: Any, path: str) -> str:
-    return path if listing.is_local(fs) else fs.unstrip_protocol(path)
