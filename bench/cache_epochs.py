@@ -14,9 +14,9 @@ the same JPEGs with the same transforms (``ImageDecoder``, random-resized-crop 2
 prints each epoch's images/s, CPU per image (this process and its finished children: the S3
 server is not counted), the bytes and requests it read from the bucket, the load average, and per
 round the ratios: the cached cold epoch over the uncached one, the cached warm epoch over the
-uncached warm one (the bucket) and over litdata's cached epoch. On a shared box the absolute
-rates drift by a lot within minutes; the ratios within one round share that drift, so quote
-their median.
+uncached warm one (the bucket) and over litdata's cached epoch, in images/s and in CPU per image.
+On a shared box the absolute rates drift by a lot within minutes; the ratios within one round
+share that drift, so quote their median.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             local = ensure_litdata(spec.name, litdata_name)
             s3fs.S3FileSystem(**options).put(str(local), f"{S3_BUCKET}/{litdata_name}", recursive=True)
         ratios: dict[str, list[float]] = {}
-        cached_warm: dict[str, float] = {}
+        cached_warm: dict[str, dict[str, float]] = {}
         for number in range(args.rounds):
             for kind in chosen:
                 if kind == "litdata":
@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                               f"{row['cpu_ms']:5.2f} CPU ms/img, {args.workers} workers, load {_load()}", flush=True)
                     for other, warm in cached_warm.items():
                         ratios.setdefault(f"{other}: cache warm / litdata cached (warm) epoch", []).append(
-                            warm / rows[1]["rate"])
+                            warm["rate"] / rows[1]["rate"])
+                        ratios.setdefault(f"{other}: CPU/img cache warm / litdata cached (warm) epoch", []).append(
+                            warm["cpu_ms"] / rows[1]["cpu_ms"])
                     cached_warm = {}
                     continue
                 plain = epochs(kinds[kind](None), options, args.batch_size, args.processes, args.count)
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"round {number} {kind:6s} {name:9s} {which}: {row['rate']:7.0f} img/s, "
                               f"{row['cpu_ms']:5.2f} CPU ms/img, "
                               f"{row['bytes'] / 1e6:7.1f} MB, {row['requests']:5d} requests, load {_load()}", flush=True)
-                cached_warm[kind] = cached[1]["rate"]
+                cached_warm[kind] = cached[1]
                 ratios.setdefault(f"{kind}: cache cold / no cache cold", []).append(cached[0]["rate"] / plain[0]["rate"])
                 ratios.setdefault(f"{kind}: cache warm / cache cold", []).append(cached[1]["rate"] / cached[0]["rate"])
                 ratios.setdefault(f"{kind}: cache warm / no cache warm", []).append(cached[1]["rate"] / plain[1]["rate"])
