@@ -85,6 +85,10 @@ class ShardStream:
     not decode: ``refetched``) may be the copy's fault, damaged on disk after the cache checked
     it: the cache checks it again (``ShardCache.damaged``) and, if it was damaged, they are read
     once more from a fresh download; else the failure stands. Only failures pay for this.
+
+    With a cache, a sample whose chunk is not read yet and whose shard's copy the loader already
+    knows current (an epoch after the one that checked it) is not read here at all: ``hit``
+    hands the pipeline a ``MemberRead`` that the decode thread reads itself from the copy.
     """
 
     def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
