@@ -3,20 +3,21 @@ shards and for ``image_folder``, on the real S3 server (SeaweedFS), rounds inter
 reading the bucket without a cache and against litdata's own cached epoch.
 
     python -m bench.cache_epochs [--rounds 3] [--count 4096] [--batch-size 64] [--processes 0]
-                                 [--only shards|items|litdata] [--workers 2]
+                                 [--only shards|items|litdata] [--workers 2] [--decode jpeg|none]
 
 Each round runs, one after the other in this process: tar shards without a cache (two epochs),
 tar shards with a fresh ``cache_dir`` (cold epoch, warm epoch), the same for ``image_folder`` on
 the bucket, then litdata (its ``optimize()`` output, ``{"image": JPEG bytes, "label": int}``, read
 by its own ``StreamingDataset`` with a fresh ``cache_dir`` in a ``DataLoader`` of ``--workers``
 workers: its cold epoch downloads the chunks, its warm one reads its cache). Every epoch decodes
-the same JPEGs with the same transforms (``ImageDecoder``, random-resized-crop 224 + flip). It
+the same JPEGs with the same transforms (``ImageDecoder``, random-resized-crop 224 + flip; with
+``--decode none``, no decode at all: the CPU per image is then what the reads cost). It
 prints each epoch's images/s, CPU per image (this process and its finished children: the S3
 server is not counted), the bytes and requests it read from the bucket, the load average, and per
 round the ratios: the cached cold epoch over the uncached one, the cached warm epoch over the
-uncached warm one (the bucket) and over litdata's cached epoch. On a shared box the absolute
-rates drift by a lot within minutes; the ratios within one round share that drift, so quote
-their median.
+uncached warm one (the bucket) and over litdata's cached epoch, in images/s and in CPU per image.
+On a shared box the absolute rates drift by a lot within minutes; the ratios within one round
+share that drift, so quote their median.
 """
 
 from __future__ import annotations
@@ -60,14 +61,25 @@ def ensure_litdata(dataset: str, name: str) -> Path:
     return root
 
 
+def byte_count(data: Any) -> np.ndarray:
+    """``--decode none``'s decoder: the sample's size, so that an epoch costs its reads alone."""
+    return np.array([len(data)], dtype=np.int64)
+
+
+def decoder(kind: str) -> Any:
+    return ImageDecoder(size=224, train=True, seed=0) if kind == "jpeg" else byte_count
+
+
 class DecodeBatch:
     """``collate_fn`` for litdata's ``DataLoader``: the same ``ImageDecoder`` as asyncload's
     epochs, run in the workers (a class: the workers must pickle it)."""
 
-    def __init__(self) -> None:
-        self.decode = ImageDecoder(size=224, train=True, seed=0)
+    def __init__(self, kind: str = "jpeg") -> None:
+        self.decode = decoder(kind)
 
     def __call__(self, samples: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        if self.decode is byte_count:
+            return np.array([len(sample["image"]) for sample in samples]), np.array([s["label"] for s in samples])
         images = np.empty((len(samples), *self.decode.field.shape), dtype=np.uint8)
         for row, sample in enumerate(samples):
             self.decode.decode_into(sample["image"], images[row], (0, row))
@@ -83,7 +95,7 @@ def allow_http(worker: int = 0) -> None:
 
 
 def litdata_epochs(url: str, endpoint_url: str, cache_dir: str, batch_size: int, workers: int,
-                   count: int) -> list[dict[str, float]]:
+                   count: int, decode: str = "jpeg") -> list[dict[str, float]]:
     """Two epochs of litdata's ``StreamingDataset`` (shuffled, its cache in ``cache_dir``) in a
     ``DataLoader``: images/s and CPU per image, per epoch."""
     from litdata import StreamingDataset
@@ -96,7 +108,7 @@ def litdata_epochs(url: str, endpoint_url: str, cache_dir: str, batch_size: int,
     allow_http()
     # spawned workers: this process's own obstore runtime (asyncload's reads) must not be forked
     # persistent workers: the warm epoch pays no start; their CPU is read while they live (psutil)
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=DecodeBatch(),
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=DecodeBatch(decode),
                         worker_init_fn=allow_http, multiprocessing_context="spawn" if workers else None,
                         persistent_workers=workers > 0)
     rows = []
@@ -136,9 +148,10 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def epochs(source: Any, options: dict, batch_size: int, processes: int, count: int) -> list[dict[str, float]]:
+def epochs(source: Any, options: dict, batch_size: int, processes: int, count: int,
+           decode_kind: str = "jpeg") -> list[dict[str, float]]:
     """Two epochs of one loader: images/s, and bytes and requests read from storage, per epoch."""
-    decode = ImageDecoder(size=224, train=True, seed=0)
+    decode = decoder(decode_kind)
     rows = []
     with AsyncLoader(source, batch_size=batch_size, decode=decode, seed=0, processes=processes,
                      storage_options=options) as loader:
@@ -171,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--processes", type=int, default=0)
     parser.add_argument("--only", choices=("shards", "items", "litdata"), default=None)
+    parser.add_argument("--decode", choices=("jpeg", "none"), default="jpeg",
+                        help="none: each sample's size only, so that the CPU per image is the reads'")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                         help="litdata's DataLoader workers (default: the usable cores)")
     args = parser.parse_args(argv)
@@ -195,30 +210,33 @@ def main(argv: list[str] | None = None) -> None:
             local = ensure_litdata(spec.name, litdata_name)
             s3fs.S3FileSystem(**options).put(str(local), f"{S3_BUCKET}/{litdata_name}", recursive=True)
         ratios: dict[str, list[float]] = {}
-        cached_warm: dict[str, float] = {}
+        cached_warm: dict[str, dict[str, float]] = {}
         for number in range(args.rounds):
             for kind in chosen:
                 if kind == "litdata":
                     with tempfile.TemporaryDirectory(prefix="asyncload-bench-litdata-") as folder:
                         rows = litdata_epochs(f"s3://{S3_BUCKET}/{litdata_name}", server.endpoint_url, folder,
-                                              args.batch_size, args.workers, args.count)
+                                              args.batch_size, args.workers, args.count, args.decode)
                     for which, row in zip(("cold", "warm"), rows):
                         print(f"round {number} litdata cache_dir {which}: {row['rate']:7.0f} img/s, "
                               f"{row['cpu_ms']:5.2f} CPU ms/img, {args.workers} workers, load {_load()}", flush=True)
                     for other, warm in cached_warm.items():
                         ratios.setdefault(f"{other}: cache warm / litdata cached (warm) epoch", []).append(
-                            warm / rows[1]["rate"])
+                            warm["rate"] / rows[1]["rate"])
+                        ratios.setdefault(f"{other}: CPU/img cache warm / litdata cached (warm) epoch", []).append(
+                            warm["cpu_ms"] / rows[1]["cpu_ms"])
                     cached_warm = {}
                     continue
-                plain = epochs(kinds[kind](None), options, args.batch_size, args.processes, args.count)
+                plain = epochs(kinds[kind](None), options, args.batch_size, args.processes, args.count, args.decode)
                 with tempfile.TemporaryDirectory(prefix="asyncload-bench-cache-") as folder:
-                    cached = epochs(kinds[kind](folder), options, args.batch_size, args.processes, args.count)
+                    cached = epochs(kinds[kind](folder), options, args.batch_size, args.processes, args.count,
+                                    args.decode)
                 for name, rows in (("no cache", plain), ("cache_dir", cached)):
                     for which, row in zip(("cold", "warm"), rows):
                         print(f"round {number} {kind:6s} {name:9s} {which}: {row['rate']:7.0f} img/s, "
                               f"{row['cpu_ms']:5.2f} CPU ms/img, "
                               f"{row['bytes'] / 1e6:7.1f} MB, {row['requests']:5d} requests, load {_load()}", flush=True)
-                cached_warm[kind] = cached[1]["rate"]
+                cached_warm[kind] = cached[1]
                 ratios.setdefault(f"{kind}: cache cold / no cache cold", []).append(cached[0]["rate"] / plain[0]["rate"])
                 ratios.setdefault(f"{kind}: cache warm / cache cold", []).append(cached[1]["rate"] / cached[0]["rate"])
                 ratios.setdefault(f"{kind}: cache warm / no cache warm", []).append(cached[1]["rate"] / plain[1]["rate"])

@@ -157,3 +157,62 @@ def test_a_chunk_is_served_before_its_bytes_reach_the_disk(tmp_path):
 
     asyncio.run(main())
     assert (tmp_path / next(p for p in os.listdir(tmp_path) if p.endswith("-shard.tar"))).read_bytes() == blob
+
+
+def spy_on(monkeypatch, owner, name: str, calls: list) -> None:
+    """Records each call of ``owner.name`` (a function or a coroutine function) in ``calls``."""
+    import inspect
+
+    real = getattr(owner, name)
+    if inspect.iscoroutinefunction(real):
+        async def spy(*args):
+            calls.append(args)
+            return await real(*args)
+    else:
+        def spy(*args):
+            calls.append(args)
+            return real(*args)
+    monkeypatch.setattr(owner, name, spy)
+
+
+def test_a_second_pass_reads_its_samples_from_the_copies_on_the_decode_threads(shards, s3_options, tmp_path,  # noqa: F811
+                                                                               monkeypatch):
+    """Each pass built a new shard cache, which asked storage about every shard again, and read
+    every sample through a chunk read and a task on the event loop: more CPU a sample than
+    reading the bucket. Now the next pass asks nothing and reads no chunk: the decode threads
+    read each sample from the copy this process checked."""
+    from asyncload.io.reader import Reader
+
+    url, _, _ = shards
+    asked, chunk_reads = [], []
+    spy_on(monkeypatch, Reader, "version", asked)
+    spy_on(monkeypatch, cache_files, "read_copy_range", chunk_reads)
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    counts = []
+    with AsyncLoader(source, batch_size=8, decode=ImageDecoder(32), storage_options=s3_options) as loader:
+        for _ in range(2):
+            asked.clear()
+            chunk_reads.clear()
+            assert sorted(flat(delivered(loader))) == ALL
+            counts.append((len(asked), len(chunk_reads), loader.stats.as_dict()["read/items"]))
+    assert counts[0][0] == len(source.urls)
+    assert counts[1] == (0, 0, counts[0][2])  # nothing asked, no chunk read, nothing downloaded again
+
+
+def test_a_copy_replaced_since_its_check_is_not_read_by_the_decode_threads(shards, s3_options, tmp_path,  # noqa: F811
+                                                                           monkeypatch):
+    """The decode threads read only the copy this process checked (its checksum held): a file
+    put in its place since (a peer's new download: another inode) goes through the cache's own
+    reads on the loop, and every sample is still delivered once."""
+    url, _, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    with AsyncLoader(source, batch_size=8, decode=ImageDecoder(32), storage_options=s3_options) as loader:
+        assert sorted(flat(delivered(loader))) == ALL
+        copy = cache_files.shard_files(tmp_path, source.urls[1]).shard
+        replacement = tmp_path / "elsewhere"
+        replacement.write_bytes(copy.read_bytes())
+        os.replace(replacement, copy)
+        reads: list = []
+        spy_on(monkeypatch, cache_files, "read_copy_range", reads)
+        assert sorted(flat(delivered(loader))) == ALL
+    assert reads and {args[0] for args in reads} == {copy}

@@ -213,3 +213,36 @@ def test_a_batched_decoder_decodes_the_kept_copies(bucket, s3_options, tmp_path)
     for (images, labels), (again, labels_again) in zip(first, second):
         assert torch.equal(images, again) and torch.equal(labels, labels_again)
     assert after["read/items"] == before["read/items"] and after["read/bytes"] == before["read/bytes"]
+
+
+@pytest.mark.parametrize("kind", ["manifest", "image_folder"])
+def test_a_second_pass_asks_storage_nothing_and_parses_no_segment(bucket, s3_options, tmp_path, monkeypatch, kind):
+    """Each pass in this process built a new item cache: it parsed every segment's records
+    again and asked storage again about every unlisted object (a metadata request each, as many
+    as the GETs the cache saves). Now what the first pass learnt serves the next."""
+    from asyncload.io.reader import Reader
+
+    url, _, _ = bucket
+    asked, parsed = [], []
+    real_version, real_parse = Reader.version, SegmentStore._parse
+
+    async def version(self, key):
+        asked.append(key)
+        return await real_version(self, key)
+
+    def parse(self, *args):
+        parsed.append(args[0])
+        return real_parse(self, *args)
+
+    monkeypatch.setattr(Reader, "version", version)
+    monkeypatch.setattr(SegmentStore, "_parse", parse)
+    source = make_source(kind, url, s3_options, tmp_path / "cache", tmp_path)
+    counts = []
+    with AsyncLoader(source, batch_size=5, decode=DECODE, storage_options=s3_options, shuffle=False) as loader:
+        for _ in range(2):
+            asked.clear()
+            parsed.clear()
+            assert flat(delivered(loader)) == ALL
+            counts.append((len(asked), len(parsed), loader.stats.as_dict()["read/items"]))
+    assert counts[0][:2] == (len(ALL) if kind == "manifest" else 0, 0)
+    assert counts[1] == (0, 0, len(ALL))  # nothing asked, nothing parsed, nothing downloaded again

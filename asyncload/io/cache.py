@@ -16,6 +16,7 @@ small for its users). The files, their names and what the cache may touch: ``cac
 
 A kept shard is served only while it is what the URL holds: it must have the index's size, the
 remote object's version (its ETag, else its modification time: ``version``, asked once per run
+(a loader: what one pass learnt, ``current``, serves its next passes, which ask storage nothing)
 and shard) recorded at download, and, read whole once per process, the checksum recorded at
 download (a copy damaged on disk is downloaded again). A copy damaged after that check (bit rot
 keeps the modification time) is found when a sample read from it fails to decode: ``damaged``
@@ -69,7 +70,7 @@ class ShardCache(ShardDownloads):
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int | None, download: ReadRange, chunk_bytes: int,
                  run_blocking: Callable[..., Awaitable[Any]], version: Version | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, current: dict[str, float] | None = None) -> None:
         self.directory = Path(directory)
         self.download = download  # async (url, start, end) -> bytes, retried by the reader
         self.chunk_bytes = chunk_bytes
@@ -77,7 +78,10 @@ class ShardCache(ShardDownloads):
         self.version = version  # async url -> the remote object's version (ETag or mtime), if known
         self.locks = PeerLocks(timeout)
         self.streaming: Downloads | None = Downloads()  # reads served from this process's downloads under way
-        self._checked: dict[str, float] = {}  # url -> until when its copy is current without asking
+        # url -> until when its copy is current without asking (time.monotonic(); math.inf once
+        # its version was asked or it was downloaded): ``current``, the loader's for all its passes
+        self._checked: dict[str, float] = {} if current is None else current
+        self._touched: set[str] = set()  # copies marked used by this run's reads from decode threads
         self._bypass: set[str] = set()  # urls read from storage for the rest of this run
         self._downloads: dict[str, asyncio.Future] = {}  # this process's downloads in progress
         self._rechecks: dict[files.CopyId, asyncio.Future] = {}  # copies whose samples failed: sound?
@@ -114,6 +118,21 @@ class ShardCache(ShardDownloads):
     def path(self, url: str) -> Path:
         """Where ``url``'s copy is kept."""
         return files.shard_files(self.directory, url).shard
+
+    def kept_copy(self, url: str, size: int) -> Path | None:
+        """On the loop: where ``url``'s copy is if this process already knows it current (no
+        question to storage, no download), for a decode thread to read samples from it
+        (``cache_files.read_checked_range``); else None (``read_copy`` serves the read). The
+        copy is marked used once per run."""
+        if not self._usable or url in self._bypass or self._checked.get(url, 0.0) <= time.monotonic():
+            return None
+        path = self.path(url)
+        if url not in self._touched:
+            if not files.touch(path, size):
+                self._checked.pop(url, None)  # evicted by a peer: looked at again by ``ensure``
+                return None
+            self._touched.add(url)
+        return path
 
     async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
         return (await self.read_copy(url, start, end, size))[0]
@@ -192,10 +211,17 @@ class ShardCache(ShardDownloads):
         if pending is None:
             pending = self._downloads[url] = asyncio.ensure_future(self._download(url, size, shard, version))
             pending.add_done_callback(lambda _: self._downloads.pop(url, None))
+            pending.add_done_callback(lambda task: self._kept(url, task))
         if not await asyncio.shield(pending):
             return False
         self._checked[url] = math.inf
         return True
+
+    def _kept(self, url: str, download: asyncio.Future) -> None:
+        """A download that kept its copy makes it current, whether or not a read still waits
+        for it (the cold epoch's reads are served from the download under way)."""
+        if not download.cancelled() and download.exception() is None and download.result():
+            self._checked[url] = math.inf
 
     async def _remote_version(self, url: str) -> str | None:
         """The remote object's version, or None while storage cannot be asked (see the module)."""

@@ -109,6 +109,22 @@ def read_copy_range(path: Path, start: int, end: int, size: int) -> tuple[bytes,
         os.close(fd)
 
 
+def read_checked_range(path: Path, start: int, end: int, size: int) -> tuple[bytes, CopyId] | None:
+    """Bytes ``[start, end)`` of the copy at ``path`` and which copy it is, if this process has
+    checked that copy whole (``current``: its checksum held); None if the file there is another
+    one since (replaced: ``read_copy_range``, through the cache's checks, serves it);
+    FileNotFoundError if it is gone. For decode threads: one open, fstat and pread."""
+    fd = open_copy(path, size)
+    try:
+        copy = copy_id(os.fstat(fd))
+        checked = _checked_copies.get(copy)
+        if checked is None or checked[0] != size:
+            return None
+        return os.pread(fd, end - start, start), copy
+    finally:
+        os.close(fd)
+
+
 def copy_id(info: os.stat_result) -> CopyId:
     return info.st_dev, info.st_ino, info.st_mtime_ns
 

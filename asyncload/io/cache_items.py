@@ -13,6 +13,10 @@ more than a ``stat`` of the folder, on the loop, while no peer writes: ``Segment
 Two processes that miss the same object at once both download it (no per-object lock: the ranks
 of a node read disjoint parts of an epoch); both copies are sound, the older ages out.
 
+A loader's next pass builds a new ``ItemCache`` (a new loop and reader) on the ``KeptIndex`` of
+its last one: the index, the segments' descriptors and storage's answers about unlisted objects
+outlive the pass, so the warm epoch neither parses the segments again nor asks storage again.
+
 A hit costs no trip through the event loop: ``hit`` gives the pipeline a ``CopyRead`` that the
 decode thread reads itself (``os.pread`` and a checksum); a copy it finds gone or damaged is read
 through ``read`` again, on the loop, which downloads it. A copy found only once storage was asked
@@ -64,7 +68,18 @@ _UNKNOWN = object()  # an unlisted object not yet asked about in this process
 _warned: set[tuple[str, str]] = set()  # (folder, reason): each warned once per process
 
 
-class CopyRead:
+class KeptRead:
+    """A kept copy that the decode thread decoding it reads itself (``read``): no trip through
+    the loop per warm sample. The item cache's ``CopyRead``, and the shard cache's members
+    (``sources/shard_stream.MemberRead``)."""
+
+    __slots__ = ()
+
+    def read(self) -> bytes:
+        raise NotImplementedError
+
+
+class CopyRead(KeptRead):
     """A hit, read by the decode thread that decodes it (``read``): no trip through the loop."""
 
     __slots__ = ("cache", "url", "index", "entry")
@@ -81,19 +96,63 @@ class CopyRead:
             return self.cache.read_from_thread(self.url, self.index, self.entry)
 
 
+class KeptIndex:
+    """What an item cache knows that outlives one pass (``pipeline/cached_reads.KeptCaches`` keeps
+    one per source and folder for a loader's next passes, each a new ``ItemCache`` on a new loop
+    and reader): the segment store (its index and open descriptors: rebuilt, it was a parse of
+    every record per pass), and each unlisted object's size and version as storage answered them
+    (rebuilt, it was one metadata request per object per pass). ``busy`` while a cache uses it: a
+    second loader on the same source at once gets an index of its own (the store's writes are
+    serialised per cache, not across caches)."""
+
+    def __init__(self, directory: str, max_bytes: int | None) -> None:
+        self.directory = Path(directory)
+        self.versions: dict[str, Any] = {}
+        self.sizes: dict[str, int] = {}
+        self.offline = OfflineWindow(lambda reason, message: _warn_once(self.directory, reason, message))
+        self.busy = False
+        self.max_bytes = 0
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.max_bytes = max_bytes if max_bytes is not None else _default_budget(self.directory)
+            self.store = SegmentStore(self.directory, self.max_bytes // SEGMENTS_PER_BUDGET)
+            self.store.refresh()
+            self.store.evict(self.max_bytes)  # a run that downloads nothing cleans up too
+        except OSError as error:
+            self.store = SegmentStore(self.directory, 1)
+            _warn_once(self.directory, "folder", f"cannot use {error}; objects are read from storage")
+            self.usable = False
+        else:
+            self.usable = True
+
+    def close(self) -> None:
+        """Closes the store's descriptors (the loader is closed: its last pass is over)."""
+        self.store.close()
+
+
 class ItemCache:
     """``read(url, index)``: the bytes of the object at ``url`` (item ``index`` of the source),
     from its local copy, downloaded whole at its first read; ``hit(url, index)``: a ``CopyRead``
     when a current copy is known now."""
 
-    def __init__(self, directory: str, max_bytes: int | None, reader: Any, listed: Listed | None) -> None:
+    def __init__(self, directory: str, max_bytes: int | None, reader: Any, listed: Listed | None,
+                 kept: "KeptIndex | None" = None) -> None:
         self.directory = Path(directory)
         self.reader = reader
         self.listed = listed
-        self.max_bytes = 0
-        self._versions: dict[str, Any] = {}  # unlisted url -> its version (None: offline, any will do)
-        self._sizes: dict[str, int] = {}  # unlisted url -> its size, as asked
-        self._offline = OfflineWindow(self._warn)  # storage could not be asked: copies used unasked
+        if kept is None or kept.busy or not kept.usable:
+            kept = KeptIndex(str(directory), max_bytes)  # its own, closed with this cache
+            self._keep_open = False
+        else:
+            self._keep_open = True  # the next pass's cache finds the index, descriptors and answers
+        kept.busy = True
+        self.kept = kept
+        self.max_bytes = kept.max_bytes
+        self.store = kept.store
+        self._versions = kept.versions  # unlisted url -> its version (None: offline, any will do)
+        self._sizes = kept.sizes  # unlisted url -> its size, as asked
+        self._offline = kept.offline  # storage could not be asked: copies used unasked
+        self._usable = kept.usable
         self._pending: dict[str, tuple[str, bytes]] = {}  # downloaded, to be written in the next batch
         self._pending_bytes = 0
         self._next_write: asyncio.Future | None = None  # the write the pending objects go to
@@ -106,18 +165,6 @@ class ItemCache:
         self._hits = 0
         self._background: asyncio.Future | None = None  # the last refresh started by hits
         self._writable = True
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.max_bytes = max_bytes if max_bytes is not None else _default_budget(self.directory)
-            self.store = SegmentStore(self.directory, self.max_bytes // SEGMENTS_PER_BUDGET)
-            self.store.refresh()
-            self.store.evict(self.max_bytes)  # a run that downloads nothing cleans up too
-        except OSError as error:
-            self.store = SegmentStore(self.directory, 1)
-            self._warn("folder", f"cannot use {error}; objects are read from storage")
-            self._usable = False
-        else:
-            self._usable = True
 
     # --- hits ---------------------------------------------------------------------------------
 
@@ -327,32 +374,40 @@ class ItemCache:
     async def aclose(self) -> None:
         """Writes what is pending (for up to ``FINISH_S``), lets go of this process's segment,
         then scans and evicts whatever passes ``cache_bytes`` (the count may have missed a
-        peer's writes)."""
-        if not self._usable:
-            return
-        if self._background is not None:
-            await asyncio.gather(self._background, return_exceptions=True)
-        if self._writing is not None:
-            writing = self._writing
-            await asyncio.wait([writing], timeout=min(FINISH_S, self.reader.timeout))
-            writing.cancel()
-            await asyncio.gather(writing, return_exceptions=True)
+        peer's writes). A kept index's descriptors stay open for the next pass."""
         try:
-            await self._on_disk(self._close_store)
-        except OSError as error:
-            self._warn("evict", f"cannot evict: {error}")
+            if not self._usable:
+                return
+            if self._background is not None:
+                await asyncio.gather(self._background, return_exceptions=True)
+            if self._writing is not None:
+                writing = self._writing
+                await asyncio.wait([writing], timeout=min(FINISH_S, self.reader.timeout))
+                writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
+            try:
+                await self._on_disk(self._close_store)
+            except OSError as error:
+                self._warn("evict", f"cannot evict: {error}")
+        finally:
+            self.kept.busy = False  # after the disk work (``_on_disk`` lets it finish): the next pass may use it
 
     def _close_store(self) -> None:
         self.store.seal()
         try:
             self.store.evict(self.max_bytes)
         finally:
-            self.store.close()
+            if not self._keep_open:
+                self.store.close()
 
     def _warn(self, reason: str, message: str) -> None:
-        if (str(self.directory), reason) not in _warned:
-            _warned.add((str(self.directory), reason))
-            warnings.warn(f"asyncload item cache {self.directory}: {message}", RuntimeWarning, stacklevel=2)
+        _warn_once(self.directory, reason, message)
+
+
+def _warn_once(directory: Path, reason: str, message: str) -> None:
+    if (str(directory), reason) not in _warned:
+        _warned.add((str(directory), reason))
+        warnings.warn(f"asyncload item cache {directory}: {message}", RuntimeWarning, stacklevel=3)
 
 
 def _default_budget(directory: Path) -> int:

@@ -36,7 +36,7 @@ import torch
 from ..batch.buffers import OnDevice
 from ..batch.layout import Field
 from ..errors import SampleError
-from ..io.cache_items import CopyRead
+from ..io.cache_items import KeptRead
 from .jobs import Row, RowFiller, Work, read_on_decode_thread, write_label
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
@@ -219,12 +219,12 @@ class BatchJobs:
         read_s, nbytes, reads = 0.0, 0, 0
         for row in rows:
             data = row.data
-            if data is None or type(data) is CopyRead:
+            if data is None or isinstance(data, KeptRead):
                 started = time.perf_counter()
                 try:
                     if data is None:
                         data = read_on_decode_thread(row.key, self.filler.read_other, self.filler.max_bytes)
-                    else:  # the item cache's copy (not a read from storage: not counted as one)
+                    else:  # a cache's kept copy (not a read from storage: not counted as one)
                         data = data.read()
                 except Exception as error:
                     self.filler.row_failed(batch, row.row, SampleError(row.key, "read", error))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from ..io.cache_items import CopyRead, ItemCache
+from ..io.cache_items import CopyRead, ItemCache, KeptIndex
 from ..sources.items import Source
 from ..sources.mix_source import MixedSource
 
@@ -46,15 +46,48 @@ class CachedReads:
             await cache.aclose()
 
 
-def item_cache(source: Any, reader: Any) -> CachedReads | None:
+def item_cache(source: Any, reader: Any, kept: KeptCaches) -> CachedReads | None:
     """``CachedReads`` for ``source``, or None when no part of it has a ``cache_dir``. A mix's
-    parts each keep their own cache."""
+    parts each keep their own cache, on what ``kept`` holds from the loader's last pass."""
     if isinstance(source, Source):
         parts, locate = [source], lambda index: (source, index)
     elif isinstance(source, MixedSource) and all(isinstance(p, Source) for p in source.sources):
         parts, locate = list(source.sources), lambda index: source.locate(index)[:2]
     else:
         return None
-    caches = {id(p): ItemCache(p.cache_dir, p.cache_bytes, reader, p.listed if p.has_listing else None)
+    caches = {id(p): ItemCache(p.cache_dir, p.cache_bytes, reader, p.listed if p.has_listing else None,
+                               kept.item_index(p))
               for p in parts if getattr(p, "cache_dir", None) is not None}
     return CachedReads(caches, locate, reader) if caches else None
+
+
+class KeptCaches:
+    """What the caches of one loader's passes keep from one pass to the next in this process
+    (``LocalPipes`` builds a pipeline per pass, with a new loop and reader; a child's pipeline
+    lives for all its passes): each item cache's ``KeptIndex`` (its index, open segments and
+    storage's answers: rebuilt, a pass parsed every record and asked storage about every
+    unlisted object again) and, per shard source, which copies are known current (rebuilt, a
+    pass asked storage about every shard again and could not read its samples from the copies
+    straight away). A new loader is a new run: it asks again. ``close`` with the loader."""
+
+    def __init__(self) -> None:
+        self.items: dict[tuple[int, str, int | None], KeptIndex] = {}  # (id of a source, cache_dir, cache_bytes)
+        self.shards: dict[tuple[int, str], dict[str, float]] = {}  # (id of a source, cache_dir) -> url -> until
+
+    def item_index(self, source: Source) -> KeptIndex:
+        key = (id(source), str(source.cache_dir), source.cache_bytes)
+        kept = self.items.get(key)
+        if kept is None:
+            kept = self.items[key] = KeptIndex(str(source.cache_dir), source.cache_bytes)
+        return kept
+
+    def shard_copies(self, source: Any) -> dict[str, float]:
+        """``ShardCache``'s ``current`` for ``source``'s cache (see ``io/cache.py``)."""
+        return self.shards.setdefault((id(source), str(source.cache_dir)), {})
+
+    def close(self) -> None:
+        """Closes the kept segments' descriptors (a read still using one closes it after)."""
+        for kept in self.items.values():
+            kept.close()
+        self.items.clear()
+        self.shards.clear()

@@ -18,7 +18,7 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
-from ..io.cache_items import CopyRead
+from ..io.cache_items import KeptRead
 from ..io.limits import read_file
 from ..stats.figures import LoaderStats
 from .slots import Slot
@@ -128,12 +128,12 @@ class RowFiller:
         now = time.perf_counter()
         for index, row in enumerate(rows):
             data = row.data
-            if data is None or type(data) is CopyRead:  # timed as the decode is: a hard network mount may never answer
+            if data is None or isinstance(data, KeptRead):  # timed as the decode is: a hard network mount may never answer
                 slot.index, slot.done, slot.reading, slot.started = index, done, True, now
                 try:
                     if data is None:
                         data = read_on_decode_thread(row.key, self.read_other, self.max_bytes)
-                    else:  # the item cache's copy (not a read from storage: not counted as one)
+                    else:  # a cache's kept copy (not a read from storage: not counted as one)
                         data = data.read()
                 except Exception as error:
                     if not slot.claim():

@@ -22,7 +22,7 @@ from ..batch.layout import SampleLayout
 from ..batch.ragged import take_aside
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
-from ..io.cache_items import CopyRead
+from ..io.cache_items import KeptRead
 from ..io.reader import Reader
 from ..settings import LoaderSettings, share
 from ..sources.shard_stream import reader_shard_stream
@@ -46,7 +46,7 @@ class Pipeline:
 
     def __init__(self, settings: LoaderSettings, buffers: Callable[[int], BatchBuffer],
                  send: Callable[[Any], None], stats: Any, processes: int = 0, gate: Gate | None = None,
-                 io_concurrency: int | None = None) -> None:
+                 io_concurrency: int | None = None, kept: cached_reads.KeptCaches | None = None) -> None:
         self.s = settings
         self.buffers = buffers
         self.send = send
@@ -65,7 +65,10 @@ class Pipeline:
         self.loop_thread = LoopThread()
         self.loop, self.thread = self.loop_thread.loop, self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(self._new_reader(), self.loop).result()
-        self.cached_read = None if settings.read is not None else cached_reads.item_cache(settings.source, self.reader)
+        # what the caches keep for the next pass: the caller's (one pipeline per pass), else this one's
+        self.kept, self._owns_kept = (kept, False) if kept is not None else (cached_reads.KeptCaches(), True)
+        self.cached_read = None if settings.read is not None else \
+            cached_reads.item_cache(settings.source, self.reader, self.kept)
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
     async def _new_reader(self) -> Reader:
@@ -130,7 +133,8 @@ class Pipeline:
         jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
         stream = None
         if message.chunks is not None:
-            stream = reader_shard_stream(self.s.source, message.chunks, self.reader, self.io_limit)  # type: ignore[arg-type]
+            stream = reader_shard_stream(self.s.source, message.chunks, self.reader, self.io_limit,  # type: ignore[arg-type]
+                                         self.kept.shard_copies(self.s.source))
         self.runs[message.run] = RunState(message.run, filler, jobs, stream)
 
     def _spawn(self, state: RunState, coroutine: Any) -> asyncio.Task | None:
@@ -197,10 +201,13 @@ class Pipeline:
         finally:
             jobs.release(work)
 
-    def _cached_hit(self, state: RunState, key: Any, index: int) -> CopyRead | None:
-        """A kept copy of ``key`` in the item cache that a decode thread reads itself: no read
-        task, no trip through the loop (the warm epoch's reads cost less than a GET's)."""
-        if self.cached_read is None or state.stream is not None:
+    def _cached_hit(self, state: RunState, key: Any, index: int) -> KeptRead | None:
+        """A kept copy of ``key`` in the item cache, or of its shard in the shard cache, that a
+        decode thread reads itself: no read task, no trip through the loop (the warm epoch's
+        reads cost less than a GET's)."""
+        if state.stream is not None:
+            return state.stream.hit(key) if self.s.read is None else None
+        if self.cached_read is None:
             return None
         return self.cached_read.hit(key, index)
 
@@ -282,6 +289,8 @@ class Pipeline:
                 await self._stop(run)
             if self.cached_read is not None:
                 await self.cached_read.aclose()
+            if self._owns_kept:
+                self.kept.close()
             await self.reader.aclose()
         finally:  # whatever closing raised, the loop ends: close() waits for its thread
             self.loop.stop()

@@ -18,6 +18,7 @@ from ..device import DeviceStage
 from ..gates import Gate
 from ..settings import LoaderSettings
 from ..stats.figures import LoaderStats
+from .cached_reads import KeptCaches
 from .messages import Stop, Stopped
 from .pipeline import Pipeline
 
@@ -90,12 +91,13 @@ class LocalPipes:
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._runs = 0
         self._ended: set[int] = set()  # runs stopped: a wait for their answers ends
+        self.kept = KeptCaches()  # what the caches of one pass keep for the next
 
     def new_run(self) -> int:
         self._runs += 1
         self._answers = queue.SimpleQueue()
         self._pipelines[self._runs] = Pipeline(self.settings, self.ring.buffer, self._answers.put, self.stats,
-                                               gate=self.gate, io_concurrency=self.io_concurrency)
+                                               gate=self.gate, io_concurrency=self.io_concurrency, kept=self.kept)
         return self._runs
 
     def send(self, index: int, message: Any) -> None:
@@ -157,5 +159,6 @@ class LocalPipes:
                 pipeline.set_limits(None, io_concurrency)
 
     def close(self) -> None:
-        """Frees the ring's buffers (the runs were stopped before)."""
+        """Frees the ring's buffers and closes what the caches kept (the runs were stopped before)."""
         self.ring.clear()
+        self.kept.close()

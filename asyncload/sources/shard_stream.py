@@ -11,12 +11,16 @@ owner, so a run makes the same ranged reads whatever the number of processes.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..gates import AsyncGate
+from ..io import cache_files
 from ..io.cache import ShardCache
+from ..io.cache_items import KeptRead
 from ..io.retries import RangeNotSatisfiable
 from .shard_plan import Chunk, ChunkPlan
 from .shards import ShardSample, ShardSource
@@ -25,8 +29,40 @@ if TYPE_CHECKING:
     from ..io.reader import Reader
 
 
+THREAD_POLL_S = 0.5  # a decode thread waiting on the loop looks this often whether it still runs
+
+
 class ShardTruncated(ValueError):
     """A shard is shorter than its index says (a ValueError: another try cannot fix it)."""
+
+
+class MemberRead(KeptRead):
+    """A sample of a shard whose cached copy this process knows current, read by the decode
+    thread that decodes it (``read``: one open, pread and close of its own bytes), not through
+    a chunk read and a task per sample on the loop: the warm epoch of a shard cache then costs
+    less CPU per sample than reading the bucket (the loop's per-sample work was most of it)."""
+
+    __slots__ = ("stream", "index", "chunk", "path", "size")
+
+    def __init__(self, stream: "ShardStream", index: int, chunk: Chunk, path: Any, size: int) -> None:
+        self.stream, self.index, self.chunk, self.path, self.size = stream, index, chunk, path, size
+
+    def read(self) -> Any:
+        """The sample as ``split_chunk`` cuts it; if the copy is gone or is not the one this
+        process checked, the sample read again through the cache on the loop, waited for here."""
+        source = self.stream.source
+        start, end = int(source.sample_begin[self.index]), int(source.sample_end[self.index])
+        try:
+            read = cache_files.read_checked_range(self.path, start, end, self.size)
+        except OSError:
+            read = None
+        if read is None or len(read[0]) < end - start:
+            return self.stream.read_from_thread(self.index)
+        data, self.chunk.copy = read  # what ``refetched`` checks if the sample fails to decode
+        sample = source.split_chunk(memoryview(data), start, [self.index])[self.index]
+        if isinstance(sample, BaseException):
+            raise sample
+        return sample
 
 
 class ShardStream:
@@ -49,6 +85,10 @@ class ShardStream:
     not decode: ``refetched``) may be the copy's fault, damaged on disk after the cache checked
     it: the cache checks it again (``ShardCache.damaged``) and, if it was damaged, they are read
     once more from a fresh download; else the failure stands. Only failures pay for this.
+
+    With a cache, a sample whose chunk is not read yet and whose shard's copy the loader already
+    knows current (an epoch after the one that checked it) is not read here at all: ``hit``
+    hands the pipeline a ``MemberRead`` that the decode thread reads itself from the copy.
     """
 
     def __init__(self, source: ShardSource, plan: ChunkPlan, read_range: Any, concurrent_reads: int = 4,
@@ -70,6 +110,45 @@ class ShardStream:
         self.failed: dict[int, BaseException] = {}
         self.waiting: dict[int, asyncio.Future] = {}
         self.refetched_samples: set[int] = set()  # decoded again once already: a failure now stands
+        self.direct: set[int] = set()  # chunks whose samples decode threads read from the copy (``hit``)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def hit(self, sample: Any) -> MemberRead | None:
+        """On the loop: a ``MemberRead`` of ``sample`` if its chunk is not read (nor being read)
+        and its shard's cached copy is known current, else None (``get`` serves it). A chunk
+        served so is never read whole: its samples asked through ``get`` are read on their own."""
+        if self.cache is None or self.run_blocking is not None or type(sample) is not ShardSample:
+            return None
+        index = sample.index
+        number = int(self.chunk_of[index])
+        if number < 0:
+            return None
+        chunk = self.chunks[number]
+        if number not in self.direct and chunk.task is not None:
+            return None
+        size = int(self.source.shard_bytes[int(self.source.shard_of[index])])
+        path = self.cache.kept_copy(chunk.url, size)
+        if path is None:
+            return None
+        self.direct.add(number)
+        self.loop = asyncio.get_running_loop()
+        return MemberRead(self, index, chunk, path, size)
+
+    def read_from_thread(self, index: int) -> Any:
+        """``_read_again`` from a decode thread, for a ``MemberRead`` whose copy could not serve."""
+        loop = self.loop
+        closing = f"{self.source[index]!r}: its cached shard cannot serve it and the loader is closing"
+        try:
+            future: ThreadFuture = asyncio.run_coroutine_threadsafe(self._read_again(index), loop)  # type: ignore[arg-type]
+        except RuntimeError as error:  # the loop is closed
+            raise RuntimeError(closing) from error
+        while True:  # the read is bounded by the reader's timeouts; a loop stopped under it is not
+            try:
+                return future.result(timeout=THREAD_POLL_S)
+            except FuturesTimeout:
+                if loop is None or not loop.is_running():
+                    future.cancel()
+                    raise RuntimeError(closing) from None
 
     async def get(self, sample: ShardSample) -> Any:
         index = sample.index
@@ -88,7 +167,7 @@ class ShardStream:
     def _beyond_plan(self, index: int) -> bool:
         """Not in the plan, or in a chunk read already whose copy of the sample was taken."""
         number = int(self.chunk_of[index])
-        if number < 0:
+        if number < 0 or number in self.direct:
             return True
         task = self.chunks[number].task
         return task is not None and task.done() and index not in self.ready and index not in self.failed
@@ -137,7 +216,8 @@ class ShardStream:
     def _start_through(self, number: int) -> None:
         while self.started <= min(number, len(self.chunks) - 1):
             chunk = self.chunks[self.started]
-            chunk.task = asyncio.get_running_loop().create_task(self._fetch(chunk))
+            if self.started not in self.direct:  # else its samples are read on their own
+                chunk.task = asyncio.get_running_loop().create_task(self._fetch(chunk))
             self.started += 1
 
     async def _fetch(self, chunk: Chunk) -> None:
@@ -214,15 +294,18 @@ def whole_or_failed(read_range: Any, sizes: dict[str, int]) -> Any:
     return read
 
 
-def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int) -> ShardStream:
+def reader_shard_stream(source: ShardSource, plan: ChunkPlan, reader: Reader, concurrent_reads: int,
+                        current: dict[str, float] | None = None) -> ShardStream:
     """A ``ShardStream`` of ``plan`` through ``reader``'s ranged reads, and through the disk
-    cache for remote shards when the source has one."""
+    cache for remote shards when the source has one (``current``: the copies the loader's last
+    passes found current, see ``ShardCache``)."""
     cache = None
     sizes: dict[str, int] = {}
     if source.cache_dir is not None:
         sizes = dict(zip(source.urls, source.shard_bytes.tolist()))
         cache = ShardCache(source.cache_dir, source.cache_bytes, whole_or_failed(reader.read_range, sizes),
-                           source.chunk_bytes, reader.run_blocking, version=reader.version, timeout=reader.timeout)
+                           source.chunk_bytes, reader.run_blocking, version=reader.version, timeout=reader.timeout,
+                           current=current)
 
     async def read_range(url: str, start: int, end: int) -> tuple[bytes, Any]:
         if cache is None or reader.is_local(url):
