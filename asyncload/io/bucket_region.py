@@ -20,8 +20,9 @@ def region_known(config: dict[str, Any], provider: Any) -> bool:
     """Whether a region (or an endpoint other than AWS's) is set in the options, the environment
     or the credential provider."""
     keys = {k.lower() for k in config} | {k.lower() for k in getattr(provider, "config", None) or {}}
-    env = {"AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL"} & set(os.environ)
-    return bool(keys & REGION_KEYS or env)
+    # four lookups, not a copy of the environment: this runs at every read of obstore's S3
+    env = any(name in os.environ for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT", "AWS_ENDPOINT_URL"))
+    return bool(keys & REGION_KEYS) or env
 
 
 _regions: dict[str, str | None] = {}  # bucket -> the region S3 named for it (None: it named none)
