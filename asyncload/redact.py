@@ -25,7 +25,11 @@ REDACTED_CHARS = 20_000  # text beyond this is cut before redacting: no regex ru
 # Kansas), and "private" only as a private key's (a ``private: true`` setting is no secret).
 _SECRET_WORDS = (r"credential|token|secret|passw|pwd|authorization|(?<![a-z0-9])(?:session|sas)(?![a-z0-9])"
                  r"|private[_\-]?key|api[_\-]?key|access[_\-]?key|account[_\-]?key")
-_SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS})|^(?:key|username)$")  # an option's (not skip_signature)
+# An option's name (not skip_signature): those words, and names that hold a credential without
+# one of them: requests' and webdav4's ``auth=(user, password)`` (``basic_auth``, ``proxy_auth``),
+# paramiko's (sftp) ``pkey`` and ``passphrase``, a ``Cookie`` header or aiohttp's ``cookies``.
+_SECRET_NAME = re.compile(rf"(?i)(?:{_SECRET_WORDS})|^(?:key|username|pass)$"
+                          r"|(?<![a-z0-9])(?:auth|creds?|cookies?|pkey|passphrase)(?![a-z0-9])")
 
 # A query parameter, plain or percent-encoded (a client's text may quote the URL it built: %3F, %26, %3D).
 _QUERY = re.compile(rf"""(?i)((?:[?&;]|%3F|%26)[\w.\-]{{0,64}}?(?:{_SECRET_WORDS}|sig|key)[\w.\-]{{0,64}}?(?:=|%3D))

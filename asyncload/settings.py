@@ -15,6 +15,7 @@ backend's or the loader's (``backend.py``).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
@@ -136,6 +137,9 @@ def loader_settings(source: Sequence[Any], batch_size: int, shuffle: bool, seed:
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
         raise ValueError(f"io_concurrency must be a positive integer, 'auto' or None, got {io_concurrency!r}")
+    integral = isinstance(num_threads, numbers.Integral) and not isinstance(num_threads, bool)
+    if num_threads not in (None, "auto") and not (integral and num_threads >= 1):
+        raise ValueError(f"num_threads must be a positive integer, 'auto' or None, got {num_threads!r}")
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
     if read is True or (read not in (None, False) and not callable(read)):
@@ -145,7 +149,7 @@ def loader_settings(source: Sequence[Any], batch_size: int, shuffle: bool, seed:
     if isinstance(max_failures, int) and max_failures < 0:
         raise ValueError(f"max_failures must not be negative, got {max_failures}")
     for name, value in dict(decode_timeout=decode_timeout, max_sample_bytes=max_sample_bytes,
-                            read_retry_seconds=read_retry_seconds).items():
+                            read_retry_seconds=read_retry_seconds, read_timeout=read_timeout).items():
         check_positive(name, value)
     cores = usable_cores()
     auto_threads = num_threads == "auto"

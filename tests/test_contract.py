@@ -117,6 +117,27 @@ def test_a_batch_whose_every_row_fails_is_not_handed_out_empty(processes):
 
 
 @pytest.mark.parametrize("processes", MODES)
+def test_a_first_batch_that_cannot_be_read_is_skipped_in_the_state_and_not_read_again(processes, tmp_path):
+    """No sample of the first batch loads, so the layout is learnt from a later one (the probe):
+    the first batch the user gets holds other samples, the state names exactly the four skipped,
+    and a resume from it reads none of them again."""
+    log = tmp_path / "reads.log"
+    options = dict(shuffle=False, on_error="skip", decode=FailsOn(range(4)), read=LoggedRead(log), max_failures=4)
+    with loader_for(20, processes, **options) as loader:
+        first = next(iter(loader))[:, 0].tolist()
+        state = loader.state_dict()
+    assert not set(first) & set(range(4)) and len(first) == 4
+    assert state["skipped"] == [[0, 4]] and state["delivered"] == intervals(first)
+    log.unlink()
+    with loader_for(20, processes, **options) as resumed:
+        resumed.load_state_dict(state)
+        rest = batches(resumed)
+        assert not resumed.stats.failures
+    assert not set(reads(log)) & set(range(4)), "a skipped sample is not read again"
+    assert sorted(first + sum(rest, [])) == list(range(4, 20)), "the rest, each once"
+
+
+@pytest.mark.parametrize("processes", MODES)
 def test_skips_are_in_the_state_and_a_resume_neither_rereads_them_nor_restarts_the_budget(processes, tmp_path):
     log = tmp_path / "reads.log"
     # The second failure (21) lies past what the first pass has under way when its first batch is

@@ -22,6 +22,7 @@ from asyncload.epoch.plan import EpochPlan
 from asyncload.epoch.progress import Progress
 from asyncload.epoch.window import Window
 from asyncload.order.epoch_size import EpochSize
+from asyncload.pipeline.pipes import ENDED
 from asyncload.stats.figures import LoaderStats
 from tests.decoders import FailsOn
 
@@ -301,6 +302,68 @@ def test_out_of_order_a_real_loader_hands_out_first_the_batch_that_finished_firs
             handed.set()
     assert got[0] == logic.hand_out() == [4, 5, 6, 7]
     assert sorted(got[1:]) == [[0, 1, 2, 3], [8, 9, 10, 11]]
+
+
+class WatchedLock:
+    """The driver's lock, watched: ``arrived`` once the thread ``watched`` comes to it, ``left``
+    once that thread has let it go; ``owner``: the thread holding it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+        self.watched: int | None = None
+        self.arrived, self.left = threading.Event(), threading.Event()
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if me == self.watched:
+            self.arrived.set()
+        self._lock.acquire()
+        self.owner = me
+
+    def __exit__(self, *exc: Any) -> None:
+        me, self.owner = self.owner, None
+        self._lock.release()
+        if me == self.watched:
+            self.left.set()
+
+
+def test_out_of_order_a_close_on_another_thread_while_the_user_looks_for_a_batch_gives_the_closed_error():
+    """in_order=False: the user's thread looks through the window's batches for a complete one
+    while close() on another thread clears them. It used to fail with "dictionary changed size
+    during iteration"; it gets the batch it found or the closed error. Driven by events: the look
+    at the first batch waits until the stop has cleared the window, or is held at the driver's
+    lock by this thread."""
+    with AsyncLoader(list(range(64)), batch_size=4, read=False, decode=lambda index: np.int64(index), shuffle=False,
+                     prefetch=4, processes=0, num_threads=2, in_order=False) as loader:
+        iterator = iter(loader)
+        next(iterator)  # the pass runs; the window holds the next batches
+        driver = loader._passes.driver
+        lock = driver._lock = WatchedLock()
+        real_ready, stoppers = driver.window.ready, []
+
+        def stop() -> None:
+            lock.watched = threading.get_ident()
+            driver.stop()
+
+        def ready(number: int) -> bool:  # the first look starts the stop and lets it clear the window
+            if stoppers:
+                return real_ready(number)
+            stoppers.append(threading.Thread(target=stop))
+            stoppers[0].start()
+            assert lock.arrived.wait(60)
+            if lock.owner != threading.get_ident():  # not held here: the stop clears the window now
+                assert lock.left.wait(60)
+            return False
+
+        driver.window.ready = ready  # type: ignore[method-assign]
+        try:
+            next(iterator)
+        except RuntimeError as error:
+            assert str(error) == ENDED
+        stoppers[0].join()
+        with pytest.raises(RuntimeError, match="this iteration has ended"):
+            next(iterator)
 
 
 # ----- which pipeline fills which rows -----

@@ -68,6 +68,22 @@ def test_the_repr_names_every_argument_and_summarises_a_large_source():
     assert "'endpoint_url': 'http://s3'" in shown and "hunter2" not in shown and "AKIAEXAMPLE" not in shown
 
 
+def test_the_repr_hides_credentials_under_option_names_without_a_secret_word():
+    """storage_options as fsspec's filesystems take them: webdav4's ``auth=(user, password)``,
+    sftp's ``password``/``pkey``/``passphrase``, an HTTP ``Cookie`` header: each key shown, its
+    value not."""
+    options = {"auth": ("alice", "hunter2"), "pass": "hunter2", "pkey": "hunter2", "passphrase": "hunter2",
+               "creds": "hunter2", "client_kwargs": {"headers": {"Cookie": "sid=hunter2"}, "proxy_auth": "hunter2"},
+               "endpoint_url": "http://s3"}
+    with AsyncLoader(list(range(4)), read=False, decode=length, num_threads=2, processes=0,
+                     storage_options=options) as loader:
+        shown = repr(loader.settings)
+    assert "hunter2" not in shown
+    for key in ("'auth': ", "'pass': ", "'pkey': ", "'passphrase': ", "'creds': ", "'Cookie': ", "'proxy_auth': "):
+        assert key + "'***'" in shown, key
+    assert "'endpoint_url': 'http://s3'" in shown
+
+
 def test_the_value_pickles_equal():
     with AsyncLoader([(f"{i}.bin", i % 3) for i in range(50)], batch_size=8, decode=length, num_threads=2,
                      processes=0, on_error="skip", max_sample_bytes=None, read_retries=3) as loader:
@@ -104,6 +120,12 @@ CHECKS = [
     (dict(on_error="ignore"), ValueError, "on_error must be 'raise' or 'skip', got 'ignore'"),
     (dict(io_concurrency=0), ValueError, "io_concurrency must be a positive integer, 'auto' or None, got 0"),
     (dict(io_concurrency="many"), ValueError, "io_concurrency must be a positive integer, 'auto' or None, got 'many'"),
+    (dict(num_threads=0), ValueError, "num_threads must be a positive integer, 'auto' or None, got 0"),
+    (dict(num_threads=-1), ValueError, "num_threads must be a positive integer, 'auto' or None, got -1"),
+    (dict(num_threads="many"), ValueError, "num_threads must be a positive integer, 'auto' or None, got 'many'"),
+    (dict(num_threads=2.5), ValueError, "num_threads must be a positive integer, 'auto' or None, got 2.5"),
+    (dict(read_timeout=0), ValueError, "read_timeout must be a positive number, got 0"),
+    (dict(read_timeout=None), ValueError, "read_timeout must be a positive number, got None"),
     (dict(prefetch=0), ValueError, "prefetch must be at least 1, got 0"),
     (dict(read=True), TypeError, "read must be None, False or a callable, got True"),
     (dict(read="s3"), TypeError, "read must be None, False or a callable, got 's3'"),

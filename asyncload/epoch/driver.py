@@ -222,10 +222,15 @@ class EpochDriver:
         takes it; None once the epoch has no more batches."""
         started = time.perf_counter()
         while True:
-            ready = self.window.next_ready()
-            if ready is not None:
-                with self._lock:
-                    batch = self.window.take(ready)
+            # Under the lock: with in_order=False, next_ready walks the window's batches, which
+            # stop() (close() on another thread) clears; the user then gets the closed error.
+            with self._lock:
+                if self._stopped:
+                    raise RuntimeError(ENDED)
+                ready = self.window.next_ready()
+                taken = self.window.take(ready) if ready is not None else None
+            if taken is not None:
+                batch = taken
                 self.stats.level("batches_ready", -1)
                 break
             if self.window.finished:

@@ -3,8 +3,8 @@ a row failed, a batch taken for the hand-out), it says what to do, and touches n
 buffer or clock, so that it is tested alone (``tests/test_driver_logic.py``). The driver
 (``driver.py``) calls it on the user's thread and carries the decisions out: it sends the rows,
 waits for the answers, hands out or gives the buffers back. Only what ``stop()`` (any thread)
-also touches, ``batches`` added, failed or taken, is changed under the driver's lock; the rest
-(``wants_batch``, ``next_ready``, ``verdict``, the record) is the user's thread's alone.
+also touches, ``batches`` added, failed, looked through (``next_ready``) or taken, is used under
+the driver's lock; the rest (``wants_batch``, ``verdict``, the record) is the user's thread's alone.
 
 What it decides: whether another batch may be assigned (at most ``size`` ahead of the user);
 what a failed row becomes (its batch raises, or the row takes the epoch's next position, or it
