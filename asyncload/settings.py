@@ -70,7 +70,7 @@ class LoaderSettings:
     world_size: int | None
     max_failures: int | float
     progress: bool
-    normalize: tuple[Sequence[float], Sequence[float]] | None
+    normalize: tuple[Sequence[float], Sequence[float]] | None = field(metadata=HERE_ONLY)  # the device stage's
     read_timeout: float
     read_retries: int | None
     read_retry_seconds: float
@@ -137,11 +137,14 @@ def loader_settings(source: Sequence[Any], batch_size: int, shuffle: bool, seed:
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if io_concurrency not in (None, "auto") and (not isinstance(io_concurrency, int) or io_concurrency < 1):
         raise ValueError(f"io_concurrency must be a positive integer, 'auto' or None, got {io_concurrency!r}")
-    integral = isinstance(num_threads, numbers.Integral) and not isinstance(num_threads, bool)
-    if num_threads not in (None, "auto") and not (integral and num_threads >= 1):
+    if num_threads not in (None, "auto") and not (whole(num_threads) and num_threads >= 1):
         raise ValueError(f"num_threads must be a positive integer, 'auto' or None, got {num_threads!r}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+    if not whole(prefetch) or prefetch < 1:
+        raise ValueError(f"prefetch must be an integer of at least 1, got {prefetch!r}")
+    if not whole(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if read_retries is not None and not (whole(read_retries) and read_retries >= 0):
+        raise ValueError(f"read_retries must be None or a non-negative integer, got {read_retries!r}")
     if read is True or (read not in (None, False) and not callable(read)):
         raise TypeError(f"read must be None, False or a callable, got {read!r}")
     if isinstance(max_failures, float) and not 0 <= max_failures < 1:
@@ -173,6 +176,11 @@ def loader_settings(source: Sequence[Any], batch_size: int, shuffle: bool, seed:
         trace=trace, trace_events=trace_events, collate=collate, gpu_decode=gpu_decode,
         source_names=source.names if isinstance(source, MixedSource) else None,
     )
+
+
+def whole(value: Any) -> bool:
+    """An integer (NumPy's too), not a bool: what counts, seeds and batch numbers must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_positive(name: str, value: Any) -> None:

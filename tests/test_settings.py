@@ -53,6 +53,16 @@ def test_the_value_holds_the_defaults_resolved():
     assert settings.processes == 0 and not settings.adaptive and not settings.skip_errors
 
 
+def test_what_runs_only_here_is_not_sent_to_a_child():
+    """``collate`` runs at hand-out and ``normalize`` in the device stage, both in this process: a
+    child gets neither (a ``normalize`` of CUDA tensors would start CUDA in every child)."""
+    with AsyncLoader(list(range(4)), read=False, decode=length, processes=0, collate=list,
+                     normalize=([0.5], [0.25])) as loader:
+        sent = loader.settings.for_children()
+    assert sent["collate"] is None and sent["normalize"] is None
+    assert sent["decode"] is length and set(sent) == {field.name for field in dataclasses.fields(loader.settings)}
+
+
 def test_the_repr_names_every_argument_and_summarises_a_large_source():
     source = [f"s3://bucket/train/{i:06d}.jpg" for i in range(100_000)]
     with AsyncLoader(source, read=False, decode=length, num_threads=2, processes=0, read_retry_seconds=7.5,
@@ -126,7 +136,11 @@ CHECKS = [
     (dict(num_threads=2.5), ValueError, "num_threads must be a positive integer, 'auto' or None, got 2.5"),
     (dict(read_timeout=0), ValueError, "read_timeout must be a positive number, got 0"),
     (dict(read_timeout=None), ValueError, "read_timeout must be a positive number, got None"),
-    (dict(prefetch=0), ValueError, "prefetch must be at least 1, got 0"),
+    (dict(prefetch=0), ValueError, "prefetch must be an integer of at least 1, got 0"),
+    (dict(prefetch=2.5), ValueError, "prefetch must be an integer of at least 1, got 2.5"),
+    (dict(seed=None), ValueError, "seed must be an integer, got None"),
+    (dict(read_retries=-1), ValueError, "read_retries must be None or a non-negative integer, got -1"),
+    (dict(read_retries=1.5), ValueError, "read_retries must be None or a non-negative integer, got 1.5"),
     (dict(read=True), TypeError, "read must be None, False or a callable, got True"),
     (dict(read="s3"), TypeError, "read must be None, False or a callable, got 's3'"),
     (dict(max_failures=1.5), ValueError, "max_failures as a fraction must be in [0, 1), got 1.5"),
