@@ -45,9 +45,16 @@ class Script:
     def start(self) -> subprocess.Popen:
         env = {**os.environ, "ASYNCLOAD_TEST_RUN": self.tag,
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.process = subprocess.Popen([sys.executable, str(self.path)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.process = subprocess.Popen([sys.executable, str(self.path)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                        cwd=ROOT)
         return self.process
+
+    def tell(self, line: str) -> None:
+        """Writes ``line`` to the script's stdin: an event a script waits on (``input()``)."""
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
 
     def run(self) -> tuple[int, str, str]:
         """Runs it to the end of its output (every holder of the pipe gone, as ``| tail`` waits)."""
@@ -60,16 +67,33 @@ class Script:
         return {int(path.name.split("-")[-1]) for path in self.marks.glob(f"{prefix}-*")}
 
     def processes(self) -> list[psutil.Process]:
-        """Every live process that carries this run's tag (zombies excluded: they hold nothing)."""
-        found = []
-        for process in psutil.process_iter():
+        """Every live process that carries this run's tag, and every descendant of one (zombies
+        excluded: they hold nothing). The descendants too: a process caught inside its exec shows
+        an empty environment for that moment (a loaded machine makes it long: a child's ``sleep``
+        was missed so). Fresh ``Process`` objects, not ``process_iter``'s cache, whose entries
+        outlive their pids (pids wrap past 32768 in a full run)."""
+        found: dict[int, psutil.Process] = {}
+        for pid in psutil.pids():
             try:
-                if process.environ().get("ASYNCLOAD_TEST_RUN") == self.tag and \
-                        process.status() != psutil.STATUS_ZOMBIE:
-                    found.append(process)
+                process = psutil.Process(pid)
+                if process.environ().get("ASYNCLOAD_TEST_RUN") == self.tag:
+                    found[pid] = process
             except psutil.Error:
                 continue
-        return found
+        for process in list(found.values()):
+            try:
+                for descendant in process.children(recursive=True):
+                    found.setdefault(descendant.pid, descendant)
+            except psutil.Error:
+                continue
+        alive = []
+        for process in found.values():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+            except psutil.Error:
+                continue
+        return alive
 
     def left_alive(self) -> list[psutil.Process]:
         """The tagged processes still alive ``BOUND_S`` after this call at the most (it returns as
