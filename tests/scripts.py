@@ -67,33 +67,16 @@ class Script:
         return {int(path.name.split("-")[-1]) for path in self.marks.glob(f"{prefix}-*")}
 
     def processes(self) -> list[psutil.Process]:
-        """Every live process that carries this run's tag, and every descendant of one (zombies
-        excluded: they hold nothing). The descendants too: a process caught inside its exec shows
-        an empty environment for that moment (a loaded machine makes it long: a child's ``sleep``
-        was missed so). Fresh ``Process`` objects, not ``process_iter``'s cache, whose entries
-        outlive their pids (pids wrap past 32768 in a full run)."""
-        found: dict[int, psutil.Process] = {}
-        for pid in psutil.pids():
+        """Every live process that carries this run's tag (zombies excluded: they hold nothing)."""
+        found = []
+        for process in psutil.process_iter():
             try:
-                process = psutil.Process(pid)
-                if process.environ().get("ASYNCLOAD_TEST_RUN") == self.tag:
-                    found[pid] = process
+                if process.environ().get("ASYNCLOAD_TEST_RUN") == self.tag and \
+                        process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process)
             except psutil.Error:
                 continue
-        for process in list(found.values()):
-            try:
-                for descendant in process.children(recursive=True):
-                    found.setdefault(descendant.pid, descendant)
-            except psutil.Error:
-                continue
-        alive = []
-        for process in found.values():
-            try:
-                if process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(process)
-            except psutil.Error:
-                continue
-        return alive
+        return found
 
     def left_alive(self) -> list[psutil.Process]:
         """The tagged processes still alive ``BOUND_S`` after this call at the most (it returns as
