@@ -124,7 +124,6 @@ def rank_order(rank: int, epoch: int) -> list[int]:
                         world_size=2).order(epoch).tolist()
 
 
-@pytest.mark.xdist_group("lightning_ddp")  # one worker runs the module fixture's 2-process run once
 def test_lightning_ddp_ranks_take_disjoint_equal_halves_of_a_loader_built_before_fit(lightning_run):
     """Rank 0 built its loader with no distributed environment, rank 1 with Lightning's
     ``LOCAL_RANK``/``WORLD_SIZE`` and no ``RANK``: at the first batch both are ranks of 2."""
@@ -136,7 +135,6 @@ def test_lightning_ddp_ranks_take_disjoint_equal_halves_of_a_loader_built_before
     assert sorted(first[0]["val"]["0"] + first[1]["val"]["0"]) == list(range(lightning_ddp.VAL_ITEMS))
 
 
-@pytest.mark.xdist_group("lightning_ddp")  # one worker runs the module fixture's 2-process run once
 def test_lightning_ddp_resumes_both_ranks_from_rank_0s_checkpoint(lightning_run):
     """The checkpoint holds rank 0's loader state alone; both ranks go on where they stood."""
     stopped, resumed = lightning_run["stopped"], lightning_run["resumed"]
@@ -153,14 +151,12 @@ def accelerate_ranks(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.mark.xdist_group("accelerate_run")  # one worker runs the module fixture's 2-process run once
 def test_accelerate_accumulation_syncs_where_a_prepared_dataloader_does(accelerate_ranks):
     for rank in accelerate_ranks:
         assert rank["dataloader_syncs"] == [[2, 5, 7], [2, 5, 7]]
         assert rank["asyncload_syncs"] == rank["dataloader_syncs"], "the epoch's end syncs, every epoch"
 
 
-@pytest.mark.xdist_group("accelerate_run")  # one worker runs the module fixture's 2-process run once
 def test_accelerate_save_state_on_rank_0_resumes_every_rank(accelerate_ranks):
     for rank in accelerate_ranks:
         assert rank["before"] + rank["after"] == rank["epoch_order"]
@@ -169,7 +165,6 @@ def test_accelerate_save_state_on_rank_0_resumes_every_rank(accelerate_ranks):
         range(accelerate_run.ITEMS))
 
 
-@pytest.mark.xdist_group("accelerate_run")  # one worker runs the module fixture's 2-process run once
 def test_accelerate_prepare_keeps_the_loader_and_skip_first_batches_names_the_resume(accelerate_ranks):
     for rank in accelerate_ranks:
         assert rank["prepare_returns_it"]
