@@ -1,6 +1,12 @@
 """Shared fixtures: real JPEG files, real S3 servers on 127.0.0.1 (SeaweedFS for reads, moto
 behind a misbehaving proxy where a fault is injected), and a check that no asyncload thread
-outlives a test."""
+outlives a test.
+
+The suite runs on several workers (pytest-xdist, ``-n`` in pyproject.toml): each worker is a
+process of its own with its own session fixtures (its own servers on free ports, its own tmp
+folders), so nothing here is shared between workers. A module fixture is set up once per worker
+that runs the module's tests (test_trainers.py's and test_distributed.py's 2-process runs: up to
+4 times)."""
 
 from __future__ import annotations
 
@@ -32,6 +38,19 @@ def make_jpeg(colour: tuple[int, int, int], size: tuple[int, int] = IMAGE_SIZE, 
     image = np.empty((*size, 3), dtype=np.uint8)
     image[...] = colour
     return simplejpeg.encode_jpeg(image, quality=quality)
+
+
+# The modules whose tests last longest (2-process runs, users' scripts, thousands of objects),
+# longest first: queued first, they run beside the short ones instead of after them, when the
+# other workers would have nothing left to do. An order of whole modules: each stays in one piece.
+LONGEST_FIRST = ("test_readme", "test_trainers", "test_lifetime", "test_script", "test_item_cache_bound",
+                 "test_procs", "test_hangs", "test_read", "test_storage_faults", "test_listing",
+                 "test_formats_writers", "test_bench", "test_doctor", "test_loader")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.nodeid.partition("::")[0]).stem, len(rank)))
 
 
 def asyncload_threads() -> list[threading.Thread]:

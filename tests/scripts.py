@@ -45,9 +45,16 @@ class Script:
     def start(self) -> subprocess.Popen:
         env = {**os.environ, "ASYNCLOAD_TEST_RUN": self.tag,
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        self.process = subprocess.Popen([sys.executable, str(self.path)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.process = subprocess.Popen([sys.executable, str(self.path)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                        cwd=ROOT)
         return self.process
+
+    def tell(self, line: str) -> None:
+        """Writes ``line`` to the script's stdin: an event a script waits on (``input()``)."""
+        assert self.process is not None and self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
 
     def run(self) -> tuple[int, str, str]:
         """Runs it to the end of its output (every holder of the pipe gone, as ``| tail`` waits)."""

@@ -64,14 +64,13 @@ SCRIPT = """
             time.sleep(0.05)
         print("busy", flush=True)
         how = {how}
+        if how.startswith("SIG"):
+            time.sleep(600)  # the test signals it
+        input()  # the test has found every process while busy: end now
         if how == "os._exit":
             os._exit(3)
         if how == "exception":
             raise RuntimeError("the training step failed")
-        if how == "return":
-            pass
-        else:
-            time.sleep(600)  # the test signals it
 """
 
 
@@ -98,6 +97,8 @@ def test_nothing_outlives_the_script_however_it_ends(tmp_path, processes, how):
         assert made <= alive, "the children and their grandchildren were found while busy"
         if how.startswith("SIG"):
             script.send_signal(getattr(signal, how))
+        else:
+            run.tell("end")
         out, _ = script.communicate(timeout=BOUND_S)  # the pipe ends: nothing holds it any more
         assert script.returncode != 0 or how == "return"
         assert run.left_alive() == []
