@@ -134,6 +134,11 @@ class ShardCache(ShardDownloads):
             self._touched.add(url)
         return path
 
+    def forget(self, url: str) -> None:
+        """On the loop: ``url``'s copy is no longer known current (a decode thread found another
+        file there than the one this process checked): the next ``ensure`` checks it whole."""
+        self._checked.pop(url, None)
+
     async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
         return (await self.read_copy(url, start, end, size))[0]
 
