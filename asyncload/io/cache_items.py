@@ -14,7 +14,7 @@ Two processes that miss the same object at once both download it (no per-object 
 of a node read disjoint parts of an epoch); both copies are sound, the older ages out.
 
 A loader's next pass builds a new ``ItemCache`` (a new loop and reader) on the ``KeptIndex`` of
-its last one: the index, the segments' descriptors and storage's answers about unlisted objects
+its last one: the index and storage's answers about unlisted objects
 outlive the pass, so the warm epoch neither parses the segments again nor asks storage again.
 
 A hit costs no trip through the event loop: ``hit`` gives the pipeline a ``CopyRead`` that the
@@ -99,7 +99,7 @@ class CopyRead(KeptRead):
 class KeptIndex:
     """What an item cache knows that outlives one pass (``pipeline/cached_reads.KeptCaches`` keeps
     one per source and folder for a loader's next passes, each a new ``ItemCache`` on a new loop
-    and reader): the segment store (its index and open descriptors: rebuilt, it was a parse of
+    and reader): the segment store (its index: rebuilt, it was a parse of
     every record per pass), and each unlisted object's size and version as storage answered them
     (rebuilt, it was one metadata request per object per pass). ``busy`` while a cache uses it: a
     second loader on the same source at once gets an index of its own (the store's writes are
@@ -144,7 +144,7 @@ class ItemCache:
             kept = KeptIndex(str(directory), max_bytes)  # its own, closed with this cache
             self._keep_open = False
         else:
-            self._keep_open = True  # the next pass's cache finds the index, descriptors and answers
+            self._keep_open = True  # the next pass's cache finds the index and answers
         kept.busy = True
         self.kept = kept
         self.max_bytes = kept.max_bytes
@@ -374,7 +374,7 @@ class ItemCache:
     async def aclose(self) -> None:
         """Writes what is pending (for up to ``FINISH_S``), lets go of this process's segment,
         then scans and evicts whatever passes ``cache_bytes`` (the count may have missed a
-        peer's writes). A kept index's descriptors stay open for the next pass."""
+        peer's writes). A kept index stays for the next pass; its descriptors are closed."""
         try:
             if not self._usable:
                 return
@@ -399,6 +399,8 @@ class ItemCache:
         finally:
             if not self._keep_open:
                 self.store.close()
+            else:  # the index is kept for the next pass, not the descriptors (see ``close_descriptors``)
+                self.store.close_descriptors()
 
     def _warn(self, reason: str, message: str) -> None:
         _warn_once(self.directory, reason, message)
