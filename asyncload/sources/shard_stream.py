@@ -157,7 +157,7 @@ class ShardStream:
 
     async def _read_replaced(self, index: int, replaced: str | None) -> Any:
         if replaced is not None and self.cache is not None:
-            self.cache.forget(replaced)
+            self.cache.forget(replaced, int(self.source.shard_bytes[int(self.source.shard_of[index])]))
         return await self._read_again(index)
 
     async def get(self, sample: ShardSample) -> Any:
