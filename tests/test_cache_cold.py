@@ -216,3 +216,25 @@ def test_a_copy_replaced_since_its_check_is_not_read_by_the_decode_threads(shard
         spy_on(monkeypatch, cache_files, "read_copy_range", reads)
         assert sorted(flat(delivered(loader))) == ALL
     assert reads and {args[0] for args in reads} == {copy}
+
+
+def test_a_copy_replaced_since_its_check_is_checked_again_and_read_by_the_decode_threads(  # noqa: F811
+        shards, s3_options, tmp_path, monkeypatch):
+    """A copy replaced since this loader checked it (a peer, or this loader's children, evicted
+    and downloaded it again) fell back to a ranged read on the loop for every sample of every
+    later pass: the loader's 'current' said the shard was known, so ``ensure`` never checked the
+    new copy whole and the decode threads never read it. Now the first fallback forgets it, the
+    cache checks the new copy once, and the pass after reads it on the decode threads."""
+    url, _, _ = shards
+    source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
+    with AsyncLoader(source, batch_size=8, decode=ImageDecoder(32), storage_options=s3_options) as loader:
+        assert sorted(flat(delivered(loader))) == ALL
+        copy = cache_files.shard_files(tmp_path, source.urls[1]).shard
+        replacement = tmp_path / "elsewhere"
+        replacement.write_bytes(copy.read_bytes())
+        os.replace(replacement, copy)
+        assert sorted(flat(delivered(loader))) == ALL
+        reads: list = []
+        spy_on(monkeypatch, cache_files, "read_copy_range", reads)
+        assert sorted(flat(delivered(loader))) == ALL
+    assert reads == []

@@ -246,3 +246,34 @@ def test_a_second_pass_asks_storage_nothing_and_parses_no_segment(bucket, s3_opt
             counts.append((len(asked), len(parsed), loader.stats.as_dict()["read/items"]))
     assert counts[0][:2] == (len(ALL) if kind == "manifest" else 0, 0)
     assert counts[1] == (0, 0, len(ALL))  # nothing asked, nothing parsed, nothing downloaded again
+
+
+def test_between_passes_no_descriptor_holds_a_segment_a_peer_evicts(bucket, s3_options, tmp_path):
+    """The index kept for the loader's next pass kept its segments' descriptors open too: a peer
+    (another rank, this loader's children, a second loader) that evicted those segments while
+    this loader waited between passes (validation, or a loader kept after its last epoch) freed
+    no disk, up to MAX_OPEN segments of 64 MiB held deleted for the loader's life. The index
+    stays; a descriptor is opened again at the next read (the segment's inode checked)."""
+    url, _, _ = bucket
+    cache = tmp_path / "cache"
+    source = make_source("image_folder", url, s3_options, cache, tmp_path)
+
+    def held() -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return [name for name in names if "asyncload-items-" in name]
+
+    with AsyncLoader(source, batch_size=5, decode=DECODE, storage_options=s3_options, shuffle=False) as loader:
+        for _ in range(2):  # cold, then warm: the warm pass reads through the kept descriptors
+            assert flat(delivered(loader)) == ALL
+        assert segments(cache)
+        assert held() == []
+        for path in segments(cache):  # a peer's eviction
+            path.unlink()
+        assert flat(delivered(loader)) == ALL  # downloaded again
+        assert held() == []
+    assert held() == []

@@ -196,3 +196,51 @@ def test_an_unlisted_objects_copy_is_read_by_the_decode_thread(s3_options, tmp_p
             await reader.aclose()
 
     asyncio.run(main())
+
+
+def test_the_loaders_close_does_not_close_the_segment_a_pass_still_writes(s3_options, tmp_path, monkeypatch):
+    """``KeptCaches.close`` (the loader's close) closed the kept store at once, even while a pass
+    whose stop timed out still wrote to it on its disk thread: the writer's descriptor was closed
+    under the write, and the next file the process opened took its number, so the batch went into
+    that file (a checkpoint, say) and the cache lost it. Now the pass that holds the index closes
+    it at its own end."""
+    import threading
+
+    from asyncload.io.cache_items import KeptIndex
+
+    objects = put_objects(s3_options, "asyncload-test/item-cache-index/close-under-write", 1)
+    url, data = next(iter(objects.items()))
+    folder = tmp_path / "cache"
+    entered, release = threading.Event(), threading.Event()
+    real = cache_segments._write_pieces
+
+    def held_write(fd, pieces, at):
+        entered.set()
+        release.wait(30)
+        return real(fd, pieces, at)
+
+    monkeypatch.setattr(cache_segments, "_write_pieces", held_write)
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            kept = KeptIndex(str(folder), 1 << 20)
+            cache = ItemCache(str(folder), 1 << 20, reader, None, kept)
+            reading = asyncio.ensure_future(cache.read(url, 0))
+            assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+            kept.close()  # the loader's close, while the pass's write is under way
+            with open(tmp_path / "other", "wb"):  # the lowest free descriptor number
+                release.set()
+                assert await reading == data
+            await cache.aclose()
+        finally:
+            await reader.aclose()
+
+    before = open_fds()
+    asyncio.run(main())
+    assert (tmp_path / "other").read_bytes() == b""
+    store = SegmentStore(folder, 1 << 20)
+    store.refresh()
+    assert {u: store.read(entry) for u, entry in store.entries.items()} == objects
+    store.close()
+    assert open_fds() == before

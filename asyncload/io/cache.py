@@ -134,6 +134,14 @@ class ShardCache(ShardDownloads):
             self._touched.add(url)
         return path
 
+    def forget(self, url: str, size: int) -> None:
+        """On the loop: ``url``'s copy is no longer known current (a decode thread found another
+        file there than the one this process checked): the next ``ensure`` checks it whole. Not
+        if the file there is checked since (the other reads found replaced before that check
+        ask storage nothing again)."""
+        if not files.is_checked(self.path(url), size):
+            self._checked.pop(url, None)
+
     async def read_range(self, url: str, start: int, end: int, size: int) -> bytes:
         return (await self.read_copy(url, start, end, size))[0]
 

@@ -125,6 +125,16 @@ def read_checked_range(path: Path, start: int, end: int, size: int) -> tuple[byt
         os.close(fd)
 
 
+def is_checked(path: Path, size: int) -> bool:
+    """Whether the file at ``path`` now is a ``size``-byte copy this process checked whole."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    checked = _checked_copies.get(copy_id(info))
+    return checked is not None and checked[0] == size
+
+
 def copy_id(info: os.stat_result) -> CopyId:
     return info.st_dev, info.st_ino, info.st_mtime_ns
 

@@ -14,7 +14,7 @@ Two processes that miss the same object at once both download it (no per-object 
 of a node read disjoint parts of an epoch); both copies are sound, the older ages out.
 
 A loader's next pass builds a new ``ItemCache`` (a new loop and reader) on the ``KeptIndex`` of
-its last one: the index, the segments' descriptors and storage's answers about unlisted objects
+its last one: the index and storage's answers about unlisted objects
 outlive the pass, so the warm epoch neither parses the segments again nor asks storage again.
 
 A hit costs no trip through the event loop: ``hit`` gives the pipeline a ``CopyRead`` that the
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import warnings
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -99,7 +100,7 @@ class CopyRead(KeptRead):
 class KeptIndex:
     """What an item cache knows that outlives one pass (``pipeline/cached_reads.KeptCaches`` keeps
     one per source and folder for a loader's next passes, each a new ``ItemCache`` on a new loop
-    and reader): the segment store (its index and open descriptors: rebuilt, it was a parse of
+    and reader): the segment store (its index: rebuilt, it was a parse of
     every record per pass), and each unlisted object's size and version as storage answered them
     (rebuilt, it was one metadata request per object per pass). ``busy`` while a cache uses it: a
     second loader on the same source at once gets an index of its own (the store's writes are
@@ -111,6 +112,8 @@ class KeptIndex:
         self.sizes: dict[str, int] = {}
         self.offline = OfflineWindow(lambda reason, message: _warn_once(self.directory, reason, message))
         self.busy = False
+        self.closed = False
+        self._lock = threading.Lock()  # busy and closed: the loader closes on its thread, a pass ends on its loop
         self.max_bytes = 0
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -125,8 +128,31 @@ class KeptIndex:
         else:
             self.usable = True
 
+    def claim(self) -> bool:
+        """Whether a pass's cache may use this index now (then ``busy`` until ``release``)."""
+        with self._lock:
+            if self.busy or self.closed or not self.usable:
+                return False
+            self.busy = True
+            return True
+
+    def release(self) -> None:
+        """The pass using it is over (its disk work done): closed now if the loader was."""
+        with self._lock:
+            self.busy = False
+            if not self.closed:
+                return
+        self.store.close()
+
     def close(self) -> None:
-        """Closes the store's descriptors (the loader is closed: its last pass is over)."""
+        """Closes the store's descriptors (the loader is closed), or, while a pass still uses
+        it (its stop timed out: its disk thread may be writing), lets that pass close it at its
+        end: closed under a write, the writer's descriptor number went to the next file the
+        process opened, and the write into that file."""
+        with self._lock:
+            self.closed = True
+            if self.busy:
+                return
         self.store.close()
 
 
@@ -140,12 +166,12 @@ class ItemCache:
         self.directory = Path(directory)
         self.reader = reader
         self.listed = listed
-        if kept is None or kept.busy or not kept.usable:
+        if kept is None or not kept.claim():
             kept = KeptIndex(str(directory), max_bytes)  # its own, closed with this cache
+            kept.busy = True
             self._keep_open = False
         else:
-            self._keep_open = True  # the next pass's cache finds the index, descriptors and answers
-        kept.busy = True
+            self._keep_open = True  # the next pass's cache finds the index and answers
         self.kept = kept
         self.max_bytes = kept.max_bytes
         self.store = kept.store
@@ -374,7 +400,7 @@ class ItemCache:
     async def aclose(self) -> None:
         """Writes what is pending (for up to ``FINISH_S``), lets go of this process's segment,
         then scans and evicts whatever passes ``cache_bytes`` (the count may have missed a
-        peer's writes). A kept index's descriptors stay open for the next pass."""
+        peer's writes). A kept index stays for the next pass; its descriptors are closed."""
         try:
             if not self._usable:
                 return
@@ -390,7 +416,7 @@ class ItemCache:
             except OSError as error:
                 self._warn("evict", f"cannot evict: {error}")
         finally:
-            self.kept.busy = False  # after the disk work (``_on_disk`` lets it finish): the next pass may use it
+            self.kept.release()  # after the disk work (``_on_disk`` lets it finish): the next pass may use it
 
     def _close_store(self) -> None:
         self.store.seal()
@@ -399,6 +425,8 @@ class ItemCache:
         finally:
             if not self._keep_open:
                 self.store.close()
+            else:  # the index is kept for the next pass, not the descriptors (see ``close_descriptors``)
+                self.store.close_descriptors()
 
     def _warn(self, reason: str, message: str) -> None:
         _warn_once(self.directory, reason, message)

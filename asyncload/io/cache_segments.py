@@ -375,6 +375,14 @@ class SegmentStore:
         self.total = total
         return total
 
+    def close_descriptors(self) -> None:
+        """Closes the read descriptors no read uses (the index stays: a pass is over, and a
+        descriptor kept until the next would hold a segment a peer evicts meanwhile, its disk
+        not freed; the next read opens it again, the inode checked)."""
+        with self._lock:
+            for segment in [segment for segment in self._open_fds if not segment.users]:
+                self._close(segment)
+
     def close(self) -> None:
         self.seal()
         with self._lock:

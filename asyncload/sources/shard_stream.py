@@ -55,8 +55,10 @@ class MemberRead(KeptRead):
         try:
             read = cache_files.read_checked_range(self.path, start, end, self.size)
         except OSError:
-            read = None
-        if read is None or len(read[0]) < end - start:
+            return self.stream.read_from_thread(self.index)
+        if read is None:  # replaced since this process checked it: the cache checks it again
+            return self.stream.read_from_thread(self.index, replaced=self.chunk.url)
+        if len(read[0]) < end - start:
             return self.stream.read_from_thread(self.index)
         data, self.chunk.copy = read  # what ``refetched`` checks if the sample fails to decode
         sample = source.split_chunk(memoryview(data), start, [self.index])[self.index]
@@ -134,12 +136,15 @@ class ShardStream:
         self.loop = asyncio.get_running_loop()
         return MemberRead(self, index, chunk, path, size)
 
-    def read_from_thread(self, index: int) -> Any:
-        """``_read_again`` from a decode thread, for a ``MemberRead`` whose copy could not serve."""
+    def read_from_thread(self, index: int, replaced: str | None = None) -> Any:
+        """``_read_again`` from a decode thread, for a ``MemberRead`` whose copy could not serve;
+        ``replaced``: the shard whose copy is another file than the one this process checked,
+        no longer known current (else ``ensure`` would serve the unchecked file without ever
+        checking it, and every later pass would read each sample through the loop)."""
         loop = self.loop
         closing = f"{self.source[index]!r}: its cached shard cannot serve it and the loader is closing"
         try:
-            future: ThreadFuture = asyncio.run_coroutine_threadsafe(self._read_again(index), loop)  # type: ignore[arg-type]
+            future: ThreadFuture = asyncio.run_coroutine_threadsafe(self._read_replaced(index, replaced), loop)  # type: ignore[arg-type]
         except RuntimeError as error:  # the loop is closed
             raise RuntimeError(closing) from error
         while True:  # the read is bounded by the reader's timeouts; a loop stopped under it is not
@@ -149,6 +154,11 @@ class ShardStream:
                 if loop is None or not loop.is_running():
                     future.cancel()
                     raise RuntimeError(closing) from None
+
+    async def _read_replaced(self, index: int, replaced: str | None) -> Any:
+        if replaced is not None and self.cache is not None:
+            self.cache.forget(replaced, int(self.source.shard_bytes[int(self.source.shard_of[index])]))
+        return await self._read_again(index)
 
     async def get(self, sample: ShardSample) -> Any:
         index = sample.index
