@@ -1,4 +1,5 @@
-"""asyncload: a PyTorch data loader without worker processes.
+"""asyncload: a PyTorch data loader that never pickles a sample: reads on an event loop,
+decode on threads that release the GIL, and child processes only when one GIL is the limit.
 
 Names are imported on first use, so ``import asyncload`` stays cheap (PyTorch alone takes over
 a second to import).
@@ -24,12 +25,12 @@ _PUBLIC = {
     "list_files": "asyncload.sources.items",
     "manifest": "asyncload.sources.items",
     "mix": "asyncload.sources.mix",
-    "MixedSource": "asyncload.sources.mix_source",
+    "MixedSource": "asyncload.sources.mix",
     "tar_shards": "asyncload.sources.shards",
     "write_shards": "asyncload.sources.writer",
     "index_shards": "asyncload.sources.writer",
     "parquet": "asyncload.sources.parquet",
-    "write_parquet": "asyncload.sources.parquet_writer",
+    "write_parquet": "asyncload.sources.writer",
     "mds": "asyncload.sources.mds",
     "litdata": "asyncload.sources.litdata",
     "Members": "asyncload.decode.members",
@@ -48,9 +49,9 @@ if TYPE_CHECKING:
     from .sources.litdata import litdata
     from .sources.mds import mds
     from .sources.mix import mix
-    from .sources.mix_source import MixedSource
+    from .sources.mix import MixedSource
     from .sources.parquet import parquet
-    from .sources.parquet_writer import write_parquet
+    from .sources.writer import write_parquet
     from .sources.shards import tar_shards
     from .sources.writer import index_shards, write_shards
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .stats.figures import LoaderStats
+from .stats.loader_stats import LoaderStats
 from .stats.verdict import diagnose
 
 MAX_IO = 1024

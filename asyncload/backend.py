@@ -1,5 +1,5 @@
 """The backend: what moves the samples, built once per loader by ``build_backend``. In this
-process (``processes=0``) it is one pipeline (``pipeline/pipes.py``'s ``LocalPipes``) over a
+process (``processes=0``) it is one pipeline (``pipeline/pipelines.py``'s ``LocalPipeline``) over a
 ``BufferRing``, counting in a ``LoaderStats``; with ``processes=N`` it is N children
 (``procs/``) over a ring of shared-memory segments, counting in the stats that merge theirs. Each
 kind makes its own ring and its own stats, with the tracer inside from the start, and the
@@ -19,11 +19,11 @@ from .batch.buffers import BufferRing
 from .batch.layout import Field, SampleLayout
 from .device import DeviceStage
 from .pipeline.batched import image_placement
-from .pipeline.pipes import Backend, LocalPipes, Pipes
+from .pipeline.pipelines import Backend, LocalPipeline, Pipelines
 from .procs.merged import ProcessStats
 from .procs.parent import ProcessPool
 from .settings import LoaderSettings
-from .stats.figures import LoaderStats
+from .stats.loader_stats import LoaderStats
 from .stats.trace import Tracer
 
 LABEL_FIELD = Field((), np.dtype(np.int64))
@@ -45,27 +45,27 @@ def build_backend(settings: LoaderSettings, processes: int, *, device_stage: Dev
     on_device = image_placement(settings.decode, device, processes)  # what cannot run fails before any start
     layout = known_layout(settings)
     keep = window(settings.prefetch, processes) + 2
-    pipes: Pipes
+    pipelines: Pipelines
     if processes:  # reads and decodes run in the children; the device stage and normalize here
         stats: LoaderStats = ProcessStats(settings.io_concurrency, settings.num_threads, settings.prefetch, processes)
         stats.tracer = tracer  # the children's events are merged into it as they arrive
-        pipes = ProcessPool(processes, settings, stats, keep=keep)
+        pipelines = ProcessPool(processes, settings, stats, keep=keep)
         if layout is not None:
-            pipes.ring.configure(layout, settings.batch_size)
+            pipelines.ring.configure(layout, settings.batch_size)
     else:
         stats = LoaderStats(settings.io_concurrency, settings.num_threads, settings.prefetch)
         stats.tracer = tracer
         ring = BufferRing(keep=settings.prefetch + 2, pin_memory=torch.cuda.is_available())
         if layout is not None:
             ring.configure(layout, settings.batch_size, on_device)
-        pipes = LocalPipes(settings, ring, stats)
-    return Backend(pipes, window(settings.prefetch, processes), processes, device_stage)
+        pipelines = LocalPipeline(settings, ring, stats)
+    return Backend(pipelines, window(settings.prefetch, processes), processes, device_stage)
 
 
 def known_layout(settings: LoaderSettings) -> SampleLayout | None:
     """With a decoder that declares its output (the default), the batch layout, so that buffers
     need no first sample: its field, then a label and a mix's source number if the rows carry
-    them (int64, on the host). None: the first sample decides (``epoch/probe.py``)."""
+    them (int64, on the host). None: the first sample decides (``epoch/dispatch.py``)."""
     output = getattr(settings.decode, "field", None)
     if not isinstance(output, Field):
         return None

@@ -15,17 +15,17 @@ from .autotune import MAX_IO, AutoTuner, Knob
 from .backend import build_backend
 from .device import DeviceStage
 from .epoch.passes import Passes
-from .epoch.progress import Epochs, resume_point
+from .epoch.ledger import Epochs, resume_point
 from .io.limits import DEFAULT_MAX_SAMPLE_BYTES
 from .order.mix_order import MixSampler
 from .order.ranks import Ranks, find_ranks, settle
 from .order.sampler import EpochSampler, source_digest
 from .order.shard_order import ShardSampler
-from .pipeline.pipes import Backend, Pipes
+from .pipeline.pipelines import Backend, Pipelines
 from .settings import LoaderSettings, loader_settings
-from .sources.mix_source import MixedSource
+from .sources.mix import MixedSource
 from .sources.shards import ShardSource
-from .stats.figures import LoaderStats
+from .stats.loader_stats import LoaderStats
 from .stats.trace import DEFAULT_EVENTS, Tracer
 from .switch import adaptive_switch
 from .trainers import EpochBatches, SourceDataset
@@ -245,7 +245,7 @@ class AsyncLoader:
         are the loader's, its tuner the loader's."""
         self._backend = backend
         self.stats = backend.stats
-        self.tuner = make_tuner(self.stats, backend.pipes, self._settings, backend.processes)
+        self.tuner = make_tuner(self.stats, backend.pipelines, self._settings, backend.processes)
 
     def __len__(self) -> int:
         """Batches in one epoch for this rank (the same on every rank)."""
@@ -393,7 +393,7 @@ def make_sampler(settings: LoaderSettings, rank: int, world_size: int) -> EpochS
     return EpochSampler(len(source), settings.batch_size, **order)
 
 
-def make_tuner(stats: LoaderStats, pipes: Pipes, settings: LoaderSettings, processes: int) -> AutoTuner | None:
+def make_tuner(stats: LoaderStats, pipelines: Pipelines, settings: LoaderSettings, processes: int) -> AutoTuner | None:
     """With ``"auto"`` settings, a tuner whose knobs act on the pipelines (totals over the
     processes, each taking its share): threads from ``num_threads`` up to the threads started,
     reads in flight from ``io_concurrency``."""
@@ -401,7 +401,7 @@ def make_tuner(stats: LoaderStats, pipes: Pipes, settings: LoaderSettings, proce
         return None
     low = max(1, processes)
     thread_knob = (Knob("num_threads", settings.num_threads, low, settings.threads_started,
-                        apply=lambda value: pipes.set_limits(value, None)) if settings.auto_threads else None)
+                        apply=lambda value: pipelines.set_limits(value, None)) if settings.auto_threads else None)
     io_knob = (Knob("io_concurrency", settings.io_concurrency, low, MAX_IO,
-                    apply=lambda value: pipes.set_limits(None, value)) if settings.auto_io else None)
+                    apply=lambda value: pipelines.set_limits(None, value)) if settings.auto_io else None)
     return AutoTuner(stats, thread_knob, io_knob)

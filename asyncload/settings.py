@@ -26,10 +26,10 @@ import torch
 from .decode.gpu import check_gpu_decode, decode_stage
 from .decode.image import ImageDecoder
 from .device import resolve_device
-from .procs.processes import process_count
+from .procs.choice import process_count
 from .redact import redact_options, shown
 from .sources.items import is_labelled
-from .sources.mix_source import MixedSource
+from .sources.mix import MixedSource
 from .sources.shards import ShardSource
 from .stats.machine import usable_cores
 

@@ -25,9 +25,9 @@ from .backend import build_backend
 from .batch.crossing import unportable
 from .errors import describe
 from .pipeline.batched import image_placement, is_batched
-from .pipeline.pipes import Backend
+from .pipeline.pipelines import Backend
 from .procs.choice import CHILD_BYTES_GUESS, blocked_message, children_blocked, children_memory_allows, children_pss
-from .procs.guard import guard_advice, refuse_while_bootstrapping
+from .procs.script import guard_advice, refuse_while_bootstrapping
 from .procs.parent import ProcessPool
 from .settings import LoaderSettings
 from .stats.machine import usable_cores
@@ -159,9 +159,9 @@ class Switch:
             self.starting = None
             self._cannot(describe(starting.error), starting.count)
             return
-        assert isinstance(backend.pipes, ProcessPool)
+        assert isinstance(backend.pipelines, ProcessPool)
         try:
-            while not backend.pipes.ready():
+            while not backend.pipelines.ready():
                 if time.monotonic() >= deadline:
                     return
                 time.sleep(0.01)
@@ -208,7 +208,7 @@ class Switch:
         if self.retired is not None:
             self.retired.close()
             self.retired = None
-        pool = self.backend.pipes
+        pool = self.backend.pipelines
         if isinstance(pool, ProcessPool):
             pss = children_pss([process.pid for process in pool.processes if process.pid is not None])
             self.pss.append((f"{pool.count} children", pss))

@@ -25,10 +25,10 @@ import tempfile
 from typing import Any, Awaitable
 
 from asyncload import image_folder, tar_shards
-from asyncload.io.cache import ShardCache
-from asyncload.io.cache_items import ItemCache
+from asyncload.cache.shards import ShardCache
+from asyncload.cache.items import ItemCache
 from asyncload.io.reader import Reader
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 from bench.harness.dataset import ImageSetSpec, ensure_image_set
 from bench.harness.machine import cpu_model
 from bench.harness.s3data import S3_POOL, upload, upload_shards

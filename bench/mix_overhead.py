@@ -16,7 +16,7 @@ import statistics
 import time
 
 from asyncload import AsyncLoader, Source, image_folder, mix
-from asyncload.pipeline.keys import split
+from asyncload.pipeline.jobs import split
 from bench.harness import tasks
 from bench.harness.dataset import ensure_image_set
 from bench.harness.workloads import image_set

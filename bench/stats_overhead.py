@@ -17,7 +17,7 @@ import statistics
 import time
 
 from asyncload import AsyncLoader
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 from bench.harness import tasks
 from bench.harness.dataset import ensure_image_set
 from bench.harness.workloads import image_set
@@ -59,7 +59,7 @@ def event_cost(calls: int = 200_000) -> float:
 def epoch(source, stats_class) -> tuple[float, float]:
     """samples/s and process CPU seconds per sample for one epoch with ``stats_class``."""
     loader = AsyncLoader(source, batch_size=128, decode=tasks.image_decoder())
-    loader.stats = loader._backend.pipes.stats = stats_class(64, loader._settings.num_threads, 2)
+    loader.stats = loader._backend.pipelines.stats = stats_class(64, loader._settings.num_threads, 2)
     with loader:
         list(loader)  # warm the page cache and the ring
         started, cpu = time.perf_counter(), time.process_time()

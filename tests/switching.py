@@ -41,7 +41,7 @@ def slow_builds(monkeypatch, pids: list[int] | None = None, seconds: float = 0.5
             time.sleep(seconds)
         backend = real(*args, **kwargs)
         if pids is not None:
-            pids.extend(process.pid for process in backend.pipes.processes)
+            pids.extend(process.pid for process in backend.pipelines.processes)
         return backend
 
     monkeypatch.setattr(switch, "build_backend", slow_build)

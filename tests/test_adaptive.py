@@ -180,7 +180,7 @@ def test_children_that_did_not_help_give_way_to_a_fresh_in_process_backend(monke
             got.append(batch[:, 0].tolist())
             seen.append(children_of(loader))
             if seen[-1]:
-                children = [child.pid for child in loader._backend.pipes.processes]
+                children = [child.pid for child in loader._backend.pipelines.processes]
         assert got == expected[0] and seen[0] == 0 and 2 in seen and seen[-1] == 0
         assert children and not any(psutil.pid_exists(pid) for pid in children)  # closed once its run stopped
         assert loader._backend is not first  # a fresh one, not the first one used again
@@ -276,7 +276,7 @@ def test_no_thread_or_child_left_after_break_and_close(monkeypatch, tmp_path):
     for number, _ in enumerate(loader):
         if number == 6:
             break
-    pids = [process.pid for process in loader._backend.pipes.processes]
+    pids = [process.pid for process in loader._backend.pipelines.processes]
     assert len(pids) == 2
     loader.close()
     assert all(not psutil.pid_exists(pid) for pid in pids)

@@ -9,7 +9,7 @@ import numpy as np
 from asyncload import AsyncLoader
 from asyncload.autotune import AutoTuner, Knob, interval_figures
 from asyncload.gates import Gate
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 from asyncload.stats.machine import usable_cores
 from tests.stat_figures import Stats
 from tests.stat_figures import window as running_window
@@ -138,7 +138,7 @@ def test_auto_io_raised_by_the_tuner_reaches_the_running_pipeline_and_delivers_e
             if now < 3:
                 loader.tuner.look(stats.run(storage), float(now))  # a baseline, then two raises
             got.extend(batch.tolist())
-        assert loader._backend.pipes.io_concurrency == 4 * start
+        assert loader._backend.pipelines.io_concurrency == 4 * start
     assert sorted(got) == list(range(400))
     assert loader.stats.limits["io_concurrency"] == 4 * start
     assert [(old, new) for _, _, old, new, _ in loader.tuner.changes] == [(start, 2 * start), (2 * start, 4 * start)]

@@ -1,4 +1,4 @@
-"""The shard cache on a shared node and through faults (io/cache.py, io/cache_files.py): it
+"""The shard cache on a shared node and through faults (cache/shards.py, cache/files.py): it
 touches only its own files, never waits longer than the read timeout, and keeps the epoch going
 while storage is down, the disk is full or a copy is damaged. Against the real S3 server."""
 
@@ -17,7 +17,7 @@ import warnings
 import pytest
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder, parquet, tar_shards, write_parquet
-from asyncload.io.cache_files import shard_files
+from asyncload.cache.files import shard_files
 from tests.support.s3server import storage_options
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, make_bucket, setup_s3fs, wait_until
 
@@ -246,8 +246,8 @@ def test_a_copy_used_while_storage_was_down_is_checked_again_when_it_answers(tmp
     """Storage down: the copy serves. Storage back with the object rewritten: downloaded again."""
     import asyncio
 
-    from asyncload.io import offline as offline_module
-    from asyncload.io.cache import ShardCache
+    from asyncload.cache import offline as offline_module
+    from asyncload.cache.shards import ShardCache
 
     remote = {"data": bytes(range(256)) * 8, "version": "v1", "down": False}
 

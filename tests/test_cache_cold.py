@@ -1,4 +1,4 @@
-"""What the shard cache costs on the cold epoch (io/cache.py, io/cache_files.py): its downloads
+"""What the shard cache costs on the cold epoch (cache/shards.py, cache/files.py): its downloads
 reserve their file first (a full disk is found before a byte is fetched for it, and the writes
 that follow cost the kernel far less CPU), write at most ``WRITE_PIECE`` bytes a call, and record
 the checksum they took, so the next epoch does not read every copy whole again to check it."""
@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from asyncload import AsyncLoader, ImageDecoder, tar_shards
-from asyncload.io import cache_files
+from asyncload.cache import files as cache_files
 from tests.conftest import delivered, flat
 from tests.test_cache import ALL, shards, small_disk  # noqa: F401 (fixtures)
 
@@ -89,8 +89,8 @@ def test_a_chunk_is_served_before_its_shard_is_downloaded_whole(tmp_path):
     import asyncio
     import zlib
 
-    from asyncload.io.cache import ShardCache
-    from asyncload.io.cache_files import read_meta, shard_files
+    from asyncload.cache.shards import ShardCache
+    from asyncload.cache.files import read_meta, shard_files
 
     url, blob, chunk = "s3://b/shard.tar", bytes(range(256)) * 16, 1024
 
@@ -128,8 +128,8 @@ def test_a_chunk_is_served_before_its_bytes_reach_the_disk(tmp_path):
     import asyncio
     import threading
 
-    from asyncload.io import cache_files
-    from asyncload.io.cache import ShardCache
+    from asyncload.cache import files as cache_files
+    from asyncload.cache.shards import ShardCache
 
     url, blob, chunk = "s3://b/shard.tar", bytes(range(256)) * 16, 1024
     writing = threading.Event()

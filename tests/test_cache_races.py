@@ -1,5 +1,5 @@
-"""The shard cache's processes racing each other and their own cancels (io/cache.py,
-io/cache_evict.py): a slow download keeps its waiters, a stalled peer costs only the reads it
+"""The shard cache's processes racing each other and their own cancels (cache/shards.py,
+cache/evict.py): a slow download keeps its waiters, a stalled peer costs only the reads it
 stalls, an eviction never deletes what a peer installs meanwhile, and a cancel never closes a
 descriptor a pool thread still writes. Two ``ShardCache`` objects of one process contend as two
 processes do (a ``flock`` belongs to its open file, not to the process)."""
@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from asyncload.io import cache_evict, cache_files
-from asyncload.io.cache import ShardCache
-from asyncload.io.cache_evict import evict
-from asyncload.io.cache_files import install, shard_files, try_lock
+from asyncload.cache import evict as cache_evict, files as cache_files
+from asyncload.cache.shards import ShardCache
+from asyncload.cache.evict import evict
+from asyncload.cache.files import install, shard_files, try_lock
 
 URL = "s3://bucket/shard-000.tar"
 CHUNK = 1000

@@ -19,11 +19,11 @@ from asyncload.backend import window as window_of
 from asyncload.epoch.dispatch import Dispatch
 from asyncload.epoch.in_flight import InFlight
 from asyncload.epoch.plan import EpochPlan
-from asyncload.epoch.progress import Progress
+from asyncload.epoch.ledger import EpochLedger
 from asyncload.epoch.window import Window
 from asyncload.order.epoch_size import EpochSize
-from asyncload.pipeline.pipes import ENDED
-from asyncload.stats.figures import LoaderStats
+from asyncload.pipeline.pipelines import ENDED
+from asyncload.stats.loader_stats import LoaderStats
 from tests.decoders import FailsOn
 
 
@@ -38,10 +38,10 @@ class Run:
 
     def __init__(self, items: int = 12, batch_size: int = 4, window: int = 2, in_order: bool = True,
                  drop_last: bool = False, world_size: int = 1, rank: int = 0, skip: bool = True,
-                 max_failures: int | float = 100, progress: Progress | None = None) -> None:
+                 max_failures: int | float = 100, progress: EpochLedger | None = None) -> None:
         size = EpochSize(items, world_size, batch_size, drop_last)
         self.order = size.deal(np.arange(items), rank)  # epoch position -> source index
-        self.progress = progress or Progress()
+        self.progress = progress or EpochLedger()
         plan = EpochPlan(self.order, self.progress.done, size, self.progress.batches, skip, max_failures,
                          LoaderStats(), self.progress.skipped, self.progress.repeated, epoch=0,
                          rank=rank if world_size > 1 else None)
@@ -235,7 +235,7 @@ def test_a_resume_from_the_state_after_k_batches_delivers_the_rest_of_the_uninte
     first.answer(0, failed_rows=(2,))
     first.answer(0)
     assert first.hand_out() == whole[0]
-    rest = Run(items=20, window=2, progress=Progress.from_state(first.progress.as_state(), 4)).epoch(failing={9})
+    rest = Run(items=20, window=2, progress=EpochLedger.from_state(first.progress.as_state(), 4)).epoch(failing={9})
     assert [whole[0], *rest] == whole
 
 
@@ -358,9 +358,11 @@ def test_out_of_order_a_close_on_another_thread_while_the_user_looks_for_a_batch
 
         driver.window.ready = ready  # type: ignore[method-assign]
         try:
-            next(iterator)
+            next(iterator)  # the batch it found before the stop, or the closed error
         except RuntimeError as error:
-            assert str(error) == ENDED
+            assert str(error) == ENDED  # the pass has ended with it: nothing more to ask
+            stoppers[0].join()
+            return
         stoppers[0].join()
         with pytest.raises(RuntimeError, match="this iteration has ended"):
             next(iterator)
@@ -381,7 +383,7 @@ class Recorded:
 
 
 def in_flight(number: int, positions: list[int], segment: int) -> InFlight:
-    return InFlight(number, positions, SimpleNamespace(number=segment))  # type: ignore[arg-type]
+    return InFlight(number, positions, SimpleNamespace(slot=segment))  # type: ignore[arg-type]
 
 
 def test_a_batchs_rows_go_to_the_least_busy_pipeline_in_one_fill():

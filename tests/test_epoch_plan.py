@@ -12,7 +12,7 @@ from asyncload import SampleError, TooManyFailures
 from asyncload.epoch.plan import EpochPlan, failure_limit
 from asyncload.order.epoch_size import EpochSize
 from asyncload.order.positions import Positions
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 
 
 def plan(items=10, batch_size=4, drop_last=False, world_size=1, skip=True, max_failures=100, done=(), skipped=(),

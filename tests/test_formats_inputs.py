@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncload import AsyncLoader, litdata, mds, tar_shards
-from asyncload.io import cache_files
+from asyncload.cache import files as cache_files
 from asyncload.sources import litdata as litdata_source
 from asyncload.sources import brace, shard_learn
 from tests.fixtures.make_formats import SAMPLES, old_litdata

@@ -25,7 +25,7 @@ from asyncload.batch.buffers import BatchBuffer
 from asyncload.batch.layout import Field
 from asyncload.io.blocking import BlockingCalls, StuckCalls
 from asyncload.pipeline import jobs
-from asyncload.pipeline.slots import Watchdog
+from asyncload.pipeline.watchdog import Watchdog
 from asyncload.pipeline.threads import LoopThread, wait_ended
 from asyncload.pipeline.workers import DecodeWorkers, current_slot
 from tests.conftest import asyncload_threads, wait_until

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from asyncload.io import cache_files as files
+from asyncload.cache import files
 from asyncload.io import heartbeat_lock
-from asyncload.io.cache_lock import PeerLocks
+from asyncload.cache.lock import PeerLocks
 from asyncload.io.heartbeat_lock import POLL_S, LockWait, held
 
 PATIENCE = 1.0

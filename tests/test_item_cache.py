@@ -1,4 +1,4 @@
-"""The disk cache of item sources (io/cache_items.py): image_folder, list_files and manifest on the
+"""The disk cache of item sources (cache/items.py): image_folder, list_files and manifest on the
 real S3 server keep each object read once in cache_dir, so epoch 2 reads no byte from the bucket;
 and the shard cache's safety rules hold for item objects (a damaged copy, a full disk, a planted
 symlink, storage down)."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncload import AsyncLoader, ImageDecoder, image_folder, list_files, manifest
-from asyncload.io.cache_segments import FILE_MAGIC, SegmentStore
+from asyncload.cache.item_files import FILE_MAGIC, SegmentStore
 from tests.conftest import CLASSES, PER_CLASS, delivered, flat, identify, make_bucket, setup_s3fs
 from tests.test_cache import closed_port_options, small_disk  # noqa: F401 (a fixture)
 

@@ -1,4 +1,4 @@
-"""cache_bytes bounds the item cache's folder (io/cache_items.py, io/cache_segments.py), at a cost
+"""cache_bytes bounds the item cache's folder (cache/items.py, cache/item_files.py), at a cost
 linear in what it evicts: whole segments go, one scan at a time, every scan's iterator closed. And
 the folder is shared: a new run (or another process) finds what a run wrote, byte for byte; a
 writer killed mid-batch leaves a tail nobody reads. All on the real S3 server, with the real
@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from asyncload.io import cache_segments
-from asyncload.io.cache_items import ItemCache
-from asyncload.io.cache_segments import SegmentStore
+from asyncload.cache import item_files as cache_segments
+from asyncload.cache.items import ItemCache
+from asyncload.cache.item_files import SegmentStore
 from asyncload.io.reader import Reader
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 from tests.conftest import make_bucket, setup_s3fs
 
 SIZE = 1000

@@ -1,4 +1,4 @@
-"""The item cache's index (io/cache_segments.py) on real segment files: a bounded number of
+"""The item cache's index (cache/item_files.py) on real segment files: a bounded number of
 descriptors however many segments the folder holds (every copy still served byte for byte, a
 segment replaced between two opens not read as the old one), the access time set on the segment
 read and no other file, the entries of an evicted segment gone from the index, and an unlisted
@@ -15,9 +15,9 @@ import textwrap
 
 import pytest
 
-from asyncload.io import cache_segments
-from asyncload.io.cache_items import CopyRead, ItemCache
-from asyncload.io.cache_segments import FILE_MAGIC, MAX_OPEN, CopyGone, SegmentStore
+from asyncload.cache import item_files as cache_segments
+from asyncload.cache.items import CopyRead, ItemCache
+from asyncload.cache.item_files import FILE_MAGIC, MAX_OPEN, CopyGone, SegmentStore
 from tests.test_item_cache_bound import new_reader, put_objects
 
 SEGMENTS = 300  # one object a segment: a folder of 300 segments, as a 19 GiB cache of 64 MiB ones
@@ -63,7 +63,7 @@ def test_a_low_descriptor_limit_indexes_counts_and_evicts_every_segment(tmp_path
     code = textwrap.dedent(f"""
         import pathlib, resource, socket
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-        from asyncload.io.cache_segments import SegmentStore
+        from asyncload.cache.item_files import SegmentStore
         folder = pathlib.Path({str(tmp_path)!r})
         store = SegmentStore(folder, 8192)
         store.refresh()
@@ -206,7 +206,7 @@ def test_the_loaders_close_does_not_close_the_segment_a_pass_still_writes(s3_opt
     it at its own end."""
     import threading
 
-    from asyncload.io.cache_items import KeptIndex
+    from asyncload.cache.items import KeptIndex
 
     objects = put_objects(s3_options, "asyncload-test/item-cache-index/close-under-write", 1)
     url, data = next(iter(objects.items()))

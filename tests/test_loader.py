@@ -223,7 +223,7 @@ def test_error_in_first_sample_of_a_user_decode(tmp_path):
         raise RuntimeError(f"cannot decode {i}")
 
     with index_loader(n=4, shuffle=False) as loader:
-        pipes = loader._backend.pipes  # the next run's pipeline reads its settings
+        pipes = loader._backend.pipelines  # the next run's pipeline reads its settings
         pipes.settings = dataclasses.replace(pipes.settings, decode=decode)
         with pytest.raises(SampleError, match="sample 0 failed at decode: RuntimeError: cannot decode 0"):
             list(loader)
@@ -563,9 +563,9 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
     """A decode stuck past stop()'s bound: the end of the loop warns (once: dropping the iterator
     must not wait again), the loader keeps the run, and close() ends every thread, the GIL probe's
     included, once the decode returns."""
-    import asyncload.pipeline.pipes
+    import asyncload.pipeline.pipelines
 
-    monkeypatch.setattr(asyncload.pipeline.pipes, "STOP_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(asyncload.pipeline.pipelines, "STOP_TIMEOUT_S", 3.0)
     stuck, release = threading.Event(), threading.Event()
 
     def decode(i):

@@ -15,7 +15,7 @@ import pytest
 
 import asyncload
 from asyncload import AsyncLoader, ImageDecoder, image_folder, mix, parquet, tar_shards, write_parquet, write_shards
-from asyncload.sources.mix_source import name_key
+from asyncload.sources.mix import name_key
 from tests.conftest import CLASSES, PER_CLASS, identify
 
 

@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from asyncload.io import bucket_region, object_store
+from asyncload.io import object_store
 from asyncload.io.object_store import client_for
 from asyncload.io.reader import Reader
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 
 pytest.importorskip("obstore")
 
@@ -134,9 +134,9 @@ def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
     """object_store assumes us-east-1 where s3fs finds the bucket's region: asked once per bucket,
     only when no option, variable or profile names a region or an endpoint."""
     no_region_anywhere(monkeypatch, tmp_path)
-    bucket_region._regions.clear()
+    object_store._regions.clear()
     with RegionServer("eu-west-3") as server:
-        monkeypatch.setattr(bucket_region, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
+        monkeypatch.setattr(object_store, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
         fs = object_store.filesystem("s3", {"anon": True})
         assert fs._construct_store("far-bucket").config["region"] == "eu-west-3"
         fs._construct_store.cache_clear()
@@ -147,7 +147,7 @@ def test_a_buckets_region_is_asked_when_nothing_sets_it(monkeypatch, tmp_path):
         monkeypatch.setenv("AWS_REGION", "ap-south-1")  # object_store reads it itself
         assert "region" not in object_store.filesystem("s3", {"anon": True})._construct_store("third").config
         assert server.server.paths == ["/far-bucket"]
-    bucket_region._regions.clear()
+    object_store._regions.clear()
 
 
 def test_the_region_lookup_never_stalls_the_event_loop(monkeypatch, tmp_path):
@@ -155,7 +155,7 @@ def test_the_region_lookup_never_stalls_the_event_loop(monkeypatch, tmp_path):
     reader's event loop, where every other read waited meanwhile. The reader now asks on an
     I/O thread first: the loop keeps turning (a 10 ms ticker beside the read shows it)."""
     no_region_anywhere(monkeypatch, tmp_path)
-    bucket_region._regions.clear()
+    object_store._regions.clear()
 
     async def read_beside_a_ticker() -> tuple[float, BaseException | None]:
         reader = Reader(asyncio.get_running_loop(), storage_options={"anon": True}, timeout=3.0, retries=0,
@@ -182,9 +182,9 @@ def test_the_region_lookup_never_stalls_the_event_loop(monkeypatch, tmp_path):
         return max(gaps), error
 
     with RegionServer("eu-west-3", delay=1.5) as server:
-        monkeypatch.setattr(bucket_region, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
+        monkeypatch.setattr(object_store, "AWS_BUCKET_REGION_URL", f"http://127.0.0.1:{server.server.server_port}/{{bucket}}")
         longest_gap, _ = asyncio.run(read_beside_a_ticker())
         assert server.server.paths == ["/slow-region-bucket"], "asked once"
-    assert bucket_region._regions["slow-region-bucket"] == "eu-west-3"
+    assert object_store._regions["slow-region-bucket"] == "eu-west-3"
     assert longest_gap < 0.5, f"the event loop stood still for {longest_gap:.2f} s"
-    bucket_region._regions.clear()
+    object_store._regions.clear()

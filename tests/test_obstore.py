@@ -16,7 +16,7 @@ import torch
 from asyncload import AsyncLoader, ImageDecoder, SampleError, image_folder
 from asyncload.io import object_store
 from asyncload.io.reader import Reader
-from asyncload.stats.figures import LoaderStats
+from asyncload.stats.loader_stats import LoaderStats
 from tests.support.s3server import obstore_options, storage_options
 from tests.conftest import CLASSES, PER_CLASS, epoch, identify, setup_s3fs, wait_until
 from tests.faults import SLOW_DOWN, STALL, FaultProxy, first_tries

@@ -26,7 +26,7 @@ import torch
 
 from asyncload import AsyncLoader, ImageDecoder, SampleError, TooManyFailures, image_folder, tar_shards, write_shards
 from asyncload.procs.child import CHILD_NICENESS
-from asyncload.procs.processes import process_count
+from asyncload.procs.choice import process_count
 from asyncload.procs.start import CHILD_MODULE, start_method
 from tests.conftest import epoch, make_jpeg, wait_until
 
@@ -84,7 +84,7 @@ def pid_sample(i):
 
 
 def child_pids(loader: AsyncLoader) -> list[int]:
-    return [process.pid for process in loader._backend.pipes.processes]
+    return [process.pid for process in loader._backend.pipelines.processes]
 
 
 def gone(pid: int) -> bool:
@@ -101,7 +101,7 @@ def reaped(pid: int) -> bool:
 
 
 def segment_name(loader: AsyncLoader) -> str:
-    return loader._backend.pipes.ring.name
+    return loader._backend.pipelines.ring.name
 
 
 def mappings(name: str) -> list[str]:
@@ -195,7 +195,7 @@ def test_tuple_and_dict_samples_keep_their_structure():
 def test_kept_batches_stay_intact_and_released_buffers_are_reused():
     with AsyncLoader(list(range(160)), batch_size=4, seed=1, read=False, decode=index_sample, processes=2,
                      prefetch=2) as loader:
-        ring = loader._backend.pipes.ring
+        ring = loader._backend.pipelines.ring
         kept = list(loader)  # 40 batches held at once: the ring must allocate beyond its size
         assert rows(kept) == loader.sampler.order(0).tolist()
         assert all(bool((batch[:, 0:1] == batch).all()) for batch in kept)
@@ -310,7 +310,7 @@ def test_break_stops_the_run_and_close_ends_the_children():
     del batch
     with pytest.raises(RuntimeError, match="iteration has ended"):
         next(first)
-    ring = loader._backend.pipes.ring
+    ring = loader._backend.pipelines.ring
     kept = next(iter(loader))  # it starts again, in the same processes, and the stalled reads were cancelled
     assert child_pids(loader) == pids and kept.tolist() == list(range(8))
     loader.close()
@@ -328,7 +328,7 @@ def test_break_stops_the_run_and_close_ends_the_children():
 def test_stopped_runs_give_their_segments_back_once_the_children_confirm():
     loader = AsyncLoader(list(range(100_000)), batch_size=8, shuffle=False, read=slow_after_the_first_batch,
                          decode=np.asarray, io_concurrency=64, processes=2, prefetch=2)
-    pool = loader._backend.pipes
+    pool = loader._backend.pipelines
     next(iter(loader))  # the run ends with batches 1-4 still being read
     (answers, held), = pool._stopping.values()
     assert len(held) == loader._backend.window and all(b.in_pipeline for b in held), \
@@ -384,7 +384,7 @@ def test_the_children_exit_when_the_parent_dies():
             batches = iter(loader)
             next(batches)
             del batches  # the children now have hanging decodes
-            print(*[p.pid for p in loader._backend.pipes.processes], flush=True)
+            print(*[p.pid for p in loader._backend.pipelines.processes], flush=True)
             time.sleep(60)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -509,7 +509,7 @@ def test_device_stage_copies_the_next_batch_ahead_from_segments_pinned_only_for_
                 assert list(loader._passes.driver.pending_copies) == [number + 1] or number == 0, \
                     "batch k+1's copy starts when batch k is handed out"
             time.sleep(0.2)  # the next batch completes meanwhile
-        assert all(b.tensors[0].is_pinned() for b in loader._backend.pipes.ring.segments.values())
+        assert all(b.tensors[0].is_pinned() for b in loader._backend.pipelines.ring.segments.values())
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -535,7 +535,7 @@ def test_a_raised_sample_error_does_not_keep_its_segment():
         for _ in range(4):
             with pytest.raises(SampleError):
                 list(loader)
-        segments = loader._backend.pipes.ring.segments
+        segments = loader._backend.pipelines.ring.segments
         # At most the batch a child was still filling when the last run stopped (it comes back
         # once the child confirms); before, each error kept one more segment for good.
         assert sum(buffer.in_pipeline for buffer in segments.values()) <= 1

@@ -494,7 +494,7 @@ def test_partial_downloads_of_a_killed_process_are_removed(s3_shard_copy, s3_opt
     go too. One being written (lock held) stays."""
     import fcntl
 
-    from asyncload.io.cache_files import shard_files
+    from asyncload.cache.files import shard_files
 
     fs, prefix = s3_shard_copy
     source = tar_shards(f"s3://{prefix}", storage_options=s3_options, cache_dir=str(tmp_path), cache_bytes=1 << 20)
@@ -525,7 +525,7 @@ def test_a_shard_evicted_by_another_process_while_touched_is_downloaded_again(tm
     2 ms): the cache must download it again, never fail a read on the race."""
     import asyncio
 
-    from asyncload.io.cache import ShardCache
+    from asyncload.cache.shards import ShardCache
 
     remote = tmp_path / "remote.tar"
     remote.write_bytes(bytes(range(256)) * 64)

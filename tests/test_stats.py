@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncload import AsyncLoader
-from asyncload.stats.gil import GilProbe
+from asyncload.stats.machine import GilProbe
 from asyncload.stats.verdict import diagnose
 from tests.conftest import wait_until
 

@@ -79,7 +79,7 @@ class BatchBuffer:
         self.pinned = pin_memory if pinned is None else pinned
         self.in_pipeline = False  # taken by the pipeline and not yet handed out or given back
         self.poisoned = False  # a stuck decode_into may write it whenever it returns: never free again
-        self.number = -1  # its ring's name for it: what a fill names (a shared segment's number)
+        self.slot = -1  # its ring's name for it: what a fill names (a shared segment's number)
         self.copy_done: Any = None  # a CUDA event: the GPU's reads of the buffer end before it
         self._handed: list[weakref.ref] = []  # the NumPy views under the tensors the user got
         self._with_user = False  # handed out pinned, and the user has not moved on yet
@@ -200,8 +200,8 @@ class BufferRing:
         self._buffers: list[BatchBuffer] = []
         self._draining: list[BatchBuffer] = []  # forgotten, but the GPU may still read them
         self._lock = threading.Lock()
-        self._numbers = itertools.count()
-        self._by_number: weakref.WeakValueDictionary[int, BatchBuffer] = weakref.WeakValueDictionary()
+        self._slots = itertools.count()
+        self._by_slot: weakref.WeakValueDictionary[int, BatchBuffer] = weakref.WeakValueDictionary()
 
     def configure(self, layout: SampleLayout, capacity: int, on_device: OnDevice | None = None) -> None:
         """Sets the sample layout (and the fields that live on a CUDA device); buffers of another
@@ -239,13 +239,13 @@ class BufferRing:
     def _new_buffer(self) -> BatchBuffer:
         assert self.layout is not None
         buffer = BatchBuffer(self.layout, self.capacity, self.pin_memory, on_device=self.on_device)
-        buffer.number = next(self._numbers)
-        self._by_number[buffer.number] = buffer
+        buffer.slot = next(self._slots)
+        self._by_slot[buffer.slot] = buffer
         return buffer
 
     def buffer(self, number: int) -> BatchBuffer:
         """The buffer a fill names (one the pipeline took: the driver holds it meanwhile)."""
-        return self._by_number[number]
+        return self._by_slot[number]
 
     def _forget_held_buffers(self) -> None:
         """Past ``keep`` buffers, stop tracking the oldest: the user owns them, memory goes when

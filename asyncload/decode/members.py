@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .names import (IMAGE_EXTENSIONS, IMAGE_NAMES, INT_EXTENSIONS, LABEL_MEMBER, LABEL_NAMES,  # noqa: F401
+from .image import (IMAGE_EXTENSIONS, IMAGE_NAMES, INT_EXTENSIONS, LABEL_MEMBER, LABEL_NAMES,  # noqa: F401
                     TEXT_EXTENSIONS, is_image)
 
 

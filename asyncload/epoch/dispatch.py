@@ -11,37 +11,40 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+from typing import Callable, Iterable
 
-from ..pipeline.messages import Fill, Start
-from ..pipeline.pipes import Pipes
+from ..pipeline.messages import Failed, Fill, Probe, Probed, Start
+from ..pipeline.pipelines import Pipelines
 from ..sources.shard_plan import plan_reads
 from ..sources.shards import ShardSource
 from .in_flight import InFlight
+from ..batch.layout import SampleLayout
+from ..errors import SampleError
 
 
 class Dispatch:
-    """Routes the fills of run ``run`` over ``pipes`` and counts what each pipeline has in hand."""
+    """Routes the fills of run ``run`` over ``pipelines`` and counts what each pipeline has in hand."""
 
-    def __init__(self, pipes: Pipes, run: int, order: np.ndarray) -> None:
-        self.pipes = pipes
+    def __init__(self, pipelines: Pipelines, run: int, order: np.ndarray) -> None:
+        self.pipelines = pipelines
         self.run = run
         self.order = order  # epoch position -> source index
         self.owner: np.ndarray | None = None  # source index -> the pipeline that reads it (tar shards)
         self.fills: dict[int, tuple[InFlight, int]] = {}  # fill id -> its batch and pipeline
-        self.load = [0] * pipes.count  # fills in hand per pipeline
+        self.load = [0] * pipelines.count  # fills in hand per pipeline
         self._ids = itertools.count()
 
     def start(self, epoch: int, source: object, undelivered: np.ndarray) -> None:
         """Starts the run in every pipeline; tar shards: plans the reads of the epoch's
         ``undelivered`` positions and gives each pipeline the chunks it owns."""
-        count = self.pipes.count
+        count = self.pipelines.count
         if not isinstance(source, ShardSource):
             for index in range(count):
-                self.pipes.send(index, Start(self.run, epoch, None))
+                self.pipelines.send(index, Start(self.run, epoch, None))
             return
         reads = plan_reads(source, undelivered)
         for index in range(count):
-            self.pipes.send(index, Start(self.run, epoch, reads.owned(index, count)))
+            self.pipelines.send(index, Start(self.run, epoch, reads.owned(index, count)))
         if count > 1:
             self.owner = reads.owner_of(len(source), count)
 
@@ -67,7 +70,7 @@ class Dispatch:
             batch.pending += 1
             self.load[pipe] += 1
             pipe_indices = indices if len(groups) == 1 else self.order[[batch.positions[row] for row in pipe_rows]]
-            self.pipes.send(pipe, Fill(self.run, fill, batch.buffer.number, pipe_rows, pipe_indices))
+            self.pipelines.send(pipe, Fill(self.run, fill, batch.buffer.slot, pipe_rows, pipe_indices))
 
     def answered(self, fill: int) -> InFlight:
         """Fill ``fill`` is done: its batch, one fill fewer in hand."""
@@ -75,3 +78,45 @@ class Dispatch:
         batch.pending -= 1
         self.load[pipe] -= 1
         return batch
+
+
+# ----- the first sample's layout -----
+# Learning the batch layout before the first buffer exists.
+#
+# Buffers are preallocated, so the shape and dtype of a sample must be known before any fill
+# starts. The driver asks a pipeline to load the epoch's next samples one at a time, in the
+# epoch's order, until one loads: its layout allocates the ring. The pipeline keeps that sample
+# and writes it when its batch is filled, so it is read and decoded once; a sample that fails is
+# returned with its error, so its row takes the failure policy when its batch is filled, as it
+# would have without the probe.
+
+def probe_layout(pipelines: Pipelines, run: int, positions: Iterable[int], order: np.ndarray,
+                 pipe_for: Callable[[int], int], keep_going: int) -> tuple[SampleLayout | None, dict[int, SampleError]]:
+    """Probes ``positions`` (epoch positions, in order) until one sample gives its layout.
+    Returns the layout (None when none did) and the positions whose sample failed. Probing ends
+    after ``keep_going`` + 1 failures: the failure budget left (0 when errors raise: the first
+    failure's batch raises anyway), so a source whose samples all fail stops at its budget.
+    ``pipe_for``: which pipeline probes a source index (tar shards: the one that reads it)."""
+    failed: dict[int, SampleError] = {}
+    for position in positions:
+        index = int(order[position])
+        pipelines.send(pipe_for(index), Probe(run, index))
+        answer = pipelines.receive(run)
+        while not isinstance(answer, Probed):
+            if isinstance(answer, Failed):
+                raise pipeline_failed(answer)
+            answer = pipelines.receive(run)
+        if answer.layout is not None:
+            return answer.layout, failed
+        assert answer.error is not None
+        failed[position] = answer.error
+        if len(failed) > keep_going:
+            break
+    return None, failed
+
+
+def pipeline_failed(message: Failed) -> RuntimeError:
+    """The error the user's loop gets when a pipeline task failed outside any sample."""
+    error = RuntimeError(f"the loader's pipeline failed: {type(message.error).__name__}: {message.error}")
+    error.__cause__ = message.error
+    return error

@@ -1,8 +1,8 @@
 """The driver: one iteration over an epoch, every policy decided on the user's thread, whatever
-moves the samples (one pipeline here, or N child processes: ``pipes.py``). It takes batches from
+moves the samples (one pipeline here, or N child processes: ``pipelines.py``). It takes batches from
 the plan (``plan.py``) up to ``window`` ahead, sends their rows out (``dispatch.py``), applies the
 failure policy to each answer, hands complete batches out in order (``handout.py``), drops what
-``drop_last`` or an empty batch calls for, and records what the user got (``progress.py``).
+``drop_last`` or an empty batch calls for, and records what the user got (``ledger.py``).
 
 The decisions themselves are ``window.py``'s (logic, tested without threads); this class waits
 for the pipelines' answers and carries them out.
@@ -21,14 +21,13 @@ from ..batch.ragged import take_in
 from ..errors import SampleError
 from ..order.epoch_size import EpochSize
 from ..pipeline.messages import Done, Failed
-from ..pipeline.pipes import ENDED, Backend
+from ..pipeline.pipelines import ENDED, Backend
 from ..settings import LoaderSettings
-from .dispatch import Dispatch
+from .dispatch import Dispatch, pipeline_failed, probe_layout
 from .handout import HandOut
 from .in_flight import InFlight
 from .plan import EpochPlan
-from .probe import pipeline_failed, probe_layout
-from .progress import Progress
+from .ledger import EpochLedger
 from .window import Window
 
 
@@ -36,17 +35,17 @@ class EpochDriver:
     """Yields ``(epoch positions, batch)`` for each batch handed out; ``stop()`` ends the run.
     ``rank``: this process's rank in a job of several, put on each failure recorded (None alone)."""
 
-    def __init__(self, backend: Backend, settings: LoaderSettings, epoch: int, order: np.ndarray, progress: Progress,
+    def __init__(self, backend: Backend, settings: LoaderSettings, epoch: int, order: np.ndarray, ledger: EpochLedger,
                  size: EpochSize, rank: int | None = None) -> None:
-        self.pipes = backend.pipes
+        self.pipelines = backend.pipelines
         self.stats = backend.stats
         self.s = settings
         self.order = order
-        self.progress = progress
-        self.plan = EpochPlan(order, progress.done, size, progress.batches, settings.skip_errors,
-                              settings.max_failures, self.stats, progress.skipped, progress.repeated,
+        self.ledger = ledger
+        self.plan = EpochPlan(order, ledger.done, size, ledger.batches, settings.skip_errors,
+                              settings.max_failures, self.stats, ledger.skipped, ledger.repeated,
                               epoch=epoch, rank=rank)
-        self.window = Window(self.plan, progress, backend.window, settings.in_order)  # the batches under way
+        self.window = Window(self.plan, ledger, backend.window, settings.in_order)  # the batches under way
         self.handout = HandOut(settings, self.stats, order, backend.device_stage)
         self.pending_copies = self.handout.pending_copies  # the same dict: batch number -> its copy
         self._early_skips: list[int] = []  # skipped while the layout was learnt: go with the first batch
@@ -58,12 +57,12 @@ class EpochDriver:
         self._unfinished: list[BatchBuffer] = []
         self._stats_stopped = False
         self._full = False  # the window is full: the plan waits for the user
-        self.run = self.pipes.new_run()
-        self.dispatch = Dispatch(self.pipes, self.run, order)
+        self.run = self.pipelines.new_run()
+        self.dispatch = Dispatch(self.pipelines, self.run, order)
         self.stats.run_started()
         try:
             self.dispatch.start(epoch, settings.source, self.plan.undelivered())
-            if self.pipes.ring.layout is not None:
+            if self.pipelines.ring.layout is not None:
                 self._assign()  # the first batches are under way before the first next()
         except BaseException:
             self.stop()
@@ -76,7 +75,7 @@ class EpochDriver:
         window = self.window
         while window.wants_batch():
             positions, repeated = window.next_positions()
-            if positions and self.pipes.ring.layout is None and not self._learn_layout(positions):
+            if positions and self.pipelines.ring.layout is None and not self._learn_layout(positions):
                 window.exhausted = True
                 return
             if not positions:
@@ -84,7 +83,7 @@ class EpochDriver:
             with self._lock:
                 if self._stopped:
                     raise RuntimeError(ENDED)
-                batch = window.add(positions, self.pipes.ring.take(), repeated, self._early_skips)
+                batch = window.add(positions, self.pipelines.ring.take(), repeated, self._early_skips)
                 self._early_skips = []
                 self._send_rows(batch, list(range(len(positions))))
         with self._lock:
@@ -119,14 +118,14 @@ class EpochDriver:
             self._count_ready(batch)
 
     def _learn_layout(self, positions: list[int]) -> bool:
-        """Allocates the ring from the first sample that loads (``probe.py``): the first batch's,
+        """Allocates the ring from the first sample that loads (``dispatch.py``): the first batch's,
         then the cursor's next. False when none can: raising, the first batch carries the
         error; skipping, the epoch delivers nothing (every sample failed)."""
         budget = self.plan.failures_left() if self.s.skip_errors else 0
-        layout, self._known = probe_layout(self.pipes, self.run, self._epoch_ahead(positions), self.order,
+        layout, self._known = probe_layout(self.pipelines, self.run, self._epoch_ahead(positions), self.order,
                                            self.dispatch.pipe_for, budget)
         if layout is not None:
-            self.pipes.ring.configure(layout, self.s.batch_size)
+            self.pipelines.ring.configure(layout, self.s.batch_size)
             return True
         # Nothing taught the layout: the failures are the policy's now, in the epoch's order.
         for position in sorted(self._known):
@@ -158,8 +157,8 @@ class EpochDriver:
                 raise RuntimeError(ENDED)
             batch = self.dispatch.answered(message.fill)
             if message.side:  # values its rows put aside (batch/ragged.py)
-                take_in(self.pipes.ring, batch.buffer, message.side, self.stats)
-            batch.leave_if_poisoned(self.pipes.ring.take)  # before its failures' replacements are sent
+                take_in(self.pipelines.ring, batch.buffer, message.side, self.stats)
+            batch.leave_if_poisoned(self.pipelines.ring.take)  # before its failures' replacements are sent
             for row, error in message.failures:
                 self._failed(batch, row, error)
             self._settle_known()
@@ -180,7 +179,7 @@ class EpochDriver:
             self._send_rows(batch, [row])
 
     def _take_answers(self) -> None:  # those that have arrived, without waiting
-        while (message := self.pipes.receive(self.run, block=False)) is not None:
+        while (message := self.pipelines.receive(self.run, block=False)) is not None:
             self._answer(message)
 
     # ----- the user's thread -----
@@ -205,7 +204,7 @@ class EpochDriver:
                 self._drop(batch)
                 continue
             assert batch.buffer is not None
-            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipes.ring.layout)
+            out = self.handout.hand_out(batch.number, batch.buffer, batch.positions, batch.holes, self.pipelines.ring.layout)
             window.handed_out(batch, delivered)
             self._assign()
             if self.handout.stage is not None:
@@ -235,7 +234,7 @@ class EpochDriver:
                 break
             if self.window.finished:
                 return None
-            self._answer(self.pipes.receive(self.run))
+            self._answer(self.pipelines.receive(self.run))
         self.stats.add_batch(len(batch.positions) - len(batch.holes), time.perf_counter() - started, batch.number)
         return batch
 
@@ -283,11 +282,11 @@ class EpochDriver:
         if first:
             self.handout.release()
             self._window_full(False)
-        finished = self.pipes.stop_run(self.run, self._unfinished, timeout)
+        finished = self.pipelines.stop_run(self.run, self._unfinished, timeout)
         if not self._stats_stopped:  # once, whether or not a stuck thread is left: not the run's figures
             self._stats_stopped = True
             self.stats.run_stopped()
         if finished:
-            self._unfinished = []  # the pipes hold them until they are free: the run keeps no buffer
+            self._unfinished = []  # the pipelines hold them until they are free: the run keeps no buffer
         self._stop_done = finished
 

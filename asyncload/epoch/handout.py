@@ -25,7 +25,7 @@ from ..batch.buffers import BatchBuffer, hole_moves
 from ..batch.layout import SampleLayout
 from ..device import DeviceStage, PendingCopy, convert_batch, normalize_fixed
 from ..settings import LoaderSettings
-from ..stats.figures import LoaderStats
+from ..stats.loader_stats import LoaderStats
 from .in_flight import InFlight
 
 
@@ -117,7 +117,7 @@ class HandOut:
         ended = time.perf_counter()
         self.stats.add("copy", ended - started, sum(t[:size].nbytes for t in buffer.tensors))
         if self.stats.tracer is not None:
-            self.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.number}")
+            self.stats.tracer.span("copy to device", started, ended, f"buffer {buffer.slot}")
         return pending
 
     def release(self) -> None:

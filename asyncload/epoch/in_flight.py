@@ -19,7 +19,7 @@ from ..errors import SampleError
 class InFlight:
     """A batch being filled: its positions, its buffer, the fills not yet answered."""
 
-    number: int
+    number: int  # the batch number in the epoch
     positions: list[int]
     buffer: BatchBuffer | None
     pending: int = 0

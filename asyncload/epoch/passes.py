@@ -4,7 +4,7 @@ pass stops the one still running, and ``close()`` the last.
 
 With ``processes=None`` a pass may change backends at a batch boundary (``switch.py`` says
 when): its driver is drained (the batches under way are handed out), stopped, and a new driver
-on the new backend goes on over the epoch's progress, as a resume would: the same batches, in
+on the new backend goes on over the epoch's ledger, as a resume would: the same batches, in
 the same order, nothing read twice.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterator
 
-from ..pipeline.pipes import Backend
+from ..pipeline.pipelines import Backend
 from ..settings import LoaderSettings
 from ..stats.bar import ProgressBar
 from ..trainers import EpochEnd
 from .driver import EpochDriver
-from .progress import Epochs, Progress
+from .ledger import Epochs, EpochLedger
 
 
 class Passes:
@@ -38,26 +38,26 @@ class Passes:
         collected loader closes itself. ``switch``: ``processes=None``'s (``due()``, ``take()``
         the new backend, ``retire()`` the old one, ``backend.stats``: the loader's tuner follows)."""
         self.stop()  # a new iteration replaces an unfinished one
-        epoch, progress = self.epochs.start_pass(), self.epochs.progress
+        epoch, ledger = self.epochs.start_pass(), self.epochs.ledger
         order, size = self.epochs.plan(sampler, epoch)  # the epoch's, or an elastic rest
-        driver = EpochDriver(backend, settings, epoch, order, progress, size,
+        driver = EpochDriver(backend, settings, epoch, order, ledger, size,
                              rank=sampler.rank if sampler.world_size > 1 else None)
         self.driver = driver
-        iteration = self._iterate(driver, epoch, progress, sampler, settings, tuner,
+        iteration = self._iterate(driver, epoch, ledger, sampler, settings, tuner,
                                   backend.stats if bar else None, owner, switch)
         # The threads start now, but a generator dropped before its first next() never runs its
         # `finally`: stop them when it goes, whether it ran or not.
         weakref.finalize(iteration, stop_unless_stopped, driver)
         return iteration
 
-    def _iterate(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: LoaderSettings,
+    def _iterate(self, driver: EpochDriver, epoch: int, ledger: EpochLedger, sampler: Any, settings: LoaderSettings,
                  tuner: Any, bar_stats: Any, owner: Any, switch: Any) -> Iterator[Any]:  # owner: kept alive
-        bar = ProgressBar.for_pass(bar_stats, sampler, progress, epoch) if bar_stats is not None else None
+        bar = ProgressBar.for_pass(bar_stats, sampler, ledger, epoch) if bar_stats is not None else None
         end = EpochEnd()  # Accelerate's gradient accumulation syncs at the epoch's last batch
         try:
             while True:
                 draining = False
-                for positions, batch in driver:  # the driver records what was handed out in progress
+                for positions, batch in driver:  # the driver records what was handed out in ledger
                     if tuner is not None:
                         tuner.observe()
                     if bar is not None:
@@ -71,7 +71,7 @@ class Passes:
                         draining = True
                 if not draining:
                     break
-                driver, tuner = self._switched(driver, epoch, progress, sampler, settings, switch, owner)
+                driver, tuner = self._switched(driver, epoch, ledger, sampler, settings, switch, owner)
                 if bar is not None:
                     bar.stats = driver.stats  # the bottleneck it shows is the new backend's
             self.epochs.pass_ended(epoch, latest=self.driver is driver)
@@ -85,15 +85,15 @@ class Passes:
             if bar is not None:
                 bar.close()
 
-    def _switched(self, driver: EpochDriver, epoch: int, progress: Progress, sampler: Any, settings: LoaderSettings,
+    def _switched(self, driver: EpochDriver, epoch: int, ledger: EpochLedger, sampler: Any, settings: LoaderSettings,
                   switch: Any, owner: Any) -> tuple[EpochDriver, Any]:
         """The drained ``driver`` stops; a new one on the switch's new backend goes on over the
-        epoch's progress; the old backend is closed once its run has stopped."""
+        epoch's ledger; the old backend is closed once its run has stopped."""
         driver.stop()
         backend = switch.take()  # the loader's backend, stats and tuner from now on
         switch.retire()
         order, size = self.epochs.plan(sampler, epoch)
-        driver = EpochDriver(backend, settings, epoch, order, progress, size,
+        driver = EpochDriver(backend, settings, epoch, order, ledger, size,
                              rank=sampler.rank if sampler.world_size > 1 else None)
         self.driver = driver
         return driver, getattr(owner, "tuner", None)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import SampleError, TooManyFailures
 from ..order.epoch_size import EpochSize
 from ..order.positions import Cursor, Positions
-from ..stats.figures import LoaderStats
+from ..stats.loader_stats import LoaderStats
 
 
 class EpochPlan:

@@ -11,7 +11,7 @@ what a failed row becomes (its batch raises, or the row takes the epoch's next p
 is a hole: the plan's failure budget and replacements, ``plan.py``); which batch the user gets
 next (the next in order, or with ``in_order=False`` the first complete one); whether a batch
 taken is raised, dropped (empty, or left short by skips under ``drop_last``) or delivered, and
-with which positions; and the record of what the user got (``progress.py``).
+with which positions; and the record of what the user got (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from ..batch.buffers import BatchBuffer
 from ..errors import SampleError
 from .in_flight import InFlight
 from .plan import EpochPlan
-from .progress import Progress
+from .ledger import EpochLedger
 
 Verdict = Literal["raise", "drop", "deliver"]
 
 
 class Window:
     """The batches assigned and not yet taken for the hand-out (``batches``, by number), over
-    ``plan``; ``size``: how many may be ahead of the user; ``progress``: what was handed out."""
+    ``plan``; ``size``: how many may be ahead of the user; ``ledger``: what was handed out."""
 
-    def __init__(self, plan: EpochPlan, progress: Progress, size: int, in_order: bool) -> None:
+    def __init__(self, plan: EpochPlan, progress: EpochLedger, size: int, in_order: bool) -> None:
         self.plan = plan
         self.progress = progress
         self.size = size

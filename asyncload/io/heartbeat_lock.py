@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
 
-from . import cache_files as files
+from ..cache import files
 
 POLL_S = 0.05  # how often a waiter tries the lock and looks at the beat
 

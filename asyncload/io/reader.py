@@ -16,8 +16,8 @@ from typing import Any, Awaitable, Callable
 
 from fsspec.core import split_protocol
 
-from ..stats.figures import LoaderStats
-from . import bucket_region, limits, object_store
+from ..stats.loader_stats import LoaderStats
+from . import limits, object_store
 from .blocking import BlockingCalls, timeout_error
 from .retries import RetryBudget, is_transient, note_attempt, retried
 
@@ -135,7 +135,7 @@ class Reader:
         """The bytes of ``url`` (``start``/``end``: of that range) through its filesystem."""
         fs, cat = self._filesystem(url)
         path = fs._strip_protocol(url)
-        bucket = bucket_region.region_to_find(fs, path)
+        bucket = object_store.region_to_find(fs, path)
         if bucket is not None:  # asked once per bucket, off the loop, within the read's timeout
             return self._after_region(bucket, lambda: self._fetch_file(url, **byte_range))
         if cat is not None:
@@ -145,7 +145,7 @@ class Reader:
     async def _after_region(self, bucket: str, then: Callable[[], Awaitable[Any]]) -> Any:
         """Asks S3 for ``bucket``'s region on an I/O thread (a blocking HEAD the client would
         otherwise send from the event loop, stalling every read), then runs ``then``."""
-        await self._blocking.call_async(bucket_region.bucket_region, bucket, timeout=self.timeout)
+        await self._blocking.call_async(object_store.bucket_region, bucket, timeout=self.timeout)
         return await then()
 
     async def version(self, url: str) -> str:
@@ -153,9 +153,9 @@ class Reader:
         time, with its size (one metadata request, retried as reads are; not counted as one)."""
         fs, _ = self._filesystem(url)
         path = fs._strip_protocol(url)
-        bucket = bucket_region.region_to_find(fs, path)
+        bucket = object_store.region_to_find(fs, path)
         if bucket is not None:
-            await self._blocking.call_async(bucket_region.bucket_region, bucket, timeout=self.timeout)
+            await self._blocking.call_async(object_store.bucket_region, bucket, timeout=self.timeout)
         if fs.async_impl:
             info = await self._with_retries(lambda: within(fs._info(path), self.timeout))
         else:

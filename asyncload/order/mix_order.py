@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..sources.mix_source import MixedSource
+from ..sources.mix import MixedSource
 from ..sources.shards import ShardSource
 from .sampler import EpochSampler
 

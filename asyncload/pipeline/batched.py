@@ -36,7 +36,7 @@ import torch
 from ..batch.buffers import OnDevice
 from ..batch.layout import Field
 from ..errors import SampleError
-from ..io.cache_items import KeptRead
+from ..cache.items import KeptRead
 from .jobs import Row, RowFiller, Work, read_on_decode_thread, write_label
 
 IMAGE_FIELD = 0  # the decoder's output is the sample's first field; the label, if any, the second
@@ -99,18 +99,18 @@ class BatchJobs:
 
     def hold(self, batch: Work) -> None:
         """A row of ``batch`` may still come: do not send its job yet."""
-        self._gathering.setdefault(batch.number, _Gathering()).holds += 1
+        self._gathering.setdefault(batch.fill_id, _Gathering()).holds += 1
 
     def add(self, batch: Work, rows: Sequence[Row]) -> None:
         """Rows ready to decode (bytes read, or a local file the job reads); under a hold."""
-        self._gathering[batch.number].rows.extend(rows)
+        self._gathering[batch.fill_id].rows.extend(rows)
 
     def release(self, batch: Work) -> None:
         """Ends a hold; the last one sends the gathered rows as one decode job."""
-        gathering = self._gathering[batch.number]
+        gathering = self._gathering[batch.fill_id]
         gathering.holds -= 1
         if gathering.holds == 0:
-            del self._gathering[batch.number]
+            del self._gathering[batch.fill_id]
             for rows, cpu_share in self.shares(gathering.rows):
                 self.run_job(lambda rows=rows, cpu_share=cpu_share: self.fill(batch, rows, cpu_share))
 

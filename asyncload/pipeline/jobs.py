@@ -18,11 +18,15 @@ import numpy as np
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
 from ..errors import SampleError
-from ..io.cache_items import KeptRead
+from ..cache.items import KeptRead
 from ..io.limits import read_file
-from ..stats.figures import LoaderStats
-from .slots import Slot
+from ..stats.loader_stats import LoaderStats
+from .watchdog import Slot
 from .workers import current_slot
+from ..sources.items import is_labelled
+from ..sources.mix import MixedSource
+from ..sources.shards import ShardSource
+
 
 @dataclass
 class Work:
@@ -31,7 +35,7 @@ class Work:
     answer. ``cancelled``: its run was stopped, so jobs that have not started end their rows
     without reading or decoding."""
 
-    number: int  # the fill's id, unique within its run
+    fill_id: int  # the fill's id, unique within its run
     buffer: BatchBuffer
     remaining: int
     run: Any = None  # the pipeline's state of the run the fill belongs to
@@ -91,7 +95,7 @@ class RowFiller:
     FIFO) with the reader's timeout; ``rows_done`` is
     called with a batch and how many of its rows are complete; ``row_failed`` with a batch, a row
     and its ``SampleError`` (the row is then not done: the failure policy completes it);
-    ``poisoned`` with a batch whose in-place decode was abandoned (``slots.py``), before its
+    ``poisoned`` with a batch whose in-place decode was abandoned (``watchdog.py``), before its
     row fails."""
 
     def __init__(self, decode: Callable[[Any], Any], epoch: int, stats: LoaderStats,
@@ -111,10 +115,10 @@ class RowFiller:
     def fill(self, batch: Work, rows: Sequence[Row]) -> None:
         """A decode job: reads the rows whose ``data`` is None (local files), decodes every row into
         ``batch``'s buffer, then reports. A job of a stopped run ends its rows unread. Each
-        read's and decode's start goes in the thread's slot (``slots.py``), so the watchdog can
+        read's and decode's start goes in the thread's slot (``watchdog.py``), so the watchdog can
         abandon one that never returns (a local file on a hung mount: that row fails at stage
         ``read``, after ``decode_timeout``: a plain file is read here, with no read thread); then this job ends at once and writes nothing more (a ``decode_into``
-        running may still write its row: the buffer is poisoned, see ``slots.py``)."""
+        running may still write its row: the buffer is poisoned, see ``watchdog.py``)."""
         if batch.cancelled:
             self.rows_done(batch, len(rows))
             return
@@ -282,3 +286,31 @@ def chunk_rows(batch_size: int, threads: int) -> int:
     """Rows a job takes: enough jobs per batch to keep every thread busy twice over (so a slow
     chunk's tail overlaps the next batch), few enough that a job's fixed cost is spread out."""
     return max(1, -(-batch_size // (2 * threads)))
+
+
+# ----- an item's key and label -----
+# The item -> (what to read, label) rule: which part of a source item is read, which is its
+# label, and, in a mix, which source it came from. The pipelines apply it to each sample, the
+# parent to name a dead child's samples (``procs/parent.py``).
+
+def split(source: Sequence[Any], labelled_items: bool, index: int) -> tuple[Any, Any]:
+    """The source item at ``index`` -> (what to read, label or None). In a mix, the label is a
+    tuple of the extra int64 fields the rows take: ``(label, source number)``, or
+    ``(source number,)`` for unlabelled items (``jobs.write_label`` writes them)."""
+    number = None
+    if isinstance(source, MixedSource):
+        part, local, number = source.locate(index)
+        if not isinstance(source, ShardSource):  # a shard mix's own items carry the mix's index: its stream reads by it
+            source, index = part, local
+    try:
+        item = source[index]
+    except Exception as error:
+        raise SampleError(f"source[{index}]", "source", error) from error
+    label = None
+    if labelled_items:
+        if not is_labelled(item):
+            raise SampleError(item, "source", TypeError("expected a (url, label) pair like the first item"))
+        item, label = item[0], int(item[1])
+    if number is None:
+        return item, label
+    return item, (number,) if label is None else (label, number)

@@ -77,7 +77,7 @@ class Done:
 @dataclass
 class Poisoned:
     """An abandoned in-place decode of run ``run`` may still write buffer ``segment`` (sent
-    before its row's failure): the buffer is never handed out or reused again (``slots.py``)."""
+    before its row's failure): the buffer is never handed out or reused again (``watchdog.py``)."""
 
     run: int
     segment: int

@@ -22,18 +22,17 @@ from ..batch.layout import SampleLayout
 from ..batch.ragged import take_aside
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
-from ..io.cache_items import KeptRead
+from ..cache.items import KeptRead
 from ..io.reader import Reader
 from ..settings import LoaderSettings, share
 from ..sources.shard_stream import reader_shard_stream
-from . import cached_reads
+from ..cache import items as cached_reads
 from .batched import BatchJobs, is_batched
-from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path
-from .keys import split
+from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path, split
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
 from .refetch import Refetch
 from .run_state import RunState
-from .slots import Watchdog
+from .watchdog import Watchdog
 from .threads import LoopThread, wait_ended
 from .workers import DecodeWorkers
 
@@ -120,16 +119,16 @@ class Pipeline:
         if isinstance(message, Start):
             self._start(message)
         elif isinstance(message, Fill):
-            self._spawn(self.runs[message.run], self._fill(message))
+            self.spawn(self.runs[message.run], self._fill(message))
         elif isinstance(message, Probe):
-            self._spawn(self.runs[message.run], self._probe(message))
+            self.spawn(self.runs[message.run], self._probe(message))
         elif isinstance(message, Stop):
             self.loop.create_task(self._stop(message.run))
 
     def _start(self, message: Start) -> None:
-        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self._rows_done,
+        filler = RowFiller(self.s.decode, message.epoch, self.stats, self._read_other, self.rows_done,
                            Refetch(self).row_failed, max_bytes=self.s.max_sample_bytes,
-                           poisoned=lambda work: self.send(Poisoned(work.run.run, work.buffer.number)))  # a stuck decode_into
+                           poisoned=lambda work: self.send(Poisoned(work.run.run, work.buffer.slot)))  # a stuck decode_into
         jobs = (BatchJobs if is_batched(self.s.decode) else RowJobs)(filler, self.workers.submit)
         stream = None
         if message.chunks is not None:
@@ -137,7 +136,7 @@ class Pipeline:
                                          self.kept.shard_copies(self.s.source))
         self.runs[message.run] = RunState(message.run, filler, jobs, stream)
 
-    def _spawn(self, state: RunState, coroutine: Any) -> asyncio.Task | None:
+    def spawn(self, state: RunState, coroutine: Any) -> asyncio.Task | None:
         if state.stopped:
             coroutine.close()
             return None
@@ -155,7 +154,7 @@ class Pipeline:
             take_aside(work.buffer, work.rows)
         with self._lock:
             state.active += 1
-            state.by_id[work.number] = work
+            state.by_id[work.fill_id] = work
         jobs = state.jobs
         jobs.hold(work)
         handed = 0  # rows whose end is someone else's now (a job, a read task, a failure)
@@ -166,7 +165,7 @@ class Pipeline:
                     key, label = split(self.s.source, self.s.labelled, index)
                 except SampleError as error:
                     handed += 1
-                    self._row_failed(work, row, error)
+                    self.row_failed(work, row, error)
                     continue
                 kept = state.probed.pop(index, None)
                 if kept is not None:  # the probe's sample: decoded already
@@ -188,15 +187,15 @@ class Pipeline:
                     await self.read_slots.acquire()
                     handed += 1
                     jobs.hold(work)  # released by _load
-                    if self._spawn(state, self._load(state, work, Row(row, key, label, index))) is None:
+                    if self.spawn(state, self._load(state, work, Row(row, key, label, index))) is None:
                         self.read_slots.release()
                         jobs.release(work)
-                        self._rows_done(work, 1)
+                        self.rows_done(work, 1)
             if local:
                 handed += len(local)
                 jobs.add(work, local)
         except asyncio.CancelledError:  # stopped: the rows not handed on end here
-            self._rows_done(work, len(message.rows) - handed)
+            self.rows_done(work, len(message.rows) - handed)
             raise
         finally:
             jobs.release(work)
@@ -243,15 +242,15 @@ class Pipeline:
                 self.read_slots.release()
         except asyncio.CancelledError as error:
             if state.stopped or state.closed:  # the run's stop: the row ends unfilled, unseen
-                self._rows_done(work, 1)
+                self.rows_done(work, 1)
                 raise
             # Raised inside the read (a client's own cancellation): the row failed, or it would
             # be handed out unwritten.
-            self._row_failed(work, row.row, SampleError(row.key, "read", error))
+            self.row_failed(work, row.row, SampleError(row.key, "read", error))
         except SampleError as error:
-            self._row_failed(work, row.row, error)
+            self.row_failed(work, row.row, error)
         except Exception as error:  # not the sample's fault, but it must not be lost either
-            self._row_failed(work, row.row, SampleError(f"source[{row.index}]", "load", error))
+            self.row_failed(work, row.row, SampleError(f"source[{row.index}]", "load", error))
         else:
             state.jobs.add(work, [row])
         finally:
@@ -315,12 +314,12 @@ class Pipeline:
         self.reader.is_local(key)  # finds (and caches) the URL's filesystem, which read_local uses
         return self.reader.read_local(key)
 
-    def _row_failed(self, work: Work, row: int, error: SampleError) -> None:
+    def row_failed(self, work: Work, row: int, error: SampleError) -> None:
         with self._lock:
             work.failures.append((row, error))
-        self._rows_done(work, 1)
+        self.rows_done(work, 1)
 
-    def _rows_done(self, work: Work, count: int) -> None:
+    def rows_done(self, work: Work, count: int) -> None:
         """``count`` rows of ``work`` ended; the last one answers (or, once the run is stopped,
         lets the stop be confirmed)."""
         state: RunState = work.run
@@ -329,11 +328,11 @@ class Pipeline:
             if work.remaining:
                 return
             state.active -= 1
-            del state.by_id[work.number]
+            del state.by_id[work.fill_id]
             confirm = state.stopped and state.confirms()
         if not state.stopped:
             side = take_aside(work.buffer, work.rows) if work.buffer.side else None
-            self.send(Done(state.run, work.number, work.failures, side=side))
+            self.send(Done(state.run, work.fill_id, work.failures, side=side))
         elif confirm:
             self.loop_thread.call_soon(self.runs.pop, state.run, None)
             self.send(Stopped(state.run))

@@ -16,8 +16,7 @@ from typing import Any, Coroutine, Protocol
 from ..errors import SampleError
 from ..settings import LoaderSettings
 from ..sources.shards import ShardSample
-from .jobs import Row, Work
-from .keys import split
+from .jobs import Row, Work, split
 from .run_state import RunState
 from .threads import LoopThread
 
@@ -28,11 +27,11 @@ class Rows(Protocol):
     s: LoaderSettings
     loop_thread: LoopThread
 
-    def _row_failed(self, work: Work, row: int, error: SampleError) -> None: ...
+    def row_failed(self, work: Work, row: int, error: SampleError) -> None: ...
 
-    def _rows_done(self, work: Work, count: int) -> None: ...
+    def rows_done(self, work: Work, count: int) -> None: ...
 
-    def _spawn(self, run: RunState, coroutine: Coroutine[Any, Any, None]) -> Any: ...
+    def spawn(self, run: RunState, coroutine: Coroutine[Any, Any, None]) -> Any: ...
 
 
 class Refetch:
@@ -45,13 +44,13 @@ class Refetch:
         """On any thread: a row's failure; a decode failure of a cached shard sample is retried."""
         stream = work.run.stream
         if error.stage != "decode" or stream is None or stream.cache is None or not isinstance(error.item, ShardSample):
-            self.p._row_failed(work, row, error)
+            self.p.row_failed(work, row, error)
         else:
             self.p.loop_thread.call_soon(self._start, work, row, error)
 
     def _start(self, work: Work, row: int, error: SampleError) -> None:
-        if self.p._spawn(work.run, self._retry(work, row, error)) is None:
-            self.p._rows_done(work, 1)  # the run is stopped: the row ends unreported
+        if self.p.spawn(work.run, self._retry(work, row, error)) is None:
+            self.p.rows_done(work, 1)  # the run is stopped: the row ends unreported
 
     async def _retry(self, work: Work, row: int, error: SampleError) -> None:
         """Reads the sample again if its copy was damaged and hands it to a decode job; the row
@@ -61,16 +60,16 @@ class Refetch:
         try:
             data = await state.stream.refetched(key.index)
             if data is None:
-                self.p._row_failed(work, row, error)
+                self.p.row_failed(work, row, error)
                 return
             _, label = split(self.p.s.source, self.p.s.labelled, key.index)
             state.jobs.add(work, [Row(row, key, label, key.index, data)])
         except asyncio.CancelledError:
-            self.p._rows_done(work, 1)
+            self.p.rows_done(work, 1)
             raise
         except SampleError as failure:
-            self.p._row_failed(work, row, failure)
+            self.p.row_failed(work, row, failure)
         except Exception as failure:
-            self.p._row_failed(work, row, SampleError(key, "read", failure))
+            self.p.row_failed(work, row, SampleError(key, "read", failure))
         finally:
             state.jobs.release(work)

@@ -1,5 +1,5 @@
 """The decode threads: plain threads taking jobs from one queue (``io/blocking``'s pool, the one
-that gives up on stuck threads; here a watchdog decides when, see ``slots.py``).
+that gives up on stuck threads; here a watchdog decides when, see ``watchdog.py``).
 
 A ``ThreadPoolExecutor`` costs a ``Future``, a work item and a wake-up under a lock for every
 call, and ``run_in_executor`` adds a callback back through the event loop: at thousands of
@@ -27,7 +27,7 @@ import torch
 from ..gates import Gate
 from ..io import blocking
 from ..io.blocking import AbandoningPool
-from .slots import Slot
+from .watchdog import Slot
 from .threads import wait_ended
 
 STOP_GRACE_S = 1.0  # wind_down: how long a stop lets the decodes in flight finish before abandoning them
@@ -41,7 +41,7 @@ def current_slot() -> Slot:
 class DecodeWorkers(AbandoningPool):
     """``count`` threads running jobs in the order they were submitted, within the tuner's
     ``gate`` when there is one: ``io/blocking``'s pool, whose stuck threads are replaced (here the
-    watchdog, ``slots.py``, abandons a decode past ``decode_timeout``), up to
+    watchdog, ``watchdog.py``, abandons a decode past ``decode_timeout``), up to
     ``MAX_LOST_FACTOR * count`` lost at once. ``stop`` is bounded: a thread stuck in a job cannot
     hold it. What is the decode's own: each thread's torch setting, OpenCV's, and the stop's grace."""
 

@@ -28,7 +28,7 @@ from typing import Any
 from ..batch.buffers import BatchBuffer
 from ..pipeline.pipeline import Pipeline
 from ..settings import LoaderSettings, share
-from ..stats.figures import LoaderStats
+from ..stats.loader_stats import LoaderStats
 from ..stats.trace import Tracer
 from . import shm
 from .lifetime import end_group, end_others_in_group, lead_group
@@ -158,7 +158,7 @@ class _Child:
                     fd = reduction.recv_handle(self.conn)
                     try:
                         buffer = shm.buffer_on(fd, message.layout, message.capacity)
-                        buffer.number = message.segment  # the name a Poisoned answer gives it back by
+                        buffer.slot = message.segment  # the name a Poisoned answer gives it back by
                         buffer.crosses = True  # what its rows put aside travels to the parent
                         self.segments[message.segment] = buffer
                     finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..stats.figures import LoaderStats, StageStats, with_verdict
+from ..stats.loader_stats import LoaderStats, StageStats, with_verdict
 from ..stats.snapshot import LevelFigures, StatsSnapshot
 
 CHILD_STAGES = ("read", "decode", "write")

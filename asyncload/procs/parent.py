@@ -25,16 +25,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..pipeline.keys import split
+from ..pipeline.jobs import split
 from ..redact import shown
 from ..settings import LoaderSettings, share
 from . import shm
-from .guard import guard_advice, refuse_while_bootstrapping
+from .script import guard_advice, needs_main, refuse_while_bootstrapping, script_refusal
 from .lifetime import end_group
 from .merged import ProcessStats
 from .protocol import (MAIN_GUARD_EXIT, Broken, Close, Done, Fill, Limits, Map, Poisoned, Probe, Probed, Ready, Stop,
                        Stopped, Unmap, pickled_arguments)
-from .script import needs_main, script_refusal
 from .segments import SegmentRing
 from .start import start_child
 
@@ -44,7 +43,7 @@ CLOSE_TIMEOUT_S = 2.0  # close(): how long the children may take to stop before 
 
 class ProcessPool:
     """The children, their pipes and the segment ring they share with this process: the
-    driver's pipelines (``pipeline/pipes.py``'s ``Pipes``), one per child."""
+    driver's pipelines (``pipeline/pipelines.py``'s ``Pipelines``), one per child."""
 
     def __init__(self, count: int, settings: LoaderSettings, stats: ProcessStats, keep: int) -> None:
         refuse_while_bootstrapping()

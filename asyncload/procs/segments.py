@@ -73,7 +73,7 @@ class SegmentRing:
         fd = shm.create(f"{self.name}-{number}", size)
         try:
             buffer = shm.buffer_on(fd, layout, capacity)
-            buffer.number = number
+            buffer.slot = number
             if self.device is not None:
                 shm.pin(buffer, self.device)
             self.segments[number] = buffer

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..gates import AsyncGate
-from ..io import cache_files
-from ..io.cache import ShardCache
-from ..io.cache_items import KeptRead
+from ..cache import files as cache_files
+from ..cache.shards import ShardCache
+from ..cache.items import KeptRead
 from ..io.retries import RangeNotSatisfiable
 from .shard_plan import Chunk, ChunkPlan
 from .shards import ShardSample, ShardSource

@@ -79,7 +79,7 @@ class ShardSource(Sequence):
     ``decode``. ``shuffle_buffer``: how many samples the shuffle mixes at once (memory: about that
     many encoded samples). ``chunk_bytes``: the largest single ranged read. ``cache_dir``: keep
     remote shards on local disk, at most ``cache_bytes`` (default: the smaller of 64 GiB and half
-    the disk's free space at the start of a run; see ``io/cache.py``).
+    the disk's free space at the start of a run; see ``cache/shards.py``).
     ``allow_external_shards``: trust shard URLs outside the index's folder (another protocol or
     bucket, an absolute path, ``..``), refused by default (see ``shard_index``).
     """

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import IO, Any
 
-from .figures import LoaderStats
+from .loader_stats import LoaderStats
 
 
 class ProgressBar:
@@ -30,12 +30,12 @@ class ProgressBar:
         self.last_postfix = 0.0
 
     @classmethod
-    def for_pass(cls, stats: LoaderStats, sampler: Any, progress: Any, epoch: int) -> "ProgressBar":
+    def for_pass(cls, stats: LoaderStats, sampler: Any, ledger: Any, epoch: int) -> "ProgressBar":
         """The bar of one pass over ``epoch``: its total is what the epoch delivers (full batches
-        only with ``drop_last``), its start what ``progress`` records as delivered before (a
+        only with ``drop_last``), its start what ``ledger`` records as delivered before (a
         resumed epoch, repeats included)."""
         total = sampler.size.delivered
-        return cls(stats, total, epoch, len(progress.done) + len(progress.repeated))
+        return cls(stats, total, epoch, len(ledger.done) + len(ledger.repeated))
 
     def advance(self, samples: int) -> None:
         """``samples`` more were delivered."""

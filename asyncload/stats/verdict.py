@@ -32,7 +32,7 @@ def diagnose(f: dict[str, Any]) -> tuple[str, str]:
     """Names what limits the pipeline, from ``LoaderStats.as_dict()`` figures, with the evidence.
 
     consumer: the user's step (the loop rarely waits: the loader is ahead);
-    GIL: cores idle while the loop waits, and a probe thread waits for the GIL (``stats/gil.py``) or
+    GIL: cores idle while the loop waits, and a probe thread waits for the GIL (``stats/machine.py``) or
     more than one decode thread is in decode at a time yet together they get about one core: Python
     under one GIL (the pipeline's per sample, a decode that runs Python, the training step) is the
     limit, whatever the threads; ``processes=`` runs the pipeline under N GILs;

@@ -5,14 +5,14 @@ could serve.
 A shard is downloaded whole (large sequential ranged reads) into a temporary file, reserved at
 its full size first (``cache_files.reserve``: cheaper writes, and a full disk found before the
 download), and renamed into place, so no process ever sees half a shard; this process's own reads
-of it are served from that file as soon as their bytes are written (``cache_progress``), so the
+of it are served from that file as soon as their bytes are written (``download``), so the
 cold epoch decodes a shard's first chunk while the rest still downloads. A per-shard lock file (``flock``) lets one
 process download while the others wait for its file instead of downloading it again. Before each
 download the least recently used shards are deleted until the cache has room for it within
 ``max_bytes``, except those this process is reading (the cache exceeds its size by those until
 they are released); a shard another process deletes just before it is read is simply downloaded
 again (after three such races in a row, the read goes straight to storage: the cache is too
-small for its users). The files, their names and what the cache may touch: ``cache_files``.
+small for its users). The files, their names and what the cache may touch: ``files``.
 
 A kept shard is served only while it is what the URL holds: it must have the index's size, the
 remote object's version (its ETag, else its modification time: ``version``, asked once per run
@@ -29,7 +29,7 @@ rest of the run and with one warning, where the cache cannot serve it: larger th
 the disk full (``ENOSPC``/``EDQUOT``: the partial file is removed and the budget shrinks to the
 default's rule, below, on the disk as it is now); or the folder not writable. A peer holding its
 lock that shows no progress for ``timeout`` (the read timeout: no wait is longer) sends only the
-reads while it stays so to storage (``cache_lock``). A cancelled download lets its disk work on a
+reads while it stays so to storage (``lock``). A cancelled download lets its disk work on a
 pool thread finish: the descriptor it writes is closed, and the lock released, only after it.
 When storage cannot be asked (the version check fails after its retries with a transient
 error), a kept copy whose checksum holds is used unasked for ``offline.OFFLINE_S``, then asked about
@@ -37,7 +37,7 @@ again; a permanent error (the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
 at the start of the run plus what the cache already keeps (``cache_evict.default_budget``). How one
-download runs, on disk and when cancelled: ``cache_download``.
+download runs, on disk and when cancelled: ``download``.
 """
 
 from __future__ import annotations
@@ -51,11 +51,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from . import cache_files as files
-from .cache_download import ReadRange, ShardDownloads
-from .cache_evict import default_budget, evict
-from .cache_progress import Downloads
-from .cache_lock import PeerLocks
+from . import files
+from .download import Downloads, ReadRange, ShardDownloads
+from .evict import default_budget, evict
+from .lock import PeerLocks
 from .offline import OfflineWindow
 
 Version = Callable[[str], Awaitable[str]]

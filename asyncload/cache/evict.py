@@ -1,6 +1,6 @@
 """Eviction from the shard cache's folder: the least recently used copies (by the access time the
 cache sets at each use) and the files of ours no process needs any more, never a file that is not
-the cache's (the names and rules: ``cache_files``). A file is deleted only while this process holds
+the cache's (the names and rules: ``files``). A file is deleted only while this process holds
 its shard's lock, taken without waiting (a shard a peer is downloading is left alone), and only if
 it is still what the scan saw: a peer that installs a copy between the scan and the deletion
 keeps its fresh copy and meta (they were downloaded again)."""
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .cache_files import OURS, ShardFiles, read_meta, shard_files, try_lock, unlink
+from .files import OURS, ShardFiles, read_meta, shard_files, try_lock, unlink
 
 DEFAULT_CAP = 64 << 30  # cache_bytes=None: at most this...
 FREE_FRACTION = 0.5  # ...and at most this fraction of the disk's free space plus what the cache keeps

@@ -1,10 +1,10 @@
-"""The shard cache's download of one shard into its folder (``cache.py`` decides when; this is
-how): under the shard's lock (``cache_lock``), room made first (``_evict``), the bytes written to a
-new partial file on a pool thread and renamed into place with their meta (``cache_files``), this
-process's reads served from the file as its bytes land (``cache_progress``). The disk's failures
-are ``CacheWriteError`` (the shard is then read from storage, see ``cache.py``); storage's pass.
+"""The shard cache's download of one shard into its folder (``shards.py`` decides when; this is
+how): under the shard's lock (``lock``), room made first (``_evict``), the bytes written to a
+new partial file on a pool thread and renamed into place with their meta (``files``), this
+process's reads served from the file as its bytes land (``download``). The disk's failures
+are ``CacheWriteError`` (the shard is then read from storage, see ``shards.py``); storage's pass.
 
-Apart from ``cache.py`` because it is a unit of its own: what a download does on disk, and how a
+Apart from ``shards.py`` because it is a unit of its own: what a download does on disk, and how a
 cancel lets a pool thread's disk work end before its descriptor is closed (``_finish``).
 """
 
@@ -15,11 +15,102 @@ import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from . import cache_files as files
-from .blocking import to_the_end
-from .cache_evict import default_budget
-from .cache_lock import PeerLocks
-from .cache_progress import Downloads
+from . import files
+from ..io.blocking import to_the_end
+from .evict import default_budget
+from .lock import PeerLocks
+
+
+# ----- downloads under way -----
+# Reads served from a shard's download while it is still under way in this process.
+#
+# A shard is downloaded whole before it is installed, but a chunk of it need not wait for the
+# rest: the cold epoch would decode nothing of a shard until its last byte came (the issue measured
+# the cache's cold epoch at 0.88x of no cache). So each download of this process publishes how far
+# its file is written, and a read whose bytes are all written reads them from that file at once
+# (from the page cache: the bytes it was just given). Those bytes count as read from storage
+# (no kept copy to blame if they fail to decode). Reads of a shard a peer process downloads wait
+# for its copy, as before.
+
+Finish = Callable[..., Awaitable[Any]]  # ShardCache._finish: thread work a cancel lets end first
+
+
+class DownloadUnderway:
+    """One download's file, open for reading, and how many of its first bytes are written."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.written = 0
+        self.held: tuple[int, bytes] | None = None  # (start, bytes) of the chunk being written now
+        self.done = False
+        self._users = 0  # reads on a thread now: the descriptor is closed only after them
+
+    async def read(self, start: int, end: int, finish: Finish) -> bytes:
+        self._users += 1
+        try:
+            return await finish(os.pread, self.fd, end - start, start)
+        finally:
+            self._users -= 1
+            self.close_if_unused()
+
+    def close_if_unused(self) -> None:
+        if self.done and not self._users and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Downloads:
+    """This process's downloads in progress, by URL, and a signal at each step of any of them."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, DownloadUnderway] = {}
+        self._changed: asyncio.Future | None = None
+
+    def start(self, url: str, fd: int) -> DownloadUnderway:
+        underway = self._by_url[url] = DownloadUnderway(fd)
+        self._notify()
+        return underway
+
+    def hold(self, underway: DownloadUnderway, start: int, data: bytes) -> None:
+        """``data``, downloaded from ``start``, is being written: reads within it need not wait
+        for the disk (a busy one took seconds for a 16 MB write)."""
+        underway.held = (start, data)
+        self._notify()
+
+    def advance(self, underway: DownloadUnderway, written: int) -> None:
+        underway.written, underway.held = written, None
+        self._notify()
+
+    def end(self, url: str, underway: DownloadUnderway) -> None:
+        if self._by_url.get(url) is underway:
+            del self._by_url[url]
+        underway.done = True
+        underway.close_if_unused()
+        self._notify()
+
+    async def serve(self, url: str, start: int, end: int, ensuring: asyncio.Future, finish: Finish) -> bytes | None:
+        """Bytes ``[start, end)`` of ``url`` from its download in progress, as soon as they are
+        written; None once ``ensuring`` (the read's wait for the whole copy) ends first."""
+        while not ensuring.done():
+            underway = self._by_url.get(url)
+            held = None if underway is None else underway.held
+            if held is not None and held[0] <= start and end <= held[0] + len(held[1]):
+                return held[1] if (start, end) == (held[0], held[0] + len(held[1])) else \
+                    bytes(memoryview(held[1])[start - held[0]:end - held[0]])
+            if underway is not None and underway.written >= end and underway.fd >= 0:
+                return await underway.read(start, end, finish)
+            loop = asyncio.get_running_loop()
+            if self._changed is None or self._changed.get_loop() is not loop:
+                self._changed = loop.create_future()
+            await asyncio.wait({ensuring, self._changed}, return_when=asyncio.FIRST_COMPLETED)
+        return None
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            if not self._changed.done():
+                self._changed.set_result(None)
+            self._changed = None
+
 
 ReadRange = Callable[[str, int, int], Awaitable[bytes]]
 
@@ -97,24 +188,24 @@ class ShardDownloads:
         """Downloads ``url`` into ``partial``; returns its crc32. Storage's errors pass; the
         disk's are ``CacheWriteError``."""
         fd = await self._on_disk(files.new_file, partial, undo=os.close)
-        progress = None
+        underway = None
         try:
             await self._on_disk(files.reserve, fd, size)
             if self.streaming is not None:  # our own new file, open for the reads served from it
-                progress = self.streaming.start(url, os.open(partial, files.READ_FLAGS))
+                underway = self.streaming.start(url, os.open(partial, files.READ_FLAGS))
             crc = 0
             for start in range(0, size, self.chunk_bytes):
                 end = min(size, start + self.chunk_bytes)
                 data = await self.download(url, start, end)
-                if progress is not None:
-                    self.streaming.hold(progress, start, data)  # type: ignore[union-attr]
+                if underway is not None:
+                    self.streaming.hold(underway, start, data)  # type: ignore[union-attr]
                 crc = await self._on_disk(files.write_all, fd, data, crc)
-                if progress is not None:
-                    self.streaming.advance(progress, end)  # type: ignore[union-attr]
+                if underway is not None:
+                    self.streaming.advance(underway, end)  # type: ignore[union-attr]
             return crc
         finally:
-            if progress is not None:
-                self.streaming.end(url, progress)  # type: ignore[union-attr]
+            if underway is not None:
+                self.streaming.end(url, underway)  # type: ignore[union-attr]
             os.close(fd)
 
     async def _on_disk(self, function: Callable[..., Any], *args: Any, undo: Callable[[Any], Any] | None = None) -> Any:

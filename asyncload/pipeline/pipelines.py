@@ -1,4 +1,4 @@
-"""What the driver talks to: its pipelines. ``LocalPipes`` is the one pipeline in this process;
+"""What the driver talks to: its pipelines. ``LocalPipeline`` is the one pipeline in this process;
 ``procs/parent.py``'s ``ProcessPool`` is N of them in child processes. Both take the same
 messages (``messages.py``), hand out buffers from one kind of ring (``take``, ``configure``,
 numbered buffers) and count in one kind of stats, so the driver cannot tell them apart. A
@@ -17,8 +17,8 @@ from ..batch.buffers import BatchBuffer, BufferRing
 from ..device import DeviceStage
 from ..gates import Gate
 from ..settings import LoaderSettings
-from ..stats.figures import LoaderStats
-from .cached_reads import KeptCaches
+from ..stats.loader_stats import LoaderStats
+from ..cache.items import KeptCaches
 from .messages import Stop, Stopped
 from .pipeline import Pipeline
 
@@ -27,7 +27,7 @@ STOP_TIMEOUT_S = 20.0  # how long a stop waits for the threads: a read's timeout
 POLL_S = 0.1  # how often a wait for an answer looks whether the run was stopped from another thread
 
 
-class Pipes(Protocol):
+class Pipelines(Protocol):
     """The driver's pipelines: ``count`` of them, the ring their buffers come from, the stats
     they count in (with the tracer, if any)."""
 
@@ -55,25 +55,25 @@ class Backend:
     Nothing of it is replaced after it is built; a loader that changes how it moves samples
     builds another and hands over between two batches."""
 
-    pipes: Pipes
+    pipelines: Pipelines
     window: int
     processes: int  # 0: the one pipeline in this process
     device_stage: DeviceStage | None = None  # the loader's, with a CUDA device: copies batches there
 
     @property
     def ring(self) -> Any:
-        return self.pipes.ring
+        return self.pipelines.ring
 
     @property
     def stats(self) -> LoaderStats:
-        return self.pipes.stats
+        return self.pipelines.stats
 
     def close(self) -> None:
         """Stops the pipelines (the child processes) and frees the ring's buffers."""
-        self.pipes.close()
+        self.pipelines.close()
 
 
-class LocalPipes:
+class LocalPipeline:
     """The pipeline in this process: one per run, so that leaving the loop leaves no thread
     running. Its answers come through a queue the user's thread reads."""
 

@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from . import cache_files as files
-from .heartbeat_lock import POLL_S as LOCK_POLL_S  # noqa: F401 - its name here before the lock was shared
-from .heartbeat_lock import LockWait, beat_async
+from . import files
+from ..io.heartbeat_lock import POLL_S as LOCK_POLL_S  # noqa: F401 - its name here before the lock was shared
+from ..io.heartbeat_lock import LockWait, beat_async
 
 
 class PeerLocks:

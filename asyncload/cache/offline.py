@@ -4,8 +4,8 @@ A cache asks storage for an object's version before it trusts its copy. When tha
 transiently (storage down, the network cut), a copy whose checksum holds is used without asking
 again for ``OFFLINE_S``, then storage is asked again; one warning per cache folder says so. A
 failure that is not transient (the object gone, access denied, a bug) is raised: that is an
-answer, not storage that cannot be asked. The shard cache (``cache.py``) and the item cache
-(``cache_items.py``) keep this one rule."""
+answer, not storage that cannot be asked. The shard cache (``shards.py``) and the item cache
+(``items.py``) keep this one rule."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import describe
 from ..redact import shown
-from .retries import is_transient
+from ..io.retries import is_transient
 
 OFFLINE_S = 60.0  # after storage could not be asked: kept copies are used this long without asking
 

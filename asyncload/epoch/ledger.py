@@ -19,7 +19,7 @@ from ..order.positions import Positions
 
 
 @dataclass
-class Progress:
+class EpochLedger:
     """The epoch's positions handed out as themselves (``done``), skipped (failed and not retried:
     on the failure budget) and delivered again to fill the DDP batch quota (``repeated``: a resumed
     rank repeats on past them; ``"padded"`` in ``state_dict()``), and the batches handed out."""
@@ -46,7 +46,7 @@ class Progress:
                 "padded": self.repeated.intervals()}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], batch_size: int) -> "Progress":
+    def from_state(cls, state: dict[str, Any], batch_size: int) -> "EpochLedger":
         """From ``as_state()`` (older states lack ``skipped``, ``padded`` or ``batches``)."""
         done = Positions(state["delivered"])
         return cls(done, Positions(state.get("skipped", [])), Positions(state.get("padded", [])),
@@ -140,42 +140,42 @@ def as_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 class Epochs:
-    """Which epoch each pass over the loader runs, and what it handed out so far (``progress``).
+    """Which epoch each pass over the loader runs, and what it handed out so far (``ledger``).
 
     A new pass is the next epoch, as a new pass of ``DataLoader(shuffle=True)`` is a new order,
     unless ``set_epoch`` or ``load_state_dict`` chose it: ``choose`` runs that epoch from its start
     (a different epoch) or keeps a resume (the loaded one); ``load`` continues where a saved state
     stood. ``epoch`` is what ``state_dict()`` records: the epoch of the pass running or left, or,
     after a pass that ended, the next one with nothing delivered. With ``elastic`` (the epoch began
-    at another world size) the pass runs that rest, ``progress`` holds positions of its order, and
+    at another world size) the pass runs that rest, ``ledger`` holds positions of its order, and
     ``state_dict()`` records it; it lasts until a pass starts or ends without resuming."""
 
     def __init__(self) -> None:
         self.epoch = 0
         self.chosen = True  # the next pass runs self.epoch (else self.epoch + 1): no pass of it yet
-        self.progress = Progress()
-        self.resume = False  # set by load(): the next pass continues self.progress
+        self.ledger = EpochLedger()
+        self.resume = False  # set by load(): the next pass continues self.ledger
         self.elastic: Elastic | None = None  # the rest of an epoch begun at another world size
 
     def choose(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch
-            self.progress, self.resume, self.elastic = Progress(), False, None
+            self.ledger, self.resume, self.elastic = EpochLedger(), False, None
         self.chosen = True
 
     def state(self, sampler: Any, order_identity: dict[str, Any], in_step: bool = False) -> dict[str, Any]:
-        """``state_dict()``: the epoch, its progress and the settings that decide its order.
+        """``state_dict()``: the epoch, its ledger and the settings that decide its order.
         ``in_step``: batches come in order and a failure raises (no skip), so every rank that
         handed out as many batches of the epoch stands at the same positions of its own order:
         this state then resumes any rank (``in_step``)."""
-        progress = self.progress
-        contiguous = progress.done.intervals() in ([], [[0, len(progress.done)]])
+        ledger = self.ledger
+        contiguous = ledger.done.intervals() in ([], [[0, len(ledger.done)]])
         return {"epoch": self.epoch, "seed": sampler.seed, "samples_per_rank": sampler.samples_per_rank,
                 "batch_size": sampler.batch_size, "rank": sampler.rank, "world_size": sampler.world_size,
-                **progress.as_state(), "order": dict(order_identity),
+                **ledger.as_state(), "order": dict(order_identity),
                 **({} if self.elastic is None else {"elastic": self.elastic.as_state()}),
-                "in_step": bool(in_step and contiguous and self.elastic is None and not len(progress.skipped)
-                                      and not len(progress.repeated))}
+                "in_step": bool(in_step and contiguous and self.elastic is None and not len(ledger.skipped)
+                                      and not len(ledger.repeated))}
 
     def upcoming(self) -> int:
         """The epoch the next pass runs (unless ``set_epoch`` or ``load_state_dict`` says otherwise)."""
@@ -184,7 +184,7 @@ class Epochs:
     def load(self, state: dict[str, Any], batch_size: int, elastic: Elastic | None = None) -> None:
         """Resume ``state``; with ``elastic``, its positions are those of that rest's order."""
         self.epoch, self.chosen = state["epoch"], True
-        self.progress, self.resume = Progress.from_state(state, batch_size), True
+        self.ledger, self.resume = EpochLedger.from_state(state, batch_size), True
         self.elastic = elastic
 
     def plan(self, sampler: Any, epoch: int) -> tuple[np.ndarray, EpochSize]:
@@ -196,17 +196,17 @@ class Epochs:
         return self.elastic.dealt(sampler, epoch)
 
     def start_pass(self) -> int:
-        """A pass begins: its epoch (``progress`` is what it has to go on from)."""
+        """A pass begins: its epoch (``ledger`` is what it has to go on from)."""
         if not self.chosen:  # a pass of this epoch ran: a new pass is the next epoch
             self.epoch, self.resume = self.epoch + 1, False
         if not self.resume:  # as with DataLoader, a new iteration starts the epoch afresh
-            self.progress, self.elastic = Progress(), None
+            self.ledger, self.elastic = EpochLedger(), None
         self.chosen = self.resume = False
         return self.epoch
 
     def pass_ended(self, epoch: int, latest: bool) -> None:
         """Pass ``epoch`` delivered its whole epoch; ``latest``: no newer pass started meanwhile.
         ``state_dict()`` now points at the next epoch, unless the user chose one already."""
-        self.progress, self.elastic = Progress(), None
+        self.ledger, self.elastic = EpochLedger(), None
         if latest and not self.chosen:
             self.epoch, self.chosen = epoch + 1, True

@@ -7,7 +7,7 @@ shard's URL, so every process finds the same file), one set per shard:
   most ``READABLE_CHARS`` characters of ``[A-Za-z0-9._-]``, so any URL fits a file name);
 - ``asyncload-<hash>.meta``: JSON ``{url, size, version, crc32}`` recorded at download;
 - ``asyncload-<hash>.lock``: the ``flock`` one downloader holds (its modification time is the
-  downloader's heartbeat, touched from a timer while it holds it: ``cache_lock``);
+  downloader's heartbeat, touched from a timer while it holds it: ``lock``);
 - ``asyncload-<hash>.<id>.part``: a download (or a meta file) being written, renamed into place.
 
 Anything else in the folder (a user's file, a sub-folder, a symlink) is neither read, counted nor
