@@ -276,13 +276,16 @@ def test_garbage_collection_stops_every_thread():
 
 
 def test_ctrl_c_while_waiting_for_a_batch_stops_every_thread(ctrl_c_raises):
-    """The first batch takes 50 reads of 0.2 s, two at a time (10 s): a Ctrl-C once the reads
-    are out ends the loop after the reads in flight, not the batch."""
+    """The first batch takes 100 reads of 0.2 s, two at a time (10 s): a Ctrl-C once the reads
+    are out ends the loop after the reads in flight, not the batch (counted: the reads begun stay
+    short of the batch's 100; a loop that finished the batch first began them all)."""
     reading = threading.Event()
+    begun: list[int] = []
 
     def slow_read(key):
+        begun.append(key)
         reading.set()
-        time.sleep(0.2)
+        time.sleep(0.2)  # the workload: a slow storage
         return key
 
     def ctrl_c_once_reading() -> None:
@@ -292,11 +295,10 @@ def test_ctrl_c_while_waiting_for_a_batch_stops_every_thread(ctrl_c_raises):
     loader = AsyncLoader(list(range(200)), batch_size=100, read=slow_read, decode=lambda i: np.int64(i),
                          io_concurrency=2)
     threading.Thread(target=ctrl_c_once_reading).start()
-    started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         for _ in loader:
             pass
-    assert time.monotonic() - started < 6.0, "not the 10 s the batch takes (loose for a busy machine)"
+    assert 0 < len(begun) < 100, f"{len(begun)} reads begun: the Ctrl-C waited for the batch"
     assert not asyncload_threads()
     loader.close()
 
@@ -483,14 +485,23 @@ def test_a_pass_starts_at_the_first_next_not_at_iter():
     (8, {1}, 1),   # no rest: the batch left short is dropped, as drop_last drops a short one
 ])
 def test_drop_last_with_skips_delivers_only_full_batches(n, bad, full_batches):
+    others = set(range(8)) - bad  # the full batches' other samples
+    begun: set[int] = set()
+    all_begun = threading.Event()
+
     def decode(i):
+        begun.add(i)
+        if others <= begun:
+            all_begun.set()
         if i in bad:
-            time.sleep(0.2)  # fails after the producer has taken every batch (prefetch=4)
+            # Fails once the producer has taken every full batch (prefetch=4): their other
+            # samples' decodes have begun (the decision itself: tests/test_driver_logic.py).
+            assert all_begun.wait(60), sorted(begun)
             raise ValueError("corrupt")
         return np.full(2, i, np.int64)
 
     with AsyncLoader(list(range(n)), batch_size=4, shuffle=False, read=False, decode=decode, drop_last=True,
-                     on_error="skip", max_failures=1, prefetch=4) as loader:
+                     on_error="skip", max_failures=1, prefetch=4, num_threads=2) as loader:
         batches = [b[:, 0].tolist() for b in loader]
     assert [len(b) for b in batches] == [4] * full_batches
     got = [v for b in batches for v in b]
@@ -519,31 +530,62 @@ class WholeBatches:
         return {}, None, []
 
 
-def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises):
+class CloseWaits:
+    """Wraps the pipeline's ``wait_ended`` (what a stop waits on) to tell the test each time a
+    stop waits for the thread the test holds: an event to act on, not a moment guessed."""
+
+    def __init__(self, monkeypatch) -> None:
+        import asyncload.pipeline.pipeline as pipeline
+
+        self.held: threading.Thread | None = None  # the decode thread the test holds
+        self.waits = 0  # the waits for it so far
+        self.waiting = [threading.Event(), threading.Event()]  # set at the first wait, the second
+        original = pipeline.wait_ended
+
+        def wait_ended(threads, deadline):
+            if self.held in threads:
+                self.waits += 1
+                for event in self.waiting[:self.waits]:
+                    event.set()
+            return original(threads, deadline)
+
+        monkeypatch.setattr(pipeline, "wait_ended", wait_ended)
+
+
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next(ctrl_c_raises, monkeypatch):
     """Ctrl-C while close() waits for a busy decode thread: a second close() must still end
     every thread (it used to return at once, leaving them running)."""
-    stuck, release = threading.Event(), threading.Event()
+    closing = CloseWaits(monkeypatch)
+    stuck = threading.Event()
+    second_close_waits = closing.waiting[1]
 
     def decode(i):
         if i == 5:
+            closing.held = threading.current_thread()
             stuck.set()
-            release.wait(10)
-            time.sleep(0.3)  # still busy a moment after the release
+            second_close_waits.wait(60)  # busy until the second close() waits for it
         return np.int64(i)
+
+    def ctrl_c_once_close_waits() -> None:
+        if closing.waiting[0].wait(60):
+            signal.pthread_kill(main, signal.SIGINT)  # a real Ctrl-C
 
     loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=WholeBatches(decode),
                          num_threads=2)
     iterator = iter(loader)
     next(iterator)
-    assert stuck.wait(5), "the next batch's decode of 5 never started"  # else close() does not wait
+    assert stuck.wait(60), "the next batch's decode of 5 never started"  # else close() does not wait
     main = threading.main_thread().ident
-    threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT)).start()  # a real Ctrl-C
-    with pytest.raises(KeyboardInterrupt):
+    threading.Thread(target=ctrl_c_once_close_waits).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loader.close()
+        assert asyncload_threads(), "the decode thread is still busy"
         loader.close()
-    assert asyncload_threads(), "the decode thread is still busy"
-    release.set()
-    loader.close()
-    assert not asyncload_threads()
+        assert closing.waits >= 2, "the second close() waited for the busy decode"
+        assert not asyncload_threads()
+    finally:
+        second_close_waits.set()
     del iterator
 
 
@@ -568,24 +610,30 @@ def test_a_stop_that_times_out_warns_once_and_close_finishes_it(monkeypatch):
     monkeypatch.setattr(asyncload.pipeline.pipelines, "STOP_TIMEOUT_S", 3.0)
     stuck, release = threading.Event(), threading.Event()
 
+    closing = CloseWaits(monkeypatch)
+
     def decode(i):
         if i == 6:
+            closing.held = threading.current_thread()
             stuck.set()
-            release.wait(10)
+            release.wait(60)  # past the stop's 3 s for certain: set below
         return np.int64(i)
 
     loader = AsyncLoader(list(range(40)), batch_size=4, shuffle=False, read=False, decode=WholeBatches(decode),
                          num_threads=2)
     iterator = iter(loader)
     next(iterator)
-    assert stuck.wait(5), "the next batch's decode of 6 never started"  # else the stop has nothing to wait for
+    assert stuck.wait(60), "the next batch's decode of 6 never started"  # else the stop has nothing to wait for
     with pytest.warns(RuntimeWarning, match="still running"):
         iterator.close()  # the loop's end: its finally stops the run
-    started = time.monotonic()
-    del iterator
-    assert time.monotonic() - started < 1.5, "the dropped iterator waited again (3 s; loose for a busy machine)"
-    assert asyncload_threads()
-    release.set()
+    waits = closing.waits
+    assert waits >= 1, "the stop waited for the decode"
+    try:
+        del iterator
+        assert closing.waits == waits, "the dropped iterator waited again"
+        assert asyncload_threads()
+    finally:
+        release.set()
     loader.close()
     assert not asyncload_threads()
     assert not [t for t in threading.enumerate() if t.name == "asyncload-gil-probe"]

@@ -173,12 +173,11 @@ def test_a_stalled_read_times_out():
     async def stall(key):
         await asyncio.sleep(3600)
 
-    started = time.monotonic()
     with loader_for(stall, read_timeout=0.2, read_retries=1) as loader:
         with pytest.raises(SampleError, match="failed at read: TimeoutError") as caught:
-            list(loader)
+            list(loader)  # the stall is an hour: waiting it out would meet pytest's timeout
     assert isinstance(caught.value.__cause__, TimeoutError)
-    assert time.monotonic() - started < 30, "two tries of 0.2 s, not the stall (loose for a busy machine)"
+    assert str(caught.value).endswith("timed out after read_timeout=0.2 s (attempt 2 of 2)"), "two tries of 0.2 s"
 
 
 def test_reads_overlap_up_to_io_concurrency():
@@ -268,30 +267,28 @@ def test_a_loader_waits_out_fast_failures_and_says_how_long_in_its_stats():
 
 @pytest.mark.parametrize("processes", [0, 2])
 def test_past_its_time_budget_a_read_fails_saying_for_how_long_and_after_how_many_attempts(processes):
-    started = time.monotonic()
     with loader_for(FailsFor(3600), n=1, batch_size=1, read_retry_seconds=1.5, processes=processes) as loader:
         with pytest.raises(SampleError) as caught:
             list(loader)
-    elapsed = time.monotonic() - started
     message = str(caught.value)
     failed = re.fullmatch(r"sample 0 failed at read: ConnectionRefusedError: connection refused "
                           r"\(storage failed for (\d+\.\d) s, attempt (\d+) \(read_retry_seconds=1\.5\)\)", message)
     assert failed, message
     # At least the budget, and the 2 retries a time budget always gives (retries.MIN_TIMED_RETRIES):
     # how many more fit in 1.5 s, and how far past it the last try ends, depend on the machine's
-    # load (backoff's steps are tested above, without a clock).
-    assert float(failed.group(1)) >= 1.5 and int(failed.group(2)) >= 3, message
-    assert elapsed < 30, "the budget and a little, not the default 60 s (loose for a busy machine)"
+    # load (backoff's steps are tested above, without a clock). A busy machine makes fewer tries,
+    # never more: the waits of 1.5 s of backoff (at least half of 0.1 s doubling) leave room for 7;
+    # the default 60 s gives 30 or more.
+    assert float(failed.group(1)) >= 1.5 and 3 <= int(failed.group(2)) <= 10, message
     assert type(caught.value.__cause__) is ConnectionRefusedError
 
 
 def test_the_count_of_read_retries_still_wins_where_it_is_given():
-    started = time.monotonic()
     store = FailsFor(3600)
     with loader_for(store, n=1, batch_size=1, read_retries=1, read_retry_seconds=60) as loader:
         with pytest.raises(SampleError, match=r"connection refused \(attempt 2 of 2\)$"):
             list(loader)
-    assert store.calls == 2 and time.monotonic() - started < 30, "not read_retry_seconds=60"
+    assert store.calls == 2, "not read_retry_seconds=60"
 
 
 def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them():
@@ -299,21 +296,22 @@ def test_reads_stuck_past_their_timeout_do_not_fail_the_reads_queued_behind_them
     reads queued behind them are neither charged for the wait nor kept from a thread."""
     stuck = {0, 1, 2, 3}
     release = threading.Event()
+    returned: set[int] = set()  # the stuck reads that returned
 
     def read(key):
         if key in stuck:
             release.wait(60)  # set below, once the epoch ended: 60 s is only a bound
+            returned.add(key)
         return key
 
-    started = time.monotonic()
     try:
         with loader_for(read, n=24, read_timeout=0.5, read_retries=0, io_concurrency=4, on_error="skip",
                         max_failures=4) as loader:
             got = sorted(v for batch in loader for v in batch.tolist())
             failed = sorted(failure.item for failure in loader.stats.failures)
-        # The stuck reads are held for 60 s unless released: an epoch that waited for them would take
-        # that long. The bound is loose for a busy machine.
-        assert time.monotonic() - started < 30, "the end of the epoch does not wait for stuck reads"
+        # The stuck reads are held for 60 s unless released: an epoch that waited for them would
+        # have seen them return.
+        assert not returned, "the end of the epoch does not wait for stuck reads"
     finally:
         release.set()  # the stuck threads end, as they would when storage answers
     assert wait_until(lambda: not asyncload_threads())

@@ -4,6 +4,7 @@ ranks, cached on disk; from local disk and from a real S3-compatible server."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import os
 import sys
@@ -19,7 +20,7 @@ from asyncload.sources.shard_plan import plan_chunks
 from asyncload.order.shard_order import ShardSampler, buffer_shuffle
 from asyncload.stats.verdict import diagnose
 from tests.support.s3server import LatencyProxy, storage_options
-from tests.conftest import CLASSES, PER_CLASS, delivered, flat, make_bucket, setup_s3fs
+from tests.conftest import CLASSES, PER_CLASS, delivered, flat, identify, make_bucket, setup_s3fs
 
 ALL = {(label, index) for label in range(len(CLASSES)) for index in range(PER_CLASS)}
 DECODE = ImageDecoder(32)
@@ -219,11 +220,19 @@ def test_auto_reads_more_chunks_at_once_from_slow_storage(slow_shards):
     source, options = slow_shards
     # In storage order: a shuffled epoch's first batch waits for samples from all over it, so the
     # tuner's first look would come with most of the 24 reads done (SeaweedFS serves them fast).
+    # The tuner looks at each batch (the loader's own stats, at the times the test says), not on
+    # the clock: however slow the machine, it has its looks while the epoch runs.
     loader = AsyncLoader(source, batch_size=2, decode=DECODE, storage_options=options, io_concurrency="auto",
                          shuffle=False)
-    loader.tuner.interval = 0.1
+    loader.tuner.interval = math.inf  # no look of its own
+    got = []
     with loader:  # one epoch: the raise must reach the reads of the epoch that is running
-        assert sorted(flat(delivered(loader))) == sorted(ALL)
+        for now, (images, labels) in enumerate(loader):
+            loader.tuner.look(loader.stats.as_dict(), float(now))
+            seen = [identify(image.numpy()) for image in images]
+            assert [label for label, _ in seen] == labels.tolist()
+            got.extend(seen)
+    assert sorted(got) == sorted(ALL)
     assert loader.stats.limits["io_concurrency"] > 4
     assert loader.stats.as_dict()["reads_in_flight/peak"] > 4
     assert [name for _, name, *_ in loader.tuner.changes][:1] == ["io_concurrency"]

@@ -91,16 +91,13 @@ def test_a_server_restart_mid_epoch_loses_nothing(moto_server, source, client):
 def test_a_server_that_stays_down_gives_a_clear_error_in_bounded_time(moto_server, source, client):
     with FaultProxy(moto_server.port) as proxy:
         proxy.stop_listening()
-        started = time.monotonic()
         with AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), read_retries=3,
                          storage_options=options(proxy, client)) as loader:
             with pytest.raises(SampleError, match=r"s3://asyncload-test/jpegs/\w+/\d\.jpg' failed at read") as caught:
                 list(loader)
-        elapsed = time.monotonic() - started
         proxy.start_listening()  # so that leaving the proxy's context is orderly
-    # 3 retries back off by at most 0.1 + 0.2 + 0.4 s; the bound, loose for a busy machine, fails
-    # a loader that retried by time (60 s) instead of by the count asked for.
-    assert elapsed < 30, elapsed
+    # The count asked for, not a time budget (60 s): the attempts are in the message.
+    assert str(caught.value).endswith("(attempt 4 of 4)"), str(caught.value)
     assert ("error sending request" if client == "obstore" else "Could not connect") in str(caught.value)
     assert loader.stats.retries >= 3
 
@@ -119,7 +116,10 @@ def test_close_from_another_thread_during_a_stalled_read(moto_server, source, cl
     from tests.conftest import asyncload_threads
 
     with FaultProxy(moto_server.port, first_tries(STALL, tries=100)) as proxy:
-        loader = AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), storage_options=options(proxy, client))
+        # An hour's read_timeout: a close that waited for the stalled reads would hang (pytest's
+        # timeout ends it), whatever the machine's load.
+        loader = AsyncLoader(source, batch_size=4, decode=ImageDecoder(16), storage_options=options(proxy, client),
+                             read_timeout=3600)
         outcome = []
 
         def consume():
@@ -131,11 +131,8 @@ def test_close_from_another_thread_during_a_stalled_read(moto_server, source, cl
         consumer = threading.Thread(target=consume)
         consumer.start()
         assert proxy.stalled.wait(timeout=60), "reads are out and stalled"
-        started = time.monotonic()
         loader.close()
-        consumer.join(timeout=30)
-        # A close that waited for the stalled reads would take read_timeout, 60 s, at least.
-        assert time.monotonic() - started < 30
+        consumer.join(timeout=120)  # a bound against a hang only
         assert not asyncload_threads() and not consumer.is_alive()
     assert "loader was closed" in str(outcome[0])
 
@@ -236,18 +233,17 @@ def test_storage_down_past_the_retry_budget_fails_once_naming_the_url_the_outage
 
     options = storage_options(f"http://127.0.0.1:{free_port()}")
     url = "s3://asyncload-test/jpegs/cat/0.jpg"
-    started = time.monotonic()
     with AsyncLoader([url], batch_size=1, decode=ImageDecoder(16), storage_options=options, read_retry_seconds=2,
                      processes=processes) as loader:
         with pytest.raises(SampleError) as caught:
             list(loader)
-    elapsed = time.monotonic() - started
     message = str(caught.value)
     assert message.startswith(f"sample '{url}' failed at read: "), message
     failed = re.search(r"\(storage failed for (\d+\.\d) s, attempt (\d+) \(read_retry_seconds=2\)\)$", message)
     assert failed, message
     # At least the budget and the 2 retries a time budget always gives (retries.MIN_TIMED_RETRIES);
     # how many more fit in 2 s depends on the machine's load (a busy one makes each try slower), as
-    # does how far past 2 s the last one ends.
-    assert float(failed.group(1)) >= 2.0 and int(failed.group(2)) >= 3, message
-    assert elapsed < 30, "the budget and a little, not the default 60 s (loose for a busy machine)"
+    # does how far past 2 s the last one ends. A busy machine makes fewer tries, never more: 2 s of
+    # backoff (each wait at least half of 0.1 s doubling, capped at 2 s) leave room for 8; the
+    # default 60 s gives 30 or more.
+    assert float(failed.group(1)) >= 2.0 and 3 <= int(failed.group(2)) <= 10, message
