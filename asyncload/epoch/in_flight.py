@@ -2,7 +2,7 @@
 
 The driver keeps one per batch in its window. It records what the policy decided for the
 batch's rows as their answers come (failures raised, positions skipped and replaced, holes the
-epoch had no replacement for, repeats to fill the DDP quota), so the hand-out and the epoch's progress read it from
+epoch had no replacement for, repeats to fill the DDP quota), so the hand-out and the epoch's ledger read it from
 one place.
 """
 
