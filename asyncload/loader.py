@@ -1,4 +1,4 @@
-"""AsyncLoader: the public object. It holds the settings, the sampler, the epoch's progress and
+"""AsyncLoader: the public object. It holds the settings, the sampler, the epoch's ledger and
 the backend (``backend.py``: one pipeline in this process or N child processes, their ring of
 batch buffers and their stats); each iteration is a pass (``epoch/passes.py``) that runs an
 ``EpochDriver`` (``epoch/driver.py``).

@@ -5,7 +5,7 @@ otherwise), starts children in the background when the policy says so (a new bac
 ``build_backend``, built on a thread: ``Starting``), does not judge the looks while they start
 (they take the idle cores the verdict counts), and tells the pass when to switch: at a batch
 boundary, once every child has built its pipeline. The pass (``epoch/passes.py``) then drains its driver, stops it and goes
-on with a new one on the new backend over the same epoch's progress, as a resume would: the plan
+on with a new one on the new backend over the same epoch's ledger, as a resume would: the plan
 is the epoch's, only the backend changes, so no sample is lost, repeated or reordered, and
 ``state_dict()`` never sees the switch. Going back to this process builds a fresh in-process
 backend; nothing built is ever changed into something else.

@@ -409,4 +409,4 @@ def test_with_owned_chunks_a_row_goes_to_the_pipeline_that_reads_its_chunk():
     dispatch.send(batch, [0, 1, 2, 3])
     assert sorted((index, fill.rows) for index, fill in pipes.sent[1:]) == [(0, [1]), (1, [0, 2, 3])]
     assert batch.pending == 2 and dispatch.load == [2, 1]
-    assert dispatch.pipe_for(4) == 0 and dispatch.pipe_for(6) == 1, "the probe's: an owner, else the first"
+    assert dispatch.pipeline_for(4) == 0 and dispatch.pipeline_for(6) == 1, "the probe's: an owner, else the first"

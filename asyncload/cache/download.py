@@ -142,7 +142,7 @@ class ShardDownloads:
         raise NotImplementedError
 
     async def _try_lock(self, path: Path) -> int | None:
-        """``cache_files.try_lock`` on the loop: a shard's lock is taken once per download."""
+        """``files.try_lock`` on the loop: a shard's lock is taken once per download."""
         return files.try_lock(path)
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:

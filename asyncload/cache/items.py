@@ -101,7 +101,7 @@ class CopyRead(KeptRead):
 
 
 class KeptIndex:
-    """What an item cache knows that outlives one pass (``pipeline/cached_reads.KeptCaches`` keeps
+    """What an item cache knows that outlives one pass (``KeptCaches`` below keeps
     one per source and folder for a loader's next passes, each a new ``ItemCache`` on a new loop
     and reader): the segment store (its index: rebuilt, it was a parse of
     every record per pass), and each unlisted object's size and version as storage answered them

@@ -48,7 +48,7 @@ class Dispatch:
         if count > 1:
             self.owner = reads.owner_of(len(source), count)
 
-    def pipe_for(self, index: int) -> int:
+    def pipeline_for(self, index: int) -> int:
         """The pipeline that reads source index ``index`` on its own (the probe's)."""
         return 0 if self.owner is None or self.owner[index] < 0 else int(self.owner[index])
 
@@ -64,19 +64,20 @@ class Dispatch:
             for row, owner in zip(rows, self.owner[indices].tolist()):
                 groups.setdefault(owner if owner >= 0 else idle, []).append(row)
         assert batch.buffer is not None
-        for pipe, pipe_rows in groups.items():
+        for pipeline, pipeline_rows in groups.items():
             fill = next(self._ids)
-            self.fills[fill] = (batch, pipe)
+            self.fills[fill] = (batch, pipeline)
             batch.pending += 1
-            self.load[pipe] += 1
-            pipe_indices = indices if len(groups) == 1 else self.order[[batch.positions[row] for row in pipe_rows]]
-            self.pipelines.send(pipe, Fill(self.run, fill, batch.buffer.slot, pipe_rows, pipe_indices))
+            self.load[pipeline] += 1
+            pipeline_indices = (indices if len(groups) == 1
+                                else self.order[[batch.positions[row] for row in pipeline_rows]])
+            self.pipelines.send(pipeline, Fill(self.run, fill, batch.buffer.slot, pipeline_rows, pipeline_indices))
 
     def answered(self, fill: int) -> InFlight:
         """Fill ``fill`` is done: its batch, one fill fewer in hand."""
-        batch, pipe = self.fills.pop(fill)
+        batch, pipeline = self.fills.pop(fill)
         batch.pending -= 1
-        self.load[pipe] -= 1
+        self.load[pipeline] -= 1
         return batch
 
 
@@ -91,16 +92,17 @@ class Dispatch:
 # would have without the probe.
 
 def probe_layout(pipelines: Pipelines, run: int, positions: Iterable[int], order: np.ndarray,
-                 pipe_for: Callable[[int], int], keep_going: int) -> tuple[SampleLayout | None, dict[int, SampleError]]:
+                 pipeline_for: Callable[[int], int],
+                 keep_going: int) -> tuple[SampleLayout | None, dict[int, SampleError]]:
     """Probes ``positions`` (epoch positions, in order) until one sample gives its layout.
     Returns the layout (None when none did) and the positions whose sample failed. Probing ends
     after ``keep_going`` + 1 failures: the failure budget left (0 when errors raise: the first
     failure's batch raises anyway), so a source whose samples all fail stops at its budget.
-    ``pipe_for``: which pipeline probes a source index (tar shards: the one that reads it)."""
+    ``pipeline_for``: which pipeline probes a source index (tar shards: the one that reads it)."""
     failed: dict[int, SampleError] = {}
     for position in positions:
         index = int(order[position])
-        pipelines.send(pipe_for(index), Probe(run, index))
+        pipelines.send(pipeline_for(index), Probe(run, index))
         answer = pipelines.receive(run)
         while not isinstance(answer, Probed):
             if isinstance(answer, Failed):

@@ -123,7 +123,7 @@ class EpochDriver:
         error; skipping, the epoch delivers nothing (every sample failed)."""
         budget = self.plan.failures_left() if self.s.skip_errors else 0
         layout, self._known = probe_layout(self.pipelines, self.run, self._epoch_ahead(positions), self.order,
-                                           self.dispatch.pipe_for, budget)
+                                           self.dispatch.pipeline_for, budget)
         if layout is not None:
             self.pipelines.ring.configure(layout, self.s.batch_size)
             return True

@@ -2,7 +2,7 @@
 
 The driver keeps one per batch in its window. It records what the policy decided for the
 batch's rows as their answers come (failures raised, positions skipped and replaced, holes the
-epoch had no replacement for, repeats to fill the DDP quota), so the hand-out and the epoch's progress read it from
+epoch had no replacement for, repeats to fill the DDP quota), so the hand-out and the epoch's ledger read it from
 one place.
 """
 
@@ -40,7 +40,7 @@ class InFlight:
 
     def leave_if_poisoned(self, take: Callable[[], BatchBuffer]) -> None:
         """If the batch's buffer is poisoned (an abandoned ``decode_into`` may write it at any
-        time, ``slots.py``): rows sent from now on go to a fresh one (``take()``); those
+        time, ``pipeline/watchdog.py``): rows sent from now on go to a fresh one (``take()``); those
         written or being written in the old one stay there until ``gather``. Rare: then one
         batch's copy."""
         if self.buffer is None or not self.buffer.poisoned:

@@ -1,1 +1,1 @@
-"""Reading bytes: the event-loop reader with retries and timeouts, blocking calls off the loop, object-store clients, the shard stream and its disk cache."""
+"""Reading bytes: the event-loop reader with retries and timeouts, blocking calls off the loop, object-store clients, a sample's size limit, the lock with a heartbeat a node's processes share (the disk caches are ``cache/``)."""

@@ -22,7 +22,7 @@ Two users, who differ only in who watches the clock:
   wait; a call waits in the queue at most ``QUEUED_LIMIT`` timeouts, then fails; while
   ``max_lost`` threads are stuck, new calls fail at once (``StuckCalls``).
 - ``pipeline/workers.DecodeWorkers``: a job decodes many rows; a watchdog on the event loop
-  (``pipeline/slots.Watchdog``) looks at the slots and abandons a decode past ``decode_timeout``,
+  (``pipeline/watchdog.Watchdog``) looks at the slots and abandons a decode past ``decode_timeout``,
   failing that one sample; a buffer the stuck decode may still write is poisoned meanwhile.
 """
 
@@ -70,7 +70,7 @@ class StuckCalls(RuntimeError):
 class CallSlot:
     """One pool thread's current call: ``started`` (``time.perf_counter()``, None when none runs)
     and whether it was ``abandoned``. A subclass keeps what its jobs need beside it (the decode's
-    ``pipeline/slots.Slot``) and may act at the two rare moments, ``given_up`` and ``returned_late``."""
+    ``pipeline/watchdog.Slot``) and may act at the two rare moments, ``given_up`` and ``returned_late``."""
 
     __slots__ = ("lock", "started", "abandoned", "thread")
 
