@@ -16,8 +16,23 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .image import (IMAGE_EXTENSIONS, IMAGE_NAMES, INT_EXTENSIONS, LABEL_MEMBER, LABEL_NAMES,  # noqa: F401
-                    TEXT_EXTENSIONS, is_image)
+
+# ----- file names -----
+# The names that say what a member or column holds, for every source that reads samples of
+# several members (tar shards, MDS, litdata, Parquet) and for the decoders that name them in their
+# errors: here, with what decodes by them (``image.py`` names them in its errors too).
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")  # also MDS's jpeg/png encodings
+IMAGE_NAMES = ("image", "img")  # columns of that name (MDS, litdata, Parquet) hold encoded images
+LABEL_MEMBER = "cls"  # a WebDataset sample's class number (write_shards writes it, tar_shards reads it)
+LABEL_NAMES = ("label", "labels", LABEL_MEMBER, "class", "target", "y")  # a column taken as the label
+INT_EXTENSIONS = (LABEL_MEMBER, "cls2", "index", "label", "id")
+TEXT_EXTENSIONS = ("txt", "text", "caption")
+
+
+def is_image(name: str) -> bool:
+    """Whether a member or column ``name`` (or an encoding's name) holds an encoded image."""
+    return name.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS or name in IMAGE_NAMES
 
 
 def decode_member(name: str, value: Any, image: Callable[[bytes], Any] | None = None,
