@@ -22,11 +22,10 @@ from ..batch.layout import SampleLayout
 from ..batch.ragged import take_aside
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
-from ..cache.items import KeptRead
+from ..cache.items import KeptCaches, KeptRead, item_cache
 from ..io.reader import Reader
 from ..settings import LoaderSettings, share
 from ..sources.shard_stream import reader_shard_stream
-from ..cache import items as cached_reads
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path, split
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped
@@ -45,7 +44,7 @@ class Pipeline:
 
     def __init__(self, settings: LoaderSettings, buffers: Callable[[int], BatchBuffer],
                  send: Callable[[Any], None], stats: Any, processes: int = 0, gate: Gate | None = None,
-                 io_concurrency: int | None = None, kept: cached_reads.KeptCaches | None = None) -> None:
+                 io_concurrency: int | None = None, kept: KeptCaches | None = None) -> None:
         self.s = settings
         self.buffers = buffers
         self.send = send
@@ -65,9 +64,9 @@ class Pipeline:
         self.loop, self.thread = self.loop_thread.loop, self.loop_thread.thread
         self.reader: Reader = asyncio.run_coroutine_threadsafe(self._new_reader(), self.loop).result()
         # what the caches keep for the next pass: the caller's (one pipeline per pass), else this one's
-        self.kept, self._owns_kept = (kept, False) if kept is not None else (cached_reads.KeptCaches(), True)
+        self.kept, self._owns_kept = (kept, False) if kept is not None else (KeptCaches(), True)
         self.cached_read = None if settings.read is not None else \
-            cached_reads.item_cache(settings.source, self.reader, self.kept)
+            item_cache(settings.source, self.reader, self.kept)
         Watchdog(self.loop, self.workers, settings.decode_timeout, self._stuck).start()
 
     async def _new_reader(self) -> Reader:

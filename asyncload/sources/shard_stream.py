@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..gates import AsyncGate
-from ..cache import files as cache_files
+from ..cache import files
 from ..cache.shards import ShardCache
 from ..cache.items import KeptRead
 from ..io.retries import RangeNotSatisfiable
@@ -53,7 +53,7 @@ class MemberRead(KeptRead):
         source = self.stream.source
         start, end = int(source.sample_begin[self.index]), int(source.sample_end[self.index])
         try:
-            read = cache_files.read_checked_range(self.path, start, end, self.size)
+            read = files.read_checked_range(self.path, start, end, self.size)
         except OSError:
             return self.stream.read_from_thread(self.index)
         if read is None:  # replaced since this process checked it: the cache checks it again
