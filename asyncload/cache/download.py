@@ -1,7 +1,7 @@
 """The shard cache's download of one shard into its folder (``shards.py`` decides when; this is
 how): under the shard's lock (``lock``), room made first (``_evict``), the bytes written to a
 new partial file on a pool thread and renamed into place with their meta (``files``), this
-process's reads served from the file as its bytes land (``download``). The disk's failures
+process's reads served from the file as its bytes land (``Downloads``, below). The disk's failures
 are ``CacheWriteError`` (the shard is then read from storage, see ``shards.py``); storage's pass.
 
 Apart from ``shards.py`` because it is a unit of its own: what a download does on disk, and how a
@@ -142,7 +142,7 @@ class ShardDownloads:
         raise NotImplementedError
 
     async def _try_lock(self, path: Path) -> int | None:
-        """``cache_files.try_lock`` on the loop: a shard's lock is taken once per download."""
+        """``files.try_lock`` on the loop: a shard's lock is taken once per download."""
         return files.try_lock(path)
 
     async def _download(self, url: str, size: int, shard: files.ShardFiles, version: str) -> bool:

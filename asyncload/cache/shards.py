@@ -3,9 +3,9 @@ of one machine (the ranks of a node, several jobs), which never stops an epoch t
 could serve.
 
 A shard is downloaded whole (large sequential ranged reads) into a temporary file, reserved at
-its full size first (``cache_files.reserve``: cheaper writes, and a full disk found before the
+its full size first (``files.reserve``: cheaper writes, and a full disk found before the
 download), and renamed into place, so no process ever sees half a shard; this process's own reads
-of it are served from that file as soon as their bytes are written (``download``), so the
+of it are served from that file as soon as their bytes are written (``download.Downloads``), so the
 cold epoch decodes a shard's first chunk while the rest still downloads. A per-shard lock file (``flock``) lets one
 process download while the others wait for its file instead of downloading it again. Before each
 download the least recently used shards are deleted until the cache has room for it within
@@ -36,7 +36,7 @@ error), a kept copy whose checksum holds is used unasked for ``offline.OFFLINE_S
 again; a permanent error (the object is gone) fails.
 
 ``max_bytes=None``: the smaller of ``DEFAULT_CAP`` and ``FREE_FRACTION`` of the disk's free space
-at the start of the run plus what the cache already keeps (``cache_evict.default_budget``). How one
+at the start of the run plus what the cache already keeps (``evict.default_budget``). How one
 download runs, on disk and when cancelled: ``download``.
 """
 
@@ -121,7 +121,7 @@ class ShardCache(ShardDownloads):
     def kept_copy(self, url: str, size: int) -> Path | None:
         """On the loop: where ``url``'s copy is if this process already knows it current (no
         question to storage, no download), for a decode thread to read samples from it
-        (``cache_files.read_checked_range``); else None (``read_copy`` serves the read). The
+        (``files.read_checked_range``); else None (``read_copy`` serves the read). The
         copy is marked used once per run."""
         if not self._usable or url in self._bypass or self._checked.get(url, 0.0) <= time.monotonic():
             return None
@@ -187,7 +187,7 @@ class ShardCache(ShardDownloads):
     async def damaged(self, url: str, size: int, copy: files.CopyId) -> bool:
         """Whether bytes that failed to decode (or parse), read from ``copy`` of ``url``, may
         be read again from a sound copy: ``copy`` was replaced, or is damaged and so deleted
-        (``cache_files.recheck``). Checked once per copy and run, however many samples fail."""
+        (``files.recheck``). Checked once per copy and run, however many samples fail."""
         check = self._rechecks.get(copy)
         if check is None:
             check = self._rechecks[copy] = asyncio.ensure_future(

@@ -40,7 +40,7 @@ class InFlight:
 
     def leave_if_poisoned(self, take: Callable[[], BatchBuffer]) -> None:
         """If the batch's buffer is poisoned (an abandoned ``decode_into`` may write it at any
-        time, ``slots.py``): rows sent from now on go to a fresh one (``take()``); those
+        time, ``pipeline/watchdog.py``): rows sent from now on go to a fresh one (``take()``); those
         written or being written in the old one stay there until ``gather``. Rare: then one
         batch's copy."""
         if self.buffer is None or not self.buffer.poisoned:

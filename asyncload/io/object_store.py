@@ -55,7 +55,7 @@ _regions: dict[str, str | None] = {}  # bucket -> the region S3 named for it (No
 
 
 def region_found(bucket: str) -> str | None:
-    """The region S3 named for ``bucket`` if it was asked already (``object_store``), else None:
+    """The region S3 named for ``bucket`` if it was asked already (``bucket_region``), else None:
     what an event loop may use, as it must not wait for the question."""
     return _regions.get(bucket)
 
@@ -138,7 +138,7 @@ def has_obstore() -> bool:
 def _store_class(protocol: str) -> type:
     """obstore's fsspec filesystem with ``protocol`` as its class's own (as ``obstore.fsspec.register``
     makes them, without touching fsspec's registry), so paths strip and unstrip as fsspec's do;
-    for S3 it finds a bucket's region when nothing says it (see ``object_store.py``)."""
+    for S3 it finds a bucket's region when nothing says it (``bucket_region``, above)."""
     from obstore.fsspec import FsspecStore
     from obstore.store import from_url
 

@@ -330,7 +330,7 @@ class LoaderStats:
         return figures
 
     def report(self) -> str:
-        """A compact table of the figures, and the bottleneck with its evidence (``loader_stats.py``)."""
+        """A compact table of the figures, and the bottleneck with its evidence (``report_text``, above)."""
         with self._lock:
             why = dict(self.decoded_on_cpu_why)
         return report_text(self.snapshot(), self.processes_choice, self.gpu_decode_choice, why)
