@@ -31,9 +31,9 @@ class Window:
     """The batches assigned and not yet taken for the hand-out (``batches``, by number), over
     ``plan``; ``size``: how many may be ahead of the user; ``ledger``: what was handed out."""
 
-    def __init__(self, plan: EpochPlan, progress: EpochLedger, size: int, in_order: bool) -> None:
+    def __init__(self, plan: EpochPlan, ledger: EpochLedger, size: int, in_order: bool) -> None:
         self.plan = plan
-        self.progress = progress
+        self.ledger = ledger
         self.size = size
         self.in_order = in_order
         self.batches: dict[int, InFlight] = {}
@@ -138,9 +138,9 @@ class Window:
 
     def handed_out(self, batch: InFlight, delivered: list[int]) -> None:
         """The user got ``delivered`` of ``batch``: on the record (``state_dict()``)."""
-        self.progress.handed_out(delivered, batch.skipped, batch.repeated)
-        self.progress.batches += 1
+        self.ledger.handed_out(delivered, batch.skipped, batch.repeated)
+        self.ledger.batches += 1
 
     def dropped(self, batch: InFlight) -> None:
         """``batch`` is not delivered: its skips and repeats stay on the record."""
-        self.progress.handed_out((), batch.skipped, batch.repeated)
+        self.ledger.handed_out((), batch.skipped, batch.repeated)
