@@ -49,12 +49,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from ..io.blocking import to_the_end
+from ..sources.items import Source
+from ..sources.mix import MixedSource
 from .evict import DEFAULT_CAP, FREE_FRACTION
 from .item_files import CopyGone, Entry, SegmentStore, owned_bytes
 from .offline import OfflineWindow
-from ..sources.items import Source
-from ..sources.mix import MixedSource
-
 
 SLACK = 0.1  # an eviction frees this fraction of cache_bytes more than it must
 RESCAN_FRACTION = 0.125  # peers add bytes too: scan again after adding this fraction of cache_bytes

@@ -9,13 +9,15 @@ obstore does the same work in Rust for ~0.4 ms. Users keep writing the fsspec-st
 ``aws_endpoint``, ``region``, ...) are accepted as well, and an option obstore cannot serve
 (``use_ssl``, ``s3_additional_kwargs``, gcsfs's ``token="cache"``, ...) sends that protocol back
 to fsspec (the translation is in ``store_options``). ``storage_options={"client": "fsspec"}``
-(or ``"obstore"``) chooses the client explicitly; ``"auto"`` is the default.
+(or ``"obstore"``) chooses the client explicitly; ``"auto"`` is the default. For obstore's S3,
+the region of a bucket nothing configures is asked of S3 once (``bucket_region``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from datetime import timedelta
 from typing import Any
@@ -23,7 +25,6 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 from fsspec.core import split_protocol
-import os
 
 from .limits import SampleTooLarge
 from .store_options import Unsupported, obstore_settings

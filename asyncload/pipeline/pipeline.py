@@ -20,9 +20,9 @@ from typing import Any, Callable
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import SampleLayout
 from ..batch.ragged import take_aside
+from ..cache.items import KeptCaches, KeptRead, item_cache
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
-from ..cache.items import KeptCaches, KeptRead, item_cache
 from ..io.reader import Reader
 from ..settings import LoaderSettings, share
 from ..sources.shard_stream import reader_shard_stream

@@ -12,11 +12,11 @@ source's name in ``sources`` (see ``mix``), written by the decode threads like a
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import bisect
-import hashlib
 
 from .items import checked_index, is_labelled
 from .shards import ShardSample, ShardSource, buffer_shuffle

@@ -3,6 +3,7 @@
 Cheap enough to be always on: each event costs a clock read and an uncontended lock. Busy
 seconds of a stage add up the time its items spent in it: for reads that overlap on the event
 loop this exceeds wall time, which is the point: it shows how much waiting was hidden.
+``report()``'s text is ``report_text``, here too.
 """
 
 from __future__ import annotations
