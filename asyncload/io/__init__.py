@@ -1,1 +1,2 @@
-"""Reading bytes: the event-loop reader with retries and timeouts, blocking calls off the loop, object-store clients, the shard stream and its disk cache."""
+"""Reading bytes: the event-loop reader with retries and timeouts, blocking calls off the loop, object-store clients
+(and a bucket's region), the lock a node's processes share. The disk caches are ``cache/``."""
