@@ -57,7 +57,7 @@ def slow_downloader(folder, started, done) -> None:
     slow = Storage(slow_chunk_s=1.5)
 
     async def main():
-        # the whole copy: a read is served as soon as its own bytes came (cache_progress), and this
+        # the whole copy: a read is served as soon as its own bytes came (cache/download.py's Downloads), and this
         # peer must stay until its download ends
         first = asyncio.create_task(new_cache(folder, slow, 0.5).ensure(URL, len(BLOB)))
         while slow.reads == 0:

@@ -38,14 +38,14 @@ class Run:
 
     def __init__(self, items: int = 12, batch_size: int = 4, window: int = 2, in_order: bool = True,
                  drop_last: bool = False, world_size: int = 1, rank: int = 0, skip: bool = True,
-                 max_failures: int | float = 100, progress: EpochLedger | None = None) -> None:
+                 max_failures: int | float = 100, ledger: EpochLedger | None = None) -> None:
         size = EpochSize(items, world_size, batch_size, drop_last)
         self.order = size.deal(np.arange(items), rank)  # epoch position -> source index
-        self.progress = progress or EpochLedger()
-        plan = EpochPlan(self.order, self.progress.done, size, self.progress.batches, skip, max_failures,
-                         LoaderStats(), self.progress.skipped, self.progress.repeated, epoch=0,
+        self.ledger = ledger or EpochLedger()
+        plan = EpochPlan(self.order, self.ledger.done, size, self.ledger.batches, skip, max_failures,
+                         LoaderStats(), self.ledger.skipped, self.ledger.repeated, epoch=0,
                          rank=rank if world_size > 1 else None)
-        self.window = Window(plan, self.progress, window, in_order)
+        self.window = Window(plan, self.ledger, window, in_order)
         self.fills: list[tuple[int, list[int]]] = []  # (batch number, rows) sent, in order
 
     def assign(self) -> list[int]:
@@ -139,7 +139,7 @@ def test_out_of_order_a_finished_batch_passes_a_slow_one():
     run.answer(0)
     assert run.hand_out() == [0, 1, 2, 3]
     assert run.assign() == [] and run.window.finished, "the plan is used up, nothing under way"
-    assert run.progress.as_state()["delivered"] == [[0, 12]]
+    assert run.ledger.as_state()["delivered"] == [[0, 12]]
 
 
 def test_a_failed_row_is_refilled_with_the_epochs_next_position_after_the_window():
@@ -153,7 +153,7 @@ def test_a_failed_row_is_refilled_with_the_epochs_next_position_after_the_window
     run.answer(1)
     assert run.hand_out() == [4, 5, 6, 7]
     assert run.epoch() == [[9, 10, 11]]
-    assert run.progress.as_state() == {"delivered": [[0, 1], [2, 12]], "batches": 3, "skipped": [[1, 2]],
+    assert run.ledger.as_state() == {"delivered": [[0, 1], [2, 12]], "batches": 3, "skipped": [[1, 2]],
                                        "padded": []}
 
 
@@ -173,7 +173,7 @@ def test_the_budget_as_a_count_raises_at_the_failure_past_it_naming_every_failur
     error = raised.value
     assert error.item == [0, 1, 6] and error.cause.item == 6
     assert str(error).startswith("3 samples failed, more than max_failures=2")
-    assert run.progress.as_state()["skipped"] == [[0, 2]], "the batch raised: its skips are not on the record"
+    assert run.ledger.as_state()["skipped"] == [[0, 2]], "the batch raised: its skips are not on the record"
 
 
 def test_the_budget_as_a_fraction_counts_the_epochs_samples():
@@ -213,7 +213,7 @@ def test_the_short_last_batch_is_delivered_without_drop_last_and_dropped_with_it
 def test_drop_last_in_one_process_fills_skips_from_the_short_rest_then_drops_a_batch_left_short():
     run = Run(items=9, window=2, drop_last=True)  # batches 0-3, 4-7; 8 kept back for a skip
     assert run.epoch(failing={1, 5}) == [[0, 8, 2, 3], "drop"]
-    assert run.progress.as_state() == {"delivered": [[0, 1], [2, 4], [8, 9]], "batches": 1,
+    assert run.ledger.as_state() == {"delivered": [[0, 1], [2, 4], [8, 9]], "batches": 1,
                                        "skipped": [[1, 2], [5, 6]], "padded": []}
 
 
@@ -222,7 +222,7 @@ def test_with_ranks_the_quota_is_met_by_repeats_whatever_fails():
     once the rank's part is used up, positions repeat from its start."""
     run = Run(items=16, world_size=2, rank=1, window=2)  # rank 1: 1, 3, ..., 15 in 4 + 4
     assert run.epoch(failing={3}) == [[1, 1, 5, 7], [9, 11, 13, 15]]  # both batches planned: 3 -> a repeat
-    assert run.progress.as_state()["padded"] == [[0, 1]]
+    assert run.ledger.as_state()["padded"] == [[0, 1]]
 
 
 # ----- the resume state -----
@@ -235,7 +235,7 @@ def test_a_resume_from_the_state_after_k_batches_delivers_the_rest_of_the_uninte
     first.answer(0, failed_rows=(2,))
     first.answer(0)
     assert first.hand_out() == whole[0]
-    rest = Run(items=20, window=2, progress=EpochLedger.from_state(first.progress.as_state(), 4)).epoch(failing={9})
+    rest = Run(items=20, window=2, ledger=EpochLedger.from_state(first.ledger.as_state(), 4)).epoch(failing={9})
     assert [whole[0], *rest] == whole
 
 
@@ -255,7 +255,7 @@ def test_the_state_after_k_batches_is_the_one_a_real_loader_records(processes, k
                 break
         state = loader.state_dict()
     assert got == handed
-    assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.progress.as_state()
+    assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.ledger.as_state()
 
 
 @pytest.mark.parametrize("case", [
@@ -278,7 +278,7 @@ def test_the_epoch_and_its_state_are_the_ones_a_real_loader_gives(case):
             got.append(batch[:, 0].tolist())
             state = loader.state_dict()
     assert got == handed
-    assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.progress.as_state()
+    assert {key: state[key] for key in ("delivered", "batches", "skipped", "padded")} == logic.ledger.as_state()
 
 
 def test_out_of_order_a_real_loader_hands_out_first_the_batch_that_finished_first():

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncload import AsyncLoader, litdata, mds, tar_shards
-from asyncload.cache import files as cache_files
+from asyncload.cache import files
 from asyncload.sources import litdata as litdata_source
 from asyncload.sources import brace, shard_learn
 from tests.fixtures.make_formats import SAMPLES, old_litdata
@@ -261,7 +261,7 @@ def test_a_learner_that_stopped_is_waited_for_no_longer_than_the_timeout(tmp_pat
     urls = shard_learn.expanded(f"{FIXTURES}/wds/{PATTERN}")
     path = Path(shard_learn.index_path(urls, str(tmp_path / "indexes"), None) + ".lock")
     path.parent.mkdir(parents=True)
-    holder = cache_files.try_lock(path)
+    holder = files.try_lock(path)
     try:
         source = tar_shards(f"{FIXTURES}/wds/{PATTERN}", index_dir=str(tmp_path / "indexes"), timeout=0.3)
     finally:

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from asyncload.cache import item_files as cache_segments
+from asyncload.cache import item_files
 from asyncload.cache.items import CopyRead, ItemCache
 from asyncload.cache.item_files import FILE_MAGIC, MAX_OPEN, CopyGone, SegmentStore
 from tests.test_item_cache_bound import new_reader, put_objects
@@ -88,7 +88,7 @@ def test_a_segment_replaced_between_two_opens_is_not_read_as_the_old_one(tmp_pat
     """A descriptor let go of is opened again by path: if another file took the name since (the
     segment evicted and a new one made), the read is CopyGone (downloaded again), not the other
     file's bytes at the old offset."""
-    monkeypatch.setattr(cache_segments, "MAX_OPEN", 1)
+    monkeypatch.setattr(item_files, "MAX_OPEN", 1)
     objects = fill(tmp_path, 2)
     store = SegmentStore(tmp_path, 8192)
     store.refresh()
@@ -128,7 +128,7 @@ def test_the_access_time_is_set_on_the_segment_read_and_no_other_file(tmp_path, 
             interrupted.append(os.open(other, os.O_RDONLY))  # takes the lowest free number
         return real_fstat(fd)
 
-    monkeypatch.setattr(cache_segments.os, "fstat", fstat)
+    monkeypatch.setattr(item_files.os, "fstat", fstat)
     try:
         assert store.read(entry) == objects["s3://b/0"]
     finally:
@@ -212,14 +212,14 @@ def test_the_loaders_close_does_not_close_the_segment_a_pass_still_writes(s3_opt
     url, data = next(iter(objects.items()))
     folder = tmp_path / "cache"
     entered, release = threading.Event(), threading.Event()
-    real = cache_segments._write_pieces
+    real = item_files._write_pieces
 
     def held_write(fd, pieces, at):
         entered.set()
         release.wait(30)
         return real(fd, pieces, at)
 
-    monkeypatch.setattr(cache_segments, "_write_pieces", held_write)
+    monkeypatch.setattr(item_files, "_write_pieces", held_write)
 
     async def main() -> None:
         reader = new_reader(s3_options)

@@ -689,3 +689,17 @@ def test_index_shards_records_shards_below_the_index_relative_to_it(shard_dir, t
     assert [s["url"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]] == [
         "part/shard-000000.tar", "part/shard-000001.tar"]
     assert len(tar_shards(index_url)) == 10
+
+
+def test_the_shard_sources_and_writer_import_no_decoder():
+    """The member names live with ``decode/members.py``, which imports the image decoder only
+    when it decodes one: describing or writing shards loads neither OpenCV, simplejpeg nor torch."""
+    import subprocess
+
+    code = ("import sys, asyncload.sources.shards, asyncload.sources.writer, asyncload.sources.chunked\n"
+            "print(sorted(m for m in ('cv2', 'simplejpeg', 'torch') if m in sys.modules))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -243,9 +243,9 @@ class BufferRing:
         self._by_slot[buffer.slot] = buffer
         return buffer
 
-    def buffer(self, number: int) -> BatchBuffer:
+    def buffer(self, slot: int) -> BatchBuffer:
         """The buffer a fill names (one the pipeline took: the driver holds it meanwhile)."""
-        return self._by_slot[number]
+        return self._by_slot[slot]
 
     def _forget_held_buffers(self) -> None:
         """Past ``keep`` buffers, stop tracking the oldest: the user owns them, memory goes when

@@ -4,5 +4,5 @@ once per node) and the item cache (``items.py``: objects of an item source packe
 folder shared by a node's processes safe (``files.py``), the lock a peer's download is waited on
 by (``lock.py``), a download and the reads served from it while under way (``download.py``),
 eviction (``evict.py``) and storage that cannot be asked (``offline.py``). It reads through
-``io/``; the pipeline (``pipeline/``) uses it.
+``io/``; the shard stream (``sources/shard_stream.py``) and the pipeline (``pipeline/``) use it.
 """

@@ -1,7 +1,7 @@
 """The shard cache's download of one shard into its folder (``shards.py`` decides when; this is
 how): under the shard's lock (``lock``), room made first (``_evict``), the bytes written to a
 new partial file on a pool thread and renamed into place with their meta (``files``), this
-process's reads served from the file as its bytes land (``download``). The disk's failures
+process's reads served from the file as its bytes land (``Downloads``, below). The disk's failures
 are ``CacheWriteError`` (the shard is then read from storage, see ``shards.py``); storage's pass.
 
 Apart from ``shards.py`` because it is a unit of its own: what a download does on disk, and how a

@@ -49,12 +49,11 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from ..io.blocking import to_the_end
+from ..sources.items import Source
+from ..sources.mix import MixedSource
 from .evict import DEFAULT_CAP, FREE_FRACTION
 from .item_files import CopyGone, Entry, SegmentStore, owned_bytes
 from .offline import OfflineWindow
-from ..sources.items import Source
-from ..sources.mix import MixedSource
-
 
 SLACK = 0.1  # an eviction frees this fraction of cache_bytes more than it must
 RESCAN_FRACTION = 0.125  # peers add bytes too: scan again after adding this fraction of cache_bytes
@@ -101,7 +100,7 @@ class CopyRead(KeptRead):
 
 
 class KeptIndex:
-    """What an item cache knows that outlives one pass (``KeptCaches`` below keeps
+    """What an item cache knows that outlives one pass (``KeptCaches``, below, keeps
     one per source and folder for a loader's next passes, each a new ``ItemCache`` on a new loop
     and reader): the segment store (its index: rebuilt, it was a parse of
     every record per pass), and each unlisted object's size and version as storage answered them
@@ -460,8 +459,8 @@ def _size_in(version: str) -> int | None:
 # ----- cached reads -----
 # The item cache as the pipeline uses it: which items of a source (an ``image_folder``,
 # ``list_files`` or ``manifest`` with ``cache_dir``, alone or mixed) are read through a disk cache
-# (``cache/items.py``), and closing those caches with the run. Here, not in ``io/``: knowing the
-# sources is the pipeline's business, and ``io/`` stays below them.
+# (``ItemCache``, above), and closing those caches with the run. The one part of the cache that
+# knows the sources (``sources/``); ``io/`` stays below them.
 
 class CachedReads:
     """How the pipeline reads the items of a source with a ``cache_dir``: ``hit`` (a copy the

@@ -5,7 +5,7 @@ could serve.
 A shard is downloaded whole (large sequential ranged reads) into a temporary file, reserved at
 its full size first (``files.reserve``: cheaper writes, and a full disk found before the
 download), and renamed into place, so no process ever sees half a shard; this process's own reads
-of it are served from that file as soon as their bytes are written (``download``), so the
+of it are served from that file as soon as their bytes are written (``download.Downloads``), so the
 cold epoch decodes a shard's first chunk while the rest still downloads. A per-shard lock file (``flock``) lets one
 process download while the others wait for its file instead of downloading it again. Before each
 download the least recently used shards are deleted until the cache has room for it within

@@ -29,30 +29,11 @@ import simplejpeg
 from ..batch.layout import Field
 from .budget import DEFAULT_MAX_PIXELS, GATED_BYTES, checked_size, held, jpeg_reduction
 from .geometry import Box, Plan, centre_square_box, dct_reduction, random_resized_crop_box, snap_box
+from .names import LABEL_NAMES, is_image
 from .resize import resize_aa_into, resize_centre_crop_into
-
-
-# ----- file names -----
-# The names that say what a member or column holds, for every source that reads samples of
-# several members (tar shards, MDS, litdata, Parquet) and for the decoders that name them in their
-# errors: here only (``members`` decodes by them).
-
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")  # also MDS's jpeg/png encodings
-IMAGE_NAMES = ("image", "img")  # columns of that name (MDS, litdata, Parquet) hold encoded images
-LABEL_MEMBER = "cls"  # a WebDataset sample's class number (write_shards writes it, tar_shards reads it)
-LABEL_NAMES = ("label", "labels", LABEL_MEMBER, "class", "target", "y")  # a column taken as the label
-INT_EXTENSIONS = (LABEL_MEMBER, "cls2", "index", "label", "id")
-TEXT_EXTENSIONS = ("txt", "text", "caption")
-
-
-def is_image(name: str) -> bool:
-    """Whether a member or column ``name`` (or an encoding's name) holds an encoded image."""
-    return name.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS or name in IMAGE_NAMES
-
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 _IMREAD_RGB = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.10 converts while decoding
-
 
 
 def decode_rgb(data: bytes) -> np.ndarray:

@@ -16,8 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .image import (IMAGE_EXTENSIONS, IMAGE_NAMES, INT_EXTENSIONS, LABEL_MEMBER, LABEL_NAMES,  # noqa: F401
-                    TEXT_EXTENSIONS, is_image)
+from .names import INT_EXTENSIONS, TEXT_EXTENSIONS, is_image
 
 
 def decode_member(name: str, value: Any, image: Callable[[bytes], Any] | None = None,

@@ -4,22 +4,24 @@ With one pipeline (in-process) every fill goes to it. With N (``processes=N``) a
 to the least busy pipeline, except with tar shards: the run's chunk reads are planned once here
 and each chunk is owned by one pipeline, so a row goes to the pipeline that reads its chunk and
 a run makes the same reads whatever N. The driver decides what to fill; this only routes it.
+Before the first buffer exists, the probe of the first samples that teaches the ring its layout
+is routed here as well (``probe_layout``).
 """
 
 from __future__ import annotations
 
 import itertools
-
-import numpy as np
 from typing import Callable, Iterable
 
+import numpy as np
+
+from ..batch.layout import SampleLayout
+from ..errors import SampleError
 from ..pipeline.messages import Failed, Fill, Probe, Probed, Start
 from ..pipeline.pipelines import Pipelines
 from ..sources.shard_plan import plan_reads
 from ..sources.shards import ShardSource
 from .in_flight import InFlight
-from ..batch.layout import SampleLayout
-from ..errors import SampleError
 
 
 class Dispatch:

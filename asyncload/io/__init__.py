@@ -1,1 +1,2 @@
-"""Reading bytes: the event-loop reader with retries and timeouts, blocking calls off the loop, object-store clients, a sample's size limit, the lock with a heartbeat a node's processes share (the disk caches are ``cache/``)."""
+"""Reading bytes: the event-loop reader with retries and timeouts, blocking calls off the loop, object-store clients
+(and a bucket's region), the lock a node's processes share. The disk caches are ``cache/``."""

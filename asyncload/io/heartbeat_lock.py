@@ -9,7 +9,7 @@ beating. A waiter waits while the beat moves and gives up once it stood still fo
 ``flock``, so a waiter takes the lock at once.
 
 Two users: the shard cache waits on a peer's download on the reader's event loop
-(``cache/lock.PeerLocks``, asynchronous), and a source learns a shard set's member table while it
+(``cache/lock.py``'s ``PeerLocks``, asynchronous), and a source learns a shard set's member table while it
 is built, perhaps with no event loop (``sources/shard_learn``, ``held``). The wait is one class,
 ``LockWait``, whose clock and sleep can be replaced, so it is tested as logic.
 """
@@ -66,7 +66,7 @@ class LockWait:
 
     async def take_async(self, try_lock: Callable[[Path], Awaitable[int | None]],
                          sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> int | None:
-        """As ``take``, on an event loop: ``try_lock`` is ``cache/files.try_lock`` run off the
+        """As ``take``, on an event loop: ``try_lock`` is ``cache/files.py``'s ``try_lock`` run off the
         loop, as one attempt that a cancel never loses (a descriptor taken is closed)."""
         while True:
             lock = await try_lock(self.path)

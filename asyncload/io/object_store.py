@@ -9,13 +9,15 @@ obstore does the same work in Rust for ~0.4 ms. Users keep writing the fsspec-st
 ``aws_endpoint``, ``region``, ...) are accepted as well, and an option obstore cannot serve
 (``use_ssl``, ``s3_additional_kwargs``, gcsfs's ``token="cache"``, ...) sends that protocol back
 to fsspec (the translation is in ``store_options``). ``storage_options={"client": "fsspec"}``
-(or ``"obstore"``) chooses the client explicitly; ``"auto"`` is the default.
+(or ``"obstore"``) chooses the client explicitly; ``"auto"`` is the default. For obstore's S3,
+the region of a bucket nothing configures is asked of S3 once (``bucket_region``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from datetime import timedelta
 from typing import Any
@@ -23,7 +25,6 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 from fsspec.core import split_protocol
-import os
 
 from .limits import SampleTooLarge
 from .store_options import Unsupported, obstore_settings
@@ -55,7 +56,7 @@ _regions: dict[str, str | None] = {}  # bucket -> the region S3 named for it (No
 
 
 def region_found(bucket: str) -> str | None:
-    """The region S3 named for ``bucket`` if it was asked already (``object_store``), else None:
+    """The region S3 named for ``bucket`` if it was asked already (``bucket_region``), else None:
     what an event loop may use, as it must not wait for the question."""
     return _regions.get(bucket)
 
@@ -138,7 +139,7 @@ def has_obstore() -> bool:
 def _store_class(protocol: str) -> type:
     """obstore's fsspec filesystem with ``protocol`` as its class's own (as ``obstore.fsspec.register``
     makes them, without touching fsspec's registry), so paths strip and unstrip as fsspec's do;
-    for S3 it finds a bucket's region when nothing says it (see ``object_store.py``)."""
+    for S3 it finds a bucket's region when nothing says it (``bucket_region``, above)."""
     from obstore.fsspec import FsspecStore
     from obstore.store import from_url
 

@@ -5,6 +5,7 @@ batch's rows: one job reads each local file with three system calls (no Python f
 size known from ``fstat``), decodes it straight into its row, and at the end of the chunk adds
 its figures to the stats once and reports its rows done once. Only failures go back to the event
 loop, one by one (they may take a replacement from the epoch's cursor, which the loop owns).
+Also the item -> (what to read, label) rule every row starts from (``split``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ import numpy as np
 
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import Field
-from ..errors import SampleError
 from ..cache.items import KeptRead
+from ..errors import SampleError
 from ..io.limits import read_file
-from ..stats.loader_stats import LoaderStats
-from .watchdog import Slot
-from .workers import current_slot
 from ..sources.items import is_labelled
 from ..sources.mix import MixedSource
 from ..sources.shards import ShardSource
+from ..stats.loader_stats import LoaderStats
+from .watchdog import Slot
+from .workers import current_slot
 
 
 @dataclass

@@ -20,13 +20,12 @@ from typing import Any, Callable
 from ..batch.buffers import BatchBuffer
 from ..batch.layout import SampleLayout
 from ..batch.ragged import take_aside
+from ..cache.items import KeptCaches, KeptRead, item_cache
 from ..errors import SampleError
 from ..gates import AsyncGate, Gate
-from ..cache.items import KeptRead
 from ..io.reader import Reader
 from ..settings import LoaderSettings, share
 from ..sources.shard_stream import reader_shard_stream
-from ..cache.items import KeptCaches, item_cache
 from .batched import BatchJobs, is_batched
 from .jobs import Row, RowFiller, RowJobs, Work, chunk_rows, labelled, local_path, split
 from .messages import Done, Failed, Fill, Poisoned, Probe, Probed, Start, Stop, Stopped

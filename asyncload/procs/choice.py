@@ -1,4 +1,5 @@
-"""``processes=None``: whether children can be used at all, and how many memory allows.
+"""How many children ``processes=`` asks for (``process_count``) and, for ``processes=None``, whether
+children can be used at all, and how many memory allows.
 
 Both are asked only once the loader's stats say the GIL is the limit, so that a loader that
 never needs children never pickles its source or reads ``/proc``. What cannot be used is said
@@ -18,7 +19,6 @@ from ..errors import describe
 from ..redact import unpicklable
 from . import shm
 from .script import script_refusal
-
 
 CHILD_BYTES_GUESS = 400 * 2**20  # a child's own memory (PSS) before one was measured: torch and the pipeline
 RESERVE_SHARE = 0.1  # of the machine's memory, never taken by children: the training process grows too

@@ -11,19 +11,20 @@ So a child imports ``__main__`` only when what it is given needs it (``needs_mai
 or class the script itself defines), and ``start.py`` starts the others without it. When one
 would need it and the script's top level does more than define things (``rerun_hazard``), the
 default stays in this process and an explicit ``processes=N`` fails here, both with one line
-that says what to change, before any child starts.
+that says what to change, before any child starts. A child that imports a script which builds a
+loader anyway exits with a code the parent recognises (``refuse_while_bootstrapping``).
 """
 
 from __future__ import annotations
 
 import ast
+import multiprocessing
 import os
 import sys
 from multiprocessing import process
 from typing import Any
-import multiprocessing
-from .protocol import MAIN_GUARD_EXIT
 
+from .protocol import MAIN_GUARD_EXIT
 
 GUARD = 'if __name__ == "__main__":'
 

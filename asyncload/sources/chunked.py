@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..decode.members import LABEL_NAMES, Members, is_image
+from ..decode.members import Members
+from ..decode.names import LABEL_NAMES, is_image
 from .parquet_files import read_ranges
 from .shards import ShardSample, ShardSource
 from .items import checked_index

@@ -91,7 +91,7 @@ class Source(Sequence):
         self._versions = np.array([_hash64(version_of(info)) for info in listing or ()], dtype=np.uint64)
 
     def listed(self, index: int) -> tuple[int, str]:
-        """Item ``index``'s size and version as listed (with ``listing``; see ``cache/items``)."""
+        """Item ``index``'s size and version as listed (with ``listing``; see ``cache/items.py``)."""
         return int(self._sizes[index]), f"listed {int(self._versions[index]):016x}"
 
     def __len__(self) -> int:

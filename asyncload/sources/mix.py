@@ -12,11 +12,11 @@ source's name in ``sources`` (see ``mix``), written by the decode threads like a
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import bisect
-import hashlib
 
 from .items import checked_index, is_labelled
 from .shards import ShardSample, ShardSource, buffer_shuffle
@@ -24,8 +24,8 @@ from .shards import ShardSample, ShardSource, buffer_shuffle
 
 # ----- mix source -----
 # The mixed source: several sources laid end to end, and the seeded weighted sequence
-# that is its epoch order (``mix()`` in ``mix.py`` builds one; ``mix.py`` extends it to
-# shard sources). See ``mix.py`` for what a mix is.
+# that is its epoch order (``mix()``, below, builds one; ``MixedShards``, below, extends it to
+# shard sources). See ``mix()`` for what a mix is.
 
 STOPS = ("first", "all", "never")
 DRAW_STREAM = 0x6D6978  # "mix": keeps the draw's random stream apart from the sources' own
@@ -276,7 +276,7 @@ def mix(sources: Mapping[str, Sequence[Any]], weights: Mapping[str, float], *, s
     Args:
         sources (dict of str -> source): name -> a source: ``image_folder``, ``list_files``,
             ``manifest`` or any sized, indexable sequence of items; or all ``tar_shards``, or all
-            ``parquet`` (read as one shard set: see ``mix.py``). All labelled or none.
+            ``parquet`` (read as one shard set: see ``MixedShards``). All labelled or none.
         weights (dict of str -> float): the same names, positive numbers, normalised to sum 1.
         seed (int): the draw's and the sources' shuffles' seed (the loader's ``seed`` is added).
         stop ("first", "all" or "never"): when an epoch ends: "first" as soon as one source

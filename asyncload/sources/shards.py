@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..decode.members import IMAGE_EXTENSIONS
+from ..decode.names import IMAGE_EXTENSIONS
 from . import listing, shard_index
 from .brace import MAX_URLS
 from .shard_index import INDEX_FORMAT

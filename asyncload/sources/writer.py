@@ -1,5 +1,6 @@
 """Writing shard sets (a folder or a manifest -> tar shards + ``index.json``) and indexing shards
-written by other tools (WebDataset's ``tarwriter``, ``tar`` itself).
+written by other tools (WebDataset's ``tarwriter``, ``tar`` itself); and a Parquet file from any
+source (``write_parquet``).
 
 The index records each member's byte range inside its shard, so the loader reads shards with
 ranged requests and never parses tar headers on the hot path.
@@ -17,12 +18,11 @@ from typing import Any, Iterator, Sequence
 
 from fsspec.core import split_protocol
 
-from ..decode.members import LABEL_MEMBER
+from ..decode.names import LABEL_MEMBER
 from ..io import object_store
 from ..redact import shown
-from .shard_index import INDEX_FORMAT, INDEX_NAME
 from .parquet_files import pyarrow_parquet
-
+from .shard_index import INDEX_FORMAT, INDEX_NAME
 
 READ_BATCH = 64  # files fetched at once while writing
 MAX_LABEL_BYTES = 64  # a .cls member holds a class number: read no more of it

@@ -3,6 +3,7 @@
 Cheap enough to be always on: each event costs a clock read and an uncontended lock. Busy
 seconds of a stage add up the time its items spent in it: for reads that overlap on the event
 loop this exceeds wall time, which is the point: it shows how much waiting was hidden.
+``report()``'s text is ``report_text``, here too.
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ class LoaderStats:
         return figures
 
     def report(self) -> str:
-        """A compact table of the figures, and the bottleneck with its evidence (``loader_stats.py``)."""
+        """A compact table of the figures, and the bottleneck with its evidence (``report_text``, above)."""
         with self._lock:
             why = dict(self.decoded_on_cpu_why)
         return report_text(self.snapshot(), self.processes_choice, self.gpu_decode_choice, why)

@@ -1,14 +1,15 @@
 """The machine around the loader: cores this process may use, and CPU the whole machine spent
-(through psutil, which reads ``/proc/stat`` on Linux and has its own ways elsewhere).
+(through psutil, which reads ``/proc/stat`` on Linux and has its own ways elsewhere), and how busy
+the GIL is (``GilProbe``).
 """
 
 from __future__ import annotations
 
 import os
-
-import psutil
 import threading
 import time
+
+import psutil
 
 
 def system_cpu_seconds() -> float:

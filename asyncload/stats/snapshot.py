@@ -123,7 +123,7 @@ class StatsSnapshot:
 
     @classmethod
     def from_dict(cls, figures: dict[str, Any]) -> "StatsSnapshot":
-        """The snapshot whose ``as_dict()`` is ``loader_stats``."""
+        """The snapshot whose ``as_dict()`` is ``figures``."""
         stages = {name: StageFigures(figures[f"{name}/items"], figures[f"{name}/seconds"], figures[f"{name}/bytes"],
                                      figures["decode/cpu_seconds"] if name == "decode" else 0.0) for name in STAGES}
         levels = {name: LevelFigures(figures[f"{name}/mean"], figures[f"{name}/peak"]) for name in LEVELS}
