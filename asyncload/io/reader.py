@@ -23,7 +23,9 @@ from .retries import RetryBudget, is_transient, note_attempt, retried
 
 LOCAL_PROTOCOLS = ("file", "local", "memory")
 TIMEOUT_NAME = "read_timeout"  # the user's name for ``Reader.timeout``, in the message of a read that timed out
-SHUTDOWN_WAIT_S = 5.0  # how long closing waits for reads still running: their callers are gone, stuck ones are left to end by themselves; an idle thread ends at once, but on a loaded machine may take over a second to be scheduled
+# How long closing waits for reads still running: their callers are gone, stuck ones are left to
+# end by themselves. An idle thread ends at once, but on a loaded machine may wait over a second to run.
+SHUTDOWN_WAIT_S = 5.0
 
 
 class Reader:
