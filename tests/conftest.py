@@ -4,9 +4,9 @@ outlives a test.
 
 The suite runs on several workers (pytest-xdist, ``-n`` in pyproject.toml): each worker is a
 process of its own with its own session fixtures (its own servers on free ports, its own tmp
-folders), so nothing here is shared between workers. A module fixture is set up once per worker
-that runs the module's tests (test_trainers.py's and test_distributed.py's 2-process runs: up to
-4 times)."""
+folders), so nothing here is shared between workers. Each module runs whole on one worker
+(``--dist loadfile``): its module fixtures (test_trainers.py's and test_distributed.py's 2-process
+runs) are set up once, and what it imports (Lightning) is paid once."""
 
 from __future__ import annotations
 

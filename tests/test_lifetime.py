@@ -1,9 +1,9 @@
 """No child outlives the script, however it ends (``procs/lifetime.py``, ``procs/server.py``).
 
 A script's loader runs on two children (``processes=2``, or the default made to switch to them)
-whose decodes are busy in user code for ever: one waits on an event, one spins in Python, and
-each child has started a process of its own (a grandchild, as a user's DataLoader worker would
-be). The script then ends: SIGTERM, SIGKILL, ``os._exit``, an exception. Every process it made
+whose decodes are busy in user code for ever: one waits on an event, one holds the GIL in turns
+(as a spin in Python does), and each child has started a process of its own (a grandchild, as a
+user's DataLoader worker would be). The script then ends: SIGTERM, SIGKILL, ``os._exit``, an exception. Every process it made
 must be gone (``tests/scripts.py`` finds them by a tag in their environment), and its piped
 output must end (``python script.py | tail`` returns).
 """
@@ -30,7 +30,8 @@ _grandchild: list[subprocess.Popen] = []
 def busy_for_ever(i):
     """In the script's own process, and for the first batch (the layout is learnt from its first
     sample): a sample. In a child, after that: start a grandchild once, leave a mark naming both,
-    then never return (even samples wait on an event, odd ones spin)."""
+    then never return (even samples wait on an event, odd ones hold the GIL as Python code that
+    spins would, but asleep in C: a spin burnt a core for each test's whole length)."""
     if os.getpid() == int(os.environ["ASYNCLOAD_TEST_SCRIPT_PID"]) or i < 4:
         return np.full(2, i, np.int64)
     marks = Path(os.environ["ASYNCLOAD_TEST_MARKS"])
@@ -40,8 +41,9 @@ def busy_for_ever(i):
             (marks / f"busy-{os.getpid()}-{_grandchild[0].pid}").touch()
     if i % 2 == 0:
         threading.Event().wait()
-    while True:
-        pass
+    hold_the_gil = ctypes.PyDLL(None).usleep  # PyDLL: the GIL is held through each call
+    while True:  # a busy decode without the CPU: the GIL taken back every 20 ms, as a spin would
+        hold_the_gil(20_000)
 
 
 SCRIPT = """

@@ -5,6 +5,7 @@ content is its index, so each delivered sample is identified."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -13,7 +14,6 @@ import types
 import warnings
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import psutil
 import pytest
@@ -23,7 +23,6 @@ from asyncload import AsyncLoader
 from asyncload.order.sampler import EpochSampler
 import asyncload.trainers as trainers
 from asyncload.trainers import EpochEnd
-from tests import accelerate_run, lightning_ddp
 from tests.switching import force_switch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,36 +34,46 @@ def index_sample(i: int) -> np.ndarray:
     return np.full(2, i, np.float32)
 
 
-class Recorder(L.LightningModule):
-    """Records the sample indices each step sees, per epoch (validation outside the sanity check)."""
+@functools.cache
+def recorder_class() -> type:
+    """The LightningModule below, made on first use: Lightning takes seconds of CPU to import, paid
+    only where a test runs it, not by every worker that collects this module."""
+    import lightning as L
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(2, 1)
-        self.seen: dict[str, dict[int, list[int]]] = {"train": {}, "val": {}, "test": {}, "predict": {}}
+    class Recorder(L.LightningModule):
+        """Records the sample indices each step sees, per epoch (validation outside the sanity check)."""
 
-    def _record(self, stage: str, batch: torch.Tensor) -> torch.Tensor:
-        self.seen[stage].setdefault(self.current_epoch, []).extend(batch[:, 0].long().tolist())
-        return self.layer(batch).sum() * 0.0
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+            self.seen: dict[str, dict[int, list[int]]] = {"train": {}, "val": {}, "test": {}, "predict": {}}
 
-    def training_step(self, batch, index):
-        return self._record("train", batch)
+        def _record(self, stage: str, batch: torch.Tensor) -> torch.Tensor:
+            self.seen[stage].setdefault(self.current_epoch, []).extend(batch[:, 0].long().tolist())
+            return self.layer(batch).sum() * 0.0
 
-    def validation_step(self, batch, index):
-        if not self.trainer.sanity_checking:
-            self._record("val", batch)
+        def training_step(self, batch, index):
+            return self._record("train", batch)
 
-    def test_step(self, batch, index):
-        self._record("test", batch)
+        def validation_step(self, batch, index):
+            if not self.trainer.sanity_checking:
+                self._record("val", batch)
 
-    def predict_step(self, batch, index):
-        return self._record("predict", batch)
+        def test_step(self, batch, index):
+            self._record("test", batch)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        def predict_step(self, batch, index):
+            return self._record("predict", batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    return Recorder
 
 
-def trainer(**kwargs) -> L.Trainer:
+def trainer(**kwargs):
+    import lightning as L
+
     return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
@@ -76,7 +85,7 @@ def test_lightning_epoch_e_is_asyncload_epoch_e_and_every_evaluation_is_complete
     train = AsyncLoader(list(range(30)), batch_size=4, shuffle=True, seed=7, read=False, decode=index_sample,
                         num_threads=1)
     val = AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False, decode=index_sample, num_threads=1)
-    model = Recorder()
+    model = recorder_class()()
     with train, val:
         trainer(max_epochs=3).fit(model, train_dataloaders=train, val_dataloaders=val)
         fit_val, model.seen["val"] = model.seen["val"], {}
@@ -113,13 +122,15 @@ def run_script(command: list[str], out: Path) -> str:
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("lightning")
-    run_script([sys.executable, str(Path(lightning_ddp.__file__).resolve()), str(out)], out)
+    run_script([sys.executable, str(REPO / "tests" / "lightning_ddp.py"), str(out)], out)
     return {fit: [json.loads((out / f"{fit}.rank{rank}.json").read_text()) for rank in range(2)]
             for fit in ("stopped", "resumed")}
 
 
 def rank_order(rank: int, epoch: int) -> list[int]:
     """Rank ``rank`` of 2's order of ``epoch`` in ``lightning_ddp.py``'s training loader."""
+    from tests import lightning_ddp  # here, not at the top: it imports Lightning (see recorder_class)
+
     return EpochSampler(lightning_ddp.ITEMS, lightning_ddp.BATCH, shuffle=True, seed=5, drop_last=False, rank=rank,
                         world_size=2).order(epoch).tolist()
 
@@ -127,6 +138,8 @@ def rank_order(rank: int, epoch: int) -> list[int]:
 def test_lightning_ddp_ranks_take_disjoint_equal_halves_of_a_loader_built_before_fit(lightning_run):
     """Rank 0 built its loader with no distributed environment, rank 1 with Lightning's
     ``LOCAL_RANK``/``WORLD_SIZE`` and no ``RANK``: at the first batch both are ranks of 2."""
+    from tests import lightning_ddp
+
     first = lightning_run["stopped"]
     assert [rank["batches"] for rank in first] == [5, 5]
     halves = [rank["train"]["0"] for rank in first]
@@ -147,7 +160,7 @@ def test_lightning_ddp_resumes_both_ranks_from_rank_0s_checkpoint(lightning_run)
 def accelerate_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("accelerate")
     run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "--max_restarts=0", str(Path(accelerate_run.__file__).resolve()), str(out)], out)
+                "--max_restarts=0", str(REPO / "tests" / "accelerate_run.py"), str(out)], out)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -158,6 +171,8 @@ def test_accelerate_accumulation_syncs_where_a_prepared_dataloader_does(accelera
 
 
 def test_accelerate_save_state_on_rank_0_resumes_every_rank(accelerate_ranks):
+    from tests import accelerate_run  # here, not at the top: it imports Accelerate
+
     for rank in accelerate_ranks:
         assert rank["before"] + rank["after"] == rank["epoch_order"]
         assert len(rank["before"]) == accelerate_run.SAVE_AFTER * accelerate_run.BATCH
