@@ -199,6 +199,16 @@ def test_a_second_pass_reads_its_samples_from_the_copies_on_the_decode_threads(s
     assert counts[1] == (0, 0, counts[0][2])  # nothing asked, no chunk read, nothing downloaded again
 
 
+def replace_a_copy(cache_dir, url: str):
+    """Puts another file (another inode, the same bytes) in place of ``url``'s cached copy, as a
+    peer's new download would; returns the copy's path."""
+    copy = cache_files.shard_files(cache_dir, url).shard
+    replacement = cache_dir / "elsewhere"
+    replacement.write_bytes(copy.read_bytes())
+    os.replace(replacement, copy)
+    return copy
+
+
 def test_a_copy_replaced_since_its_check_is_not_read_by_the_decode_threads(shards, s3_options, tmp_path,  # noqa: F811
                                                                            monkeypatch):
     """The decode threads read only the copy this process checked (its checksum held): a file
@@ -208,10 +218,7 @@ def test_a_copy_replaced_since_its_check_is_not_read_by_the_decode_threads(shard
     source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
     with AsyncLoader(source, batch_size=8, decode=ImageDecoder(32), storage_options=s3_options) as loader:
         assert sorted(flat(delivered(loader))) == ALL
-        copy = cache_files.shard_files(tmp_path, source.urls[1]).shard
-        replacement = tmp_path / "elsewhere"
-        replacement.write_bytes(copy.read_bytes())
-        os.replace(replacement, copy)
+        copy = replace_a_copy(tmp_path, source.urls[1])
         reads: list = []
         spy_on(monkeypatch, cache_files, "read_copy_range", reads)
         assert sorted(flat(delivered(loader))) == ALL
@@ -229,10 +236,7 @@ def test_a_copy_replaced_since_its_check_is_checked_again_and_read_by_the_decode
     source = tar_shards(url, storage_options=s3_options, cache_dir=str(tmp_path))
     with AsyncLoader(source, batch_size=8, decode=ImageDecoder(32), storage_options=s3_options) as loader:
         assert sorted(flat(delivered(loader))) == ALL
-        copy = cache_files.shard_files(tmp_path, source.urls[1]).shard
-        replacement = tmp_path / "elsewhere"
-        replacement.write_bytes(copy.read_bytes())
-        os.replace(replacement, copy)
+        copy = replace_a_copy(tmp_path, source.urls[1])
         assert sorted(flat(delivered(loader))) == ALL
         reads: list = []
         spy_on(monkeypatch, cache_files, "read_copy_range", reads)
