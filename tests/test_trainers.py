@@ -1,6 +1,6 @@
 """An AsyncLoader inside the real trainers, used as their docs use a DataLoader: PyTorch
 Lightning (one device in this process; DDP on 2 CPU processes, gloo, ``lightning_ddp.py``) and
-Hugging Face Accelerate (2 processes under torchrun, ``accelerate_run.py``). Every sample's
+Hugging Face Accelerate (2 processes, ``accelerate_run.py``). Every sample's
 content is its index, so each delivered sample is identified."""
 
 from __future__ import annotations
@@ -159,8 +159,7 @@ def test_lightning_ddp_resumes_both_ranks_from_rank_0s_checkpoint(lightning_run)
 @pytest.fixture(scope="module")
 def accelerate_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("accelerate")
-    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "--max_restarts=0", str(REPO / "tests" / "accelerate_run.py"), str(out)], out)
+    run_script([sys.executable, str(REPO / "tests" / "accelerate_run.py"), str(out)], out)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
