@@ -1,7 +1,12 @@
-"""Hugging Face Accelerate on CPU as its docs show it, for ``tests/test_trainers.py``; run by
-torchrun with 2 processes (gloo), which Accelerate takes for its multi-CPU mode:
+"""Hugging Face Accelerate on CPU as its docs show it, for ``tests/test_trainers.py``; run on 2
+processes (gloo) by Accelerate's own launcher for tests on the CPU, ``debug_launcher``:
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/accelerate_run.py OUT
+    python tests/accelerate_run.py OUT
+
+It forks the ranks from this process, which has imported torch and Accelerate once: under
+torchrun a launcher and two fresh interpreters would import torch three times (about 2 s of CPU
+each on a 2-core box). The docs' ``torchrun`` run is ``docs/guides/accelerate.md``'s, which
+``tests/test_readme.py`` runs as written.
 
 Each rank writes ``OUT/rank<r>.json``: where gradient accumulation synced (batch numbers, per
 epoch) with an ``AsyncLoader`` and with a prepared ``DataLoader`` of as many batches a rank;
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, debug_launcher
 from torch.utils.data import DataLoader
 
 from asyncload import AsyncLoader
@@ -97,4 +102,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    debug_launcher(main, args=(Path(sys.argv[1]),), num_processes=2)

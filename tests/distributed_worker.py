@@ -1,32 +1,41 @@
-"""One rank of ``tests/test_distributed.py``, started by torchrun:
+"""The two ranks of ``tests/test_distributed.py``:
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py ITEMS OUT
+    python tests/distributed_worker.py ITEMS OUT
+
+starts them as PyTorch's DDP tutorial does (``torch.multiprocessing``, each rank given ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``), forked from this process once it has
+imported torch and asyncload: torchrun would start a launcher and two fresh interpreters, three
+imports of torch (about 2 s of CPU each on a 2-core box) for what one import serves here.
 
 ``ITEMS`` is a JSON list of ``[path, label]``; each rank writes ``OUT/rank<r>.json`` (what it
 delivered) and ``OUT/rank<r>.stderr`` (everything it wrote to standard error). Each rank builds
 its own AsyncLoader without rank or world size, as a training script would, and joins an
-all_reduce per batch as DDP does, so a rank with fewer batches fails the run.
+all_reduce per batch as DDP does, so a rank with fewer batches fails the run. A rank that raises
+ends the other and the run (``start_processes``), with a non-zero exit status.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from asyncload import AsyncLoader, ImageDecoder
 
 BATCH_SIZE = 4
 SEED = 3
 STOP_AFTER = 1  # batches delivered before the "interruption" of the resume check
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)  # a rank left waiting fails instead of hanging
+WORLD_SIZE = 2
 
 
 def main(items_path: str, out_dir: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from asyncload import AsyncLoader, ImageDecoder
-
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     rank = dist.get_rank()
     with open(items_path) as f:
@@ -92,10 +101,23 @@ def main(items_path: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def rank_main(rank: int, items_path: str, out_dir: str, port: int) -> None:
+    """Rank ``rank``, just forked: everything it writes to standard error (warnings, tracebacks,
+    gloo's messages) goes to a file of its own, which the test shows when the run fails."""
+    stderr = open(os.path.join(out_dir, f"rank{rank}.stderr"), "w", buffering=1)
+    os.dup2(stderr.fileno(), 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    main(items_path, out_dir)
+
+
+def free_port() -> int:
+    """A port no one listens on now, for rank 0's rendezvous (torchrun --standalone picks one so)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 if __name__ == "__main__":
     items_path, out_dir = sys.argv[1:3]
-    # Everything this rank writes to standard error (warnings, tracebacks, gloo's messages) goes
-    # to a file of its own, which the test shows when the run fails.
-    stderr = open(os.path.join(out_dir, f"rank{os.environ['RANK']}.stderr"), "w", buffering=1)
-    os.dup2(stderr.fileno(), 2)
-    main(items_path, out_dir)
+    torch.multiprocessing.start_processes(rank_main, args=(items_path, out_dir, free_port()), nprocs=WORLD_SIZE,
+                                          start_method="fork")

@@ -1,6 +1,7 @@
-"""Many ranks: two real processes under torchrun (gloo, CPU), each with its own AsyncLoader that
-takes rank and world size from torch.distributed (``distributed_worker.py``). One run serves
-every test here; each test checks one promise against what the ranks delivered."""
+"""Many ranks: two real processes (gloo, CPU; started as PyTorch's DDP tutorial starts them), each
+with its own AsyncLoader that takes rank and world size from torch.distributed
+(``distributed_worker.py``). One run serves every test here; each test checks one promise
+against what the ranks delivered."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.conftest import PER_CLASS, image_colour, make_jpeg
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(worker.__file__).resolve()
 ITEMS = 23  # does not divide by two ranks nor by the batch size: padding and dropping both show
-WORLD_SIZE = 2
+WORLD_SIZE = worker.WORLD_SIZE
 RUN_TIMEOUT = 90.0  # seconds; a hang (e.g. a rank left alone in an all_reduce) fails the test
 
 
@@ -44,14 +45,13 @@ def run(tmp_path_factory) -> tuple[list[dict] | None, str | None]:
     (root / "items.json").write_text(json.dumps(items))
     out = root / "out"
     out.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD_SIZE}",
-               "--max_restarts=0", str(WORKER), str(root / "items.json"), str(out)]
+    command = [sys.executable, str(WORKER), str(root / "items.json"), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     launcher = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = launcher.communicate(timeout=RUN_TIMEOUT)
-        problem = None if launcher.returncode == 0 else f"torchrun exited with {launcher.returncode}"
+        problem = None if launcher.returncode == 0 else f"the ranks' launcher exited with {launcher.returncode}"
     except subprocess.TimeoutExpired:
         _kill_tree(launcher)
         output, _ = launcher.communicate()
@@ -63,7 +63,7 @@ def run(tmp_path_factory) -> tuple[list[dict] | None, str | None]:
         logs = "".join(
             f"\n--- rank {rank} stderr ---\n{_read(out / f'rank{rank}.stderr')}" for rank in range(WORLD_SIZE)
         )
-        return None, f"{problem}{logs}\n--- torchrun output ---\n{output[-3000:]}"
+        return None, f"{problem}{logs}\n--- the launcher's output ---\n{output[-3000:]}"
     return [json.loads(path.read_text()) for path in results], None
 
 
@@ -85,7 +85,7 @@ def test_ranks_run_to_the_end_in_step(run):
 
 
 def _kill_tree(process: subprocess.Popen) -> None:
-    """Kills the launcher and the ranks it started (torchrun gives each its own session)."""
+    """Kills the launcher and the ranks it started."""
     try:
         children = psutil.Process(process.pid).children(recursive=True)
     except psutil.NoSuchProcess:

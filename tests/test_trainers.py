@@ -1,11 +1,11 @@
 """An AsyncLoader inside the real trainers, used as their docs use a DataLoader: PyTorch
-Lightning (one device in this process; DDP on 2 CPU processes, gloo, ``lightning_ddp.py``) and
-Hugging Face Accelerate (2 processes under torchrun, ``accelerate_run.py``). Every sample's
-content is its index, so each delivered sample is identified."""
+Lightning (one device, then DDP on 2 CPU processes, gloo: one run of ``lightning_ddp.py``, so
+that Lightning, seconds of CPU to import, is imported by its two processes alone) and Hugging
+Face Accelerate (2 processes, ``accelerate_run.py``). Every sample's content is its index, so
+each delivered sample is identified."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -23,6 +23,7 @@ from asyncload import AsyncLoader
 from asyncload.order.sampler import EpochSampler
 import asyncload.trainers as trainers
 from asyncload.trainers import EpochEnd
+from tests import lightning_ddp
 from tests.switching import force_switch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,72 +33,6 @@ pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)  # a 2-process run starts Pyt
 
 def index_sample(i: int) -> np.ndarray:
     return np.full(2, i, np.float32)
-
-
-@functools.cache
-def recorder_class() -> type:
-    """The LightningModule below, made on first use: Lightning takes seconds of CPU to import, paid
-    only where a test runs it, not by every worker that collects this module."""
-    import lightning as L
-
-    class Recorder(L.LightningModule):
-        """Records the sample indices each step sees, per epoch (validation outside the sanity check)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-            self.seen: dict[str, dict[int, list[int]]] = {"train": {}, "val": {}, "test": {}, "predict": {}}
-
-        def _record(self, stage: str, batch: torch.Tensor) -> torch.Tensor:
-            self.seen[stage].setdefault(self.current_epoch, []).extend(batch[:, 0].long().tolist())
-            return self.layer(batch).sum() * 0.0
-
-        def training_step(self, batch, index):
-            return self._record("train", batch)
-
-        def validation_step(self, batch, index):
-            if not self.trainer.sanity_checking:
-                self._record("val", batch)
-
-        def test_step(self, batch, index):
-            self._record("test", batch)
-
-        def predict_step(self, batch, index):
-            return self._record("predict", batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
-    return Recorder
-
-
-def trainer(**kwargs):
-    import lightning as L
-
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, **kwargs)
-
-
-def test_lightning_epoch_e_is_asyncload_epoch_e_and_every_evaluation_is_complete():
-    """Lightning checks a loader by making an iterator and dropping it, and sets the epoch through
-    ``loader.sampler.set_epoch``: trainer epoch e gets epoch e's order, every sample once; its
-    validation, test and predict paths take the loader (``batch_sampler``, ``dataset``)."""
-    train = AsyncLoader(list(range(30)), batch_size=4, shuffle=True, seed=7, read=False, decode=index_sample,
-                        num_threads=1)
-    val = AsyncLoader(list(range(10)), batch_size=4, shuffle=False, read=False, decode=index_sample, num_threads=1)
-    model = recorder_class()()
-    with train, val:
-        trainer(max_epochs=3).fit(model, train_dataloaders=train, val_dataloaders=val)
-        fit_val, model.seen["val"] = model.seen["val"], {}
-        run = trainer()
-        run.validate(model, val)
-        run.test(model, val)
-        run.predict(model, val)
-    assert {epoch: seen for epoch, seen in model.seen["train"].items()} == {
-        epoch: train.sampler.order(epoch).tolist() for epoch in range(3)}
-    assert all(sorted(seen) == list(range(30)) for seen in model.seen["train"].values())
-    assert fit_val == {epoch: list(range(10)) for epoch in range(3)}, "each epoch validates every sample once"
-    assert model.seen["val"] == model.seen["test"] == model.seen["predict"] == {0: list(range(10))}
 
 
 def run_script(command: list[str], out: Path) -> str:
@@ -120,17 +55,30 @@ def run_script(command: list[str], out: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def lightning_run(tmp_path_factory) -> dict[str, list[dict]]:
+def lightning_run(tmp_path_factory) -> dict:
+    """``lightning_ddp.py``'s runs: ``single`` (one device), and ``stopped`` and ``resumed`` (DDP),
+    each a list of what its ranks saw."""
     out = tmp_path_factory.mktemp("lightning")
     run_script([sys.executable, str(REPO / "tests" / "lightning_ddp.py"), str(out)], out)
-    return {fit: [json.loads((out / f"{fit}.rank{rank}.json").read_text()) for rank in range(2)]
-            for fit in ("stopped", "resumed")}
+    return {"single": json.loads((out / "single.json").read_text()),
+            **{fit: [json.loads((out / f"{fit}.rank{rank}.json").read_text()) for rank in range(2)]
+               for fit in ("stopped", "resumed")}}
+
+
+def test_lightning_epoch_e_is_asyncload_epoch_e_and_every_evaluation_is_complete(lightning_run):
+    """Lightning checks a loader by making an iterator and dropping it, and sets the epoch through
+    ``loader.sampler.set_epoch``: trainer epoch e gets epoch e's order, every sample once; its
+    validation, test and predict paths take the loader (``batch_sampler``, ``dataset``)."""
+    seen, epochs = lightning_run["single"], [str(epoch) for epoch in range(lightning_ddp.SINGLE_EPOCHS)]
+    assert seen["train"] == seen["orders"] and list(seen["orders"]) == epochs
+    assert all(sorted(order) == list(range(lightning_ddp.SINGLE_ITEMS)) for order in seen["orders"].values())
+    assert seen["fit_val"] == {epoch: list(range(lightning_ddp.SINGLE_VAL_ITEMS)) for epoch in epochs}, (
+        "each epoch validates every sample once")
+    assert seen["val"] == seen["test"] == seen["predict"] == {"0": list(range(lightning_ddp.SINGLE_VAL_ITEMS))}
 
 
 def rank_order(rank: int, epoch: int) -> list[int]:
     """Rank ``rank`` of 2's order of ``epoch`` in ``lightning_ddp.py``'s training loader."""
-    from tests import lightning_ddp  # here, not at the top: it imports Lightning (see recorder_class)
-
     return EpochSampler(lightning_ddp.ITEMS, lightning_ddp.BATCH, shuffle=True, seed=5, drop_last=False, rank=rank,
                         world_size=2).order(epoch).tolist()
 
@@ -138,8 +86,6 @@ def rank_order(rank: int, epoch: int) -> list[int]:
 def test_lightning_ddp_ranks_take_disjoint_equal_halves_of_a_loader_built_before_fit(lightning_run):
     """Rank 0 built its loader with no distributed environment, rank 1 with Lightning's
     ``LOCAL_RANK``/``WORLD_SIZE`` and no ``RANK``: at the first batch both are ranks of 2."""
-    from tests import lightning_ddp
-
     first = lightning_run["stopped"]
     assert [rank["batches"] for rank in first] == [5, 5]
     halves = [rank["train"]["0"] for rank in first]
@@ -159,8 +105,7 @@ def test_lightning_ddp_resumes_both_ranks_from_rank_0s_checkpoint(lightning_run)
 @pytest.fixture(scope="module")
 def accelerate_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("accelerate")
-    run_script([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "--max_restarts=0", str(REPO / "tests" / "accelerate_run.py"), str(out)], out)
+    run_script([sys.executable, str(REPO / "tests" / "accelerate_run.py"), str(out)], out)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
