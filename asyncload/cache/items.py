@@ -9,7 +9,8 @@ batch being gathered (up to ``BATCH_OBJECTS`` or ``BATCH_BYTES``, for at most ``
 one trip to a thread and one ``pwritev`` for the lot, and each read returns once its object is on
 disk, so a peer process that looks next finds it. A miss first looks at what peers wrote since
 this process last looked (``SegmentStore.refresh``, shared by the misses waiting meanwhile; no
-more than a ``stat`` of the folder, on the loop, while no peer writes: ``SegmentStore.quiet``).
+more than a ``stat`` of the folder, on the loop, while no peer writes: ``SegmentStore.quiet``; one
+per turn of the loop, shared by the misses a fill starts together).
 Two processes that miss the same object at once both download it (no per-object lock: the ranks
 of a node read disjoint parts of an epoch); both copies are sound, the older ages out.
 
