@@ -1,0 +1,104 @@
+"""The item cache's cold epoch (cache/items.py): what each miss costs on the event loop. The
+misses a fill starts together share one look at the folder, and still find what a peer wrote.
+On the real S3 server with the real reader; ``os.stat`` is wrapped only to count the looks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from asyncload.cache.items import ItemCache
+from asyncload.io.reader import Reader
+from asyncload.stats.loader_stats import LoaderStats
+from tests.conftest import make_bucket, setup_s3fs
+
+SIZE = 1000
+VERSION = "listed v1"
+
+
+def put_objects(s3_options, prefix: str, count: int) -> dict[str, bytes]:
+    """``count`` objects of ``SIZE`` random bytes under ``prefix``: url -> bytes."""
+    objects = {f"{prefix}/{index}.bin": os.urandom(SIZE) for index in range(count)}
+    with setup_s3fs(s3_options) as fs:
+        make_bucket(fs)
+        fs.pipe(objects)
+    return {f"s3://{path}": data for path, data in objects.items()}
+
+
+def new_reader(s3_options) -> Reader:
+    return Reader(asyncio.get_running_loop(), storage_options=s3_options, timeout=30.0, retries=2,
+                  io_concurrency=8, stats=LoaderStats())
+
+
+def listed(index: int) -> tuple[int, str]:
+    """Every object as a listing gives it (``image_folder``): its size and version, no request."""
+    return SIZE, VERSION
+
+
+class CountedLooks:
+    """``os.stat`` as it is, counting the calls on one folder."""
+
+    def __init__(self, folder) -> None:
+        self.real = os.stat
+        self.folder = os.fspath(folder)
+        self.looks = 0
+
+    def __call__(self, path, *args, **kwargs):
+        if os.fspath(path) == self.folder:
+            self.looks += 1
+        return self.real(path, *args, **kwargs)
+
+
+def test_misses_started_together_look_at_the_folder_once(s3_options, tmp_path, monkeypatch):
+    """A fill's misses start in one turn of the loop: they share one look at the folder (a
+    ``stat`` each was a fifth of the cold epoch's extra work on the loop), and every read still
+    gets its exact bytes, each downloaded once."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-cold/together", 16)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+    counted = CountedLooks(folder)
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            cache = ItemCache(str(folder), 1 << 20, reader, listed)
+            monkeypatch.setattr(os, "stat", counted)
+            got = await asyncio.gather(*(cache.read(url, index) for index, url in enumerate(urls)))
+            looks = counted.looks
+            monkeypatch.undo()
+            assert got == [objects[url] for url in urls]
+            assert reader.stats.as_dict()["read/items"] == len(urls)
+            assert looks <= 2, f"{looks} looks at the folder for {len(urls)} misses started together"  # quiet's, refresh's
+            await cache.aclose()
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_miss_after_a_peers_write_finds_the_peers_copy(s3_options, tmp_path):
+    """The shared look is per turn of the loop: a miss that comes after a peer wrote (here, in
+    the next turns) looks again and reads the peer's copy, not the bucket."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-cold/peer", 8)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            mine = ItemCache(str(folder), 1 << 20, reader, listed)
+            peer = ItemCache(str(folder), 1 << 20, reader, listed)
+            assert await asyncio.gather(*(mine.read(url, index) for index, url in enumerate(urls[:4]))) == \
+                [objects[url] for url in urls[:4]]
+            assert await asyncio.gather(*(peer.read(url, index) for index, url in enumerate(urls[4:], 4))) == \
+                [objects[url] for url in urls[4:]]
+            before = reader.stats.as_dict()["read/items"]
+            assert await asyncio.gather(*(mine.read(url, index) for index, url in enumerate(urls))) == \
+                [objects[url] for url in urls]
+            assert reader.stats.as_dict()["read/items"] == before  # the peer's four from its segment
+            await mine.aclose()
+            await peer.aclose()
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())
