@@ -24,15 +24,17 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import StorageError, describe
-from .loader import AsyncLoader
 from .sources.items import image_folder, manifest
 from .sources.shards import tar_shards
 from .redact import bounded, is_secret_name, redact_options
 from .stats.machine import usable_cores
 from .stats.verdict import diagnose
+
+if TYPE_CHECKING:
+    from .loader import AsyncLoader
 
 MANIFEST_SUFFIXES = (".txt", ".csv", ".lst")
 OPTIONS_VARIABLE = "ASYNCLOAD_STORAGE_OPTIONS"
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         source = open_source(args.url, options)
         if len(source) == 0:
             raise ValueError(f"no samples found at {url}")
+        from .loader import AsyncLoader  # here: torch's import (1.5 s) is not paid by a refused option or a missing source
+
         with AsyncLoader(source, batch_size=args.batch_size, num_threads=knob(args.num_threads),
                          io_concurrency=knob(args.io_concurrency), prefetch=args.prefetch,
                          storage_options=options, processes=args.processes, on_error="skip",

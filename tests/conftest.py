@@ -40,12 +40,16 @@ def make_jpeg(colour: tuple[int, int, int], size: tuple[int, int] = IMAGE_SIZE, 
     return simplejpeg.encode_jpeg(image, quality=quality)
 
 
-# The modules whose tests last longest (2-process runs, users' scripts, thousands of objects),
-# longest first: queued first, they run beside the short ones instead of after them, when the
-# other workers would have nothing left to do. An order of whole modules: each stays in one piece.
-LONGEST_FIRST = ("test_readme", "test_trainers", "test_lifetime", "test_script", "test_item_cache_bound",
-                 "test_procs", "test_hangs", "test_read", "test_storage_faults", "test_listing",
-                 "test_formats_writers", "test_bench", "test_doctor", "test_loader")
+# The modules whose tests last longest (2-process runs, users' scripts, spawned benches),
+# longest first (durations of a full run): queued first, they run beside the short ones instead
+# of after them, when the other workers would have nothing left to do. An order of whole modules:
+# each stays in one piece. pytest-xdist keeps it only with --no-loadscope-reorder (pyproject.toml):
+# by default it queues the modules with the most tests first, and these few-test modules came last.
+LONGEST_FIRST = ("test_lifetime", "test_readme", "test_script", "test_trainers", "test_formats_writers",
+                 "test_bench", "test_storage_faults", "test_contract", "test_procs", "test_bench_memory",
+                 "test_doctor", "test_decode_budget", "test_distributed", "test_item_cache_bound", "test_shards",
+                 "test_gpu_decode", "test_cache", "test_hangs", "test_adaptive", "test_read", "test_listing",
+                 "test_loader")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

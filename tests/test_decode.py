@@ -171,6 +171,20 @@ def _decode_or_raise(data: bytes) -> None:
         assert out.shape == (16, 16, 3) and out.dtype == np.uint8
 
 
+def test_a_png_chunk_claiming_more_than_the_file_is_refused_before_opencv_allocates_it():
+    """OpenCV's PNG reader allocates a chunk's claimed length before reading it: a 118-byte PNG
+    whose second chunk claims 2 GB took 2 GB of memory to fail (whatever ``max_pixels``), and such
+    examples made test_fuzz_corrupted_images take 30 s. It fails on its header now, naming the
+    chunk; a whole PNG with bytes after its IEND still decodes."""
+    data = bytearray(_SEED_PNG)
+    data[33] = 0x7F  # the length of the chunk after IHDR (8 + 25 bytes): 2,130,706,432 and more
+    with pytest.raises(ValueError, match=r"truncated or corrupt PNG: its 'IDAT' chunk at byte 33 claims 2,13"):
+        ImageDecoder(size=16)(bytes(data[:118]), key=(0, 0))
+    with pytest.raises(ValueError, match=r"truncated or corrupt PNG: its 'IDAT' chunk at byte 33 claims \d"):
+        ImageDecoder(size=16, max_pixels=None)(_SEED_PNG[:100], key=(0, 0))
+    assert ImageDecoder(size=16)(_SEED_PNG + b"trailing", key=(0, 0)).shape == (16, 16, 3)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=2048))
 def test_fuzz_arbitrary_bytes(data):

@@ -402,31 +402,42 @@ def test_the_stage_is_chosen_only_with_cuda_and_the_default_image_decode():
         decode_stage(cpu_decode, device, "yes", 0)
 
 
+# A fresh process imports nvImageCodec, makes a decoder and decodes a region, then prints what
+# the environment and its temporary folder hold afterwards; one run serves the next two tests.
+FRESH_IMPORT = ("import os, torch; from asyncload.decode.nvimgcodec import RegionDecoder; "
+                "from tests.photos import encoded; "
+                "image = RegionDecoder(torch.device('cpu'))([encoded('china', 'jpeg_q90_420')], [(0, 0, 8, 8)])[0]; "
+                "print(tuple(image.shape), os.environ.get('NVIMGCODEC_EXTENSIONS_PATH'), "
+                "os.environ.get('PYNVIMGCODEC_VERBOSITY'), sorted(os.listdir(os.environ['TMPDIR'])))")
+
+
+def fresh_import(tmp_path, **settings: str) -> subprocess.CompletedProcess:
+    """``FRESH_IMPORT`` run without any nvImageCodec variable but ``settings``, in ``tmp_path``
+    as its TMPDIR."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("NVIMGCODEC_", "PYNVIMGCODEC_"))}
+    env["TMPDIR"] = str(tmp_path)
+    return subprocess.run([sys.executable, "-c", FRESH_IMPORT], capture_output=True, text=True, timeout=120,
+                          env={**env, **settings})
+
+
+@pytest.fixture(scope="module")
+def imported_fresh(tmp_path_factory) -> subprocess.CompletedProcess:
+    return fresh_import(tmp_path_factory.mktemp("nvimgcodec-tmp"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA its GPU extensions load (or say why they do not)")
-def test_nvimgcodec_imports_quietly_without_cuda():
+def test_nvimgcodec_imports_quietly_without_cuda(imported_fresh):
     """Without CUDA its import and a decoder print a paragraph per GPU library they cannot load;
     ``load()`` keeps standard error clean."""
-    code = ("import torch; from asyncload.decode.nvimgcodec import RegionDecoder; "
-            "RegionDecoder(torch.device('cpu')); print('ok')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "ok" and done.stderr == ""
+    assert imported_fresh.stdout.startswith("(3, 8, 8) ") and imported_fresh.stderr == ""
 
 
-def test_nvimgcodec_s_settings_are_scoped_to_its_import_and_a_user_s_own_wins(tmp_path):
+def test_nvimgcodec_s_settings_are_scoped_to_its_import_and_a_user_s_own_wins(imported_fresh, tmp_path):
     """Its environment variables are read once, when the import creates its instance: set only
     around it (a user's own kept as it is), none left in the process after, nor the folder of
     links; a decoder made afterwards still decodes."""
-    code = ("import os, torch; from asyncload.decode.nvimgcodec import RegionDecoder; "
-            "from tests.photos import encoded; "
-            "image = RegionDecoder(torch.device('cpu'))([encoded('china', 'jpeg_q90_420')], [(0, 0, 8, 8)])[0]; "
-            "print(tuple(image.shape), os.environ.get('NVIMGCODEC_EXTENSIONS_PATH'), "
-            "os.environ.get('PYNVIMGCODEC_VERBOSITY'), sorted(os.listdir(os.environ['TMPDIR'])))")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("NVIMGCODEC_", "PYNVIMGCODEC_"))}
-    env["TMPDIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert done.stdout.split("\n")[0] == "(3, 8, 8) None None []", done.stderr
-    env["PYNVIMGCODEC_VERBOSITY"] = "1"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert imported_fresh.stdout.split("\n")[0] == "(3, 8, 8) None None []", imported_fresh.stderr
+    done = fresh_import(tmp_path, PYNVIMGCODEC_VERBOSITY="1")
     assert done.stdout.split("\n")[0] == "(3, 8, 8) None 1 []", done.stderr
 
 

@@ -20,6 +20,23 @@ def _png(data: bytes) -> tuple[int, int]:
     return height, width
 
 
+def _png_chunks_fit(data: bytes) -> None:
+    """Raises if a chunk claims more bytes than the file holds. Why: OpenCV's PNG reader
+    allocates a chunk's claimed length before it reads it, so a 118-byte file whose second chunk
+    claims 2 GB took 2 GB (and a second) to fail, past any ``max_pixels``. A walk over the chunk
+    headers (a few dozen for a large image) up to IEND; a file cut inside a chunk header is left
+    to OpenCV (it needs no large buffer)."""
+    at = 8
+    while at + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, at)
+        if at + 12 + length > len(data):
+            raise ValueError(f"truncated or corrupt PNG: its {kind.decode('latin-1')!r} chunk at byte {at} claims "
+                             f"{length:,} bytes, past the end of the {len(data):,}-byte file")
+        if kind == b"IEND":
+            return
+        at += 12 + length
+
+
 def _gif(data: bytes) -> tuple[int, int]:
     width, height = struct.unpack("<HH", data[6:10])  # the logical screen: OpenCV's canvas
     return height, width
@@ -175,14 +192,17 @@ _READERS = (  # (test on the first bytes, reader, peak bytes a pixel)
 def header_size(data: bytes) -> Header | None:
     """The size in the header of a non-JPEG image OpenCV reads; None if the bytes are no format
     known here. Raises ``ValueError`` if the format is known but its size fields are not there (a
-    truncated or corrupt header)."""
+    truncated or corrupt header, or a PNG chunk longer than the file)."""
     if not isinstance(data, (bytes, bytearray)):
         data = bytes(data)  # find and regular expressions need bytes (the loader reads bytes)
     head = data[:16]
     for matches, reader, bytes_per_pixel in _READERS:
         if matches(head):
             try:
-                return Header(*reader(data), bytes_per_pixel)
+                size = reader(data)
             except (struct.error, AttributeError, IndexError, KeyError, ValueError) as error:
                 raise ValueError(f"{reader.__name__[1:]} header without a readable size: {error}") from None
+            if reader is _png:
+                _png_chunks_fit(data)
+            return Header(*size, bytes_per_pixel)
     return None
