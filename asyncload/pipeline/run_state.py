@@ -62,6 +62,14 @@ class RunState:
         the pipeline's, shared with the decode threads."""
         with lock:  # the control thread's mark may have come before the run's Start
             self.stop_jobs()
+        # A task cancelled before its first step never enters its body, its ``finally`` neither
+        # (Python raises CancelledError at its first line): a read task's row would never end,
+        # nor the run's stop be confirmed, and its read slot stay taken. That happens when the
+        # mark above comes late (a Start, Fill and Stop taken in one burst: the fill's tasks made
+        # after the mark found no run). No task of the run is made from here on (``stopped``:
+        # ``Pipeline.spawn`` refuses), and one turn of the loop lets each one made before take
+        # its first step (the loop runs callbacks in the order they were scheduled).
+        await asyncio.sleep(0)
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
