@@ -165,6 +165,10 @@ def test_a_truncated_jpeg_goes_to_the_strict_cpu_path_which_rejects_it():
     out = torch.zeros((2, 32, 32, 3), dtype=torch.uint8)
     failures, _, fell_back = on_cpu(32).decode_batch([whole, truncated], [None, None], out)
     assert fell_back == [1] and list(failures) == [1], "decoded on the CPU, where it fails"
+    appended = whole + b"data after the end marker"  # as some cameras write: whole, taken on the CPU
+    result = on_cpu(32).decode_batch([whole, appended], [None, None], out)
+    assert result.on_cpu == [1] and not result.failures and mean_abs_diff(out[1].numpy(), out[0].numpy()) <= 1.5
+    assert result.why == {1: "no JPEG end marker at its end (truncated, or data after it)"}
 
 
 def test_a_batch_result_still_unpacks_as_three_values_with_its_reasons_beside():
@@ -176,7 +180,7 @@ def test_a_batch_result_still_unpacks_as_three_values_with_its_reasons_beside():
     result = on_cpu(32).decode_batch([whole, whole[: len(whole) // 2]], [None, None], out)
     failures, event, fell_back = result
     assert len(result) == 3 and fell_back == [1] and list(failures) == [1] and event is None
-    assert result.why == {1: "truncated JPEG (no end marker)"}
+    assert result.why == {1: "no JPEG end marker at its end (truncated, or data after it)"}
     assert result._replace(failures={}).why == result.why and result._replace(failures={}).failures == {}
 
 

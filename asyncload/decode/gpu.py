@@ -12,7 +12,8 @@ both paths give the same augmentation stream and a row may be decoded by either.
 What the GPU does not take goes through the CPU path (``ImageDecoder``) into a pinned staging row
 and is copied up, alone, counted in ``stats.decoded_on_cpu`` and by reason in
 ``stats.decoded_on_cpu_why``: from its header (``gpu_refusal``, before any GPU memory is taken)
-not a JPEG, a truncated one (no EOI marker: nvJPEG might decode it silently), a frame
+not a JPEG, one not ending with its EOI marker (truncated: nvJPEG might decode it silently;
+or with data appended after the marker, which the CPU path decodes), a frame
 nvImageCodec has no GPU decoder for with a region (lossless, arithmetic, hierarchical, more than
 8 bits), CMYK/YCCK or RGB-coded, over the pixel budget; then one nvImageCodec refuses (a ``None`` result) or
 fails on (out of GPU memory included; a call that failed as a whole is retried one image at a
@@ -72,7 +73,7 @@ HIERARCHICAL_FRAMES = (0xC5, 0xC6, 0xC7)  # differential frames: no decoder of n
 # Why a sample goes to the CPU path: the keys of ``stats.decoded_on_cpu_why``.
 NOT_BYTES = "not bytes"
 NOT_JPEG = "not a JPEG"
-TRUNCATED = "truncated JPEG (no end marker)"
+TRUNCATED = "no JPEG end marker at its end (truncated, or data after it)"
 BAD_HEADER = "unreadable JPEG header"
 LOSSLESS = "lossless JPEG"
 ARITHMETIC = "arithmetic-coded JPEG"
