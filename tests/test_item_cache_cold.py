@@ -102,3 +102,35 @@ def test_a_miss_after_a_peers_write_finds_the_peers_copy(s3_options, tmp_path):
             await reader.aclose()
 
     asyncio.run(main())
+
+
+def test_a_quiet_look_is_not_kept_past_its_turn(s3_options, tmp_path):
+    """A look that found the folder quiet holds for its own turn of the loop only: a peer that
+    writes after it (here, between two reads of this process) is found by the next miss, which
+    looks again, not skipped on the old look. The folder is made to look quiet without waiting
+    out ``WINDOW_NS``: its modification time set a second back (``os.utime``), as after a pause."""
+    objects = put_objects(s3_options, "asyncload-test/item-cache-cold/quiet", 2)
+    urls = list(objects)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    old = os.stat(folder).st_mtime_ns - 1_000_000_000
+    os.utime(folder, ns=(old, old))
+
+    async def main() -> None:
+        reader = new_reader(s3_options)
+        try:
+            mine = ItemCache(str(folder), 1 << 20, reader, listed)
+            peer = ItemCache(str(folder), 1 << 20, reader, listed)
+            mine.store.refresh()  # mine has looked at the folder: a second old, nothing in it
+            assert mine.store.quiet()
+            assert await mine.read(urls[0], 0) == objects[urls[0]]  # its miss's look finds it quiet
+            assert await peer.read(urls[1], 1) == objects[urls[1]]  # the peer's segment: the folder changes
+            before = reader.stats.as_dict()["read/items"]
+            assert await mine.read(urls[1], 1) == objects[urls[1]]
+            assert reader.stats.as_dict()["read/items"] == before, "the peer's copy was not looked for"
+            await mine.aclose()
+            await peer.aclose()
+        finally:
+            await reader.aclose()
+
+    asyncio.run(main())

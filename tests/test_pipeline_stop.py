@@ -10,6 +10,7 @@ twenty on a loaded box). Driven here message by message, with the loop held whil
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import numpy as np
 
@@ -81,3 +82,43 @@ def test_a_run_stopped_before_the_pipeline_took_its_start_confirms_its_stop_and_
         assert buffer.tensors[0].flatten().tolist() == [0, 1, 2, 3]
     finally:
         assert pipeline.close() == [], "the pipeline's threads ended"
+
+
+def test_a_run_stopped_as_the_pipeline_closes_confirms_its_stop_once():
+    """A ``Stop`` and the pipeline's ``close()`` taken in one burst (a Ctrl-C at a run's end): the
+    run's own stop and the shutdown's both stop it; ``Stopped`` goes out once per run (the
+    shutdown's, one loop turn behind the run's own, found it gone and confirmed it again)."""
+    with AsyncLoader(list(range(8)), batch_size=4, read=read_index, decode=decode_row, io_concurrency=1,
+                     num_threads=1) as loader:
+        settings = loader.settings
+    buffer = BatchBuffer(SampleLayout.of(np.zeros(1, np.int64)), 4)
+    answers = Answers()
+    pipeline = Pipeline(settings, {0: buffer}.__getitem__, answers.send, LoaderStats(), io_concurrency=1)
+    held, release, submitted = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_loop() -> None:
+        held.set()
+        release.wait()
+
+    submit = pipeline.loop_thread.submit
+
+    def submit_and_say(coroutine) -> bool:  # close() hands the loop its shutdown here
+        done = submit(coroutine)
+        submitted.set()
+        return done
+
+    pipeline.loop_thread.submit = submit_and_say
+    pipeline.loop_thread.call_soon(hold_the_loop)
+    assert held.wait(ANSWER_WAIT_S)
+    pipeline.handle(Start(1, 0, None))
+    pipeline.handle(Start(2, 0, None))
+    pipeline.handle(Stop(2))
+    closing = threading.Thread(target=pipeline.close)
+    closing.start()
+    try:
+        assert submitted.wait(ANSWER_WAIT_S)
+    finally:
+        release.set()
+        closing.join(ANSWER_WAIT_S)
+    assert not closing.is_alive()
+    assert Counter(m.run for m in answers.got if isinstance(m, Stopped)) == {1: 1, 2: 1}

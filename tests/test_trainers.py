@@ -75,6 +75,7 @@ def test_lightning_epoch_e_is_asyncload_epoch_e_and_every_evaluation_is_complete
     assert seen["fit_val"] == {epoch: list(range(lightning_ddp.SINGLE_VAL_ITEMS)) for epoch in epochs}, (
         "each epoch validates every sample once")
     assert seen["val"] == seen["test"] == seen["predict"] == {"0": list(range(lightning_ddp.SINGLE_VAL_ITEMS))}
+    assert seen["threads_left"] == [], "threads left running once the loaders were closed"
 
 
 def rank_order(rank: int, epoch: int) -> list[int]:

@@ -284,7 +284,8 @@ class Pipeline:
     async def _shut(self) -> None:
         try:
             for run in list(self.runs):
-                await self._stop(run)
+                if run in self.runs:  # not stopped meanwhile by its own Stop (each _stop yields a turn)
+                    await self._stop(run)
             if self.cached_read is not None:
                 await self.cached_read.aclose()
             if self._owns_kept:
