@@ -2,8 +2,9 @@
 
     python tests/distributed_worker.py ITEMS OUT
 
-starts them as PyTorch's DDP tutorial does (``torch.multiprocessing``, each rank given ``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``), forked from this process once it has
+starts them as PyTorch's DDP tutorial does (``torch.multiprocessing``, each rank given ``RANK``
+and ``WORLD_SIZE``; they meet through a file in ``OUT``, not a port picked beforehand, which
+another process could take before rank 0 listens on it), forked from this process once it has
 imported torch and asyncload: torchrun would start a launcher and two fresh interpreters, three
 imports of torch (about 2 s of CPU each on a 2-core box) for what one import serves here.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -36,7 +36,9 @@ WORLD_SIZE = 2
 
 
 def main(items_path: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=COLLECTIVE_TIMEOUT)
     rank = dist.get_rank()
     with open(items_path) as f:
         source = [(path, label) for path, label in json.load(f)]
@@ -101,23 +103,16 @@ def main(items_path: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def rank_main(rank: int, items_path: str, out_dir: str, port: int) -> None:
+def rank_main(rank: int, items_path: str, out_dir: str) -> None:
     """Rank ``rank``, just forked: everything it writes to standard error (warnings, tracebacks,
     gloo's messages) goes to a file of its own, which the test shows when the run fails."""
     stderr = open(os.path.join(out_dir, f"rank{rank}.stderr"), "w", buffering=1)
     os.dup2(stderr.fileno(), 2)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
     main(items_path, out_dir)
-
-
-def free_port() -> int:
-    """A port no one listens on now, for rank 0's rendezvous (torchrun --standalone picks one so)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":
     items_path, out_dir = sys.argv[1:3]
-    torch.multiprocessing.start_processes(rank_main, args=(items_path, out_dir, free_port()), nprocs=WORLD_SIZE,
+    torch.multiprocessing.start_processes(rank_main, args=(items_path, out_dir), nprocs=WORLD_SIZE,
                                           start_method="fork")
