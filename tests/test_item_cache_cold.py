@@ -8,26 +8,9 @@ import asyncio
 import os
 
 from asyncload.cache.items import ItemCache
-from asyncload.io.reader import Reader
-from asyncload.stats.loader_stats import LoaderStats
-from tests.conftest import make_bucket, setup_s3fs
+from tests.test_item_cache_bound import SIZE, new_reader, put_objects
 
-SIZE = 1000
 VERSION = "listed v1"
-
-
-def put_objects(s3_options, prefix: str, count: int) -> dict[str, bytes]:
-    """``count`` objects of ``SIZE`` random bytes under ``prefix``: url -> bytes."""
-    objects = {f"{prefix}/{index}.bin": os.urandom(SIZE) for index in range(count)}
-    with setup_s3fs(s3_options) as fs:
-        make_bucket(fs)
-        fs.pipe(objects)
-    return {f"s3://{path}": data for path, data in objects.items()}
-
-
-def new_reader(s3_options) -> Reader:
-    return Reader(asyncio.get_running_loop(), storage_options=s3_options, timeout=30.0, retries=2,
-                  io_concurrency=8, stats=LoaderStats())
 
 
 def listed(index: int) -> tuple[int, str]:

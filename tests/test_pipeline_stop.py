@@ -49,22 +49,35 @@ class Answers:
             self.done.set()
 
 
-def test_a_run_stopped_before_the_pipeline_took_its_start_confirms_its_stop_and_frees_its_reads():
+def new_pipeline() -> tuple[Pipeline, BatchBuffer, Answers]:
+    """A pipeline of one 4-row buffer (slot 0) whose every read is a read task, one at a time,
+    and what it answers."""
     with AsyncLoader(list(range(8)), batch_size=4, read=read_index, decode=decode_row, io_concurrency=1,
                      num_threads=1) as loader:
         settings = loader.settings
     buffer = BatchBuffer(SampleLayout.of(np.zeros(1, np.int64)), 4)
     answers = Answers()
-    pipeline = Pipeline(settings, {0: buffer}.__getitem__, answers.send, LoaderStats(), io_concurrency=1)
+    return Pipeline(settings, {0: buffer}.__getitem__, answers.send, LoaderStats(), io_concurrency=1), buffer, answers
+
+
+def hold_the_loop(pipeline: Pipeline) -> threading.Event:
+    """Keeps the pipeline's event loop busy (the messages handled meanwhile wait for it, as a
+    child's do when its control thread reads a burst) until the event returned is set."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait()
+
+    pipeline.loop_thread.call_soon(hold)
+    assert held.wait(ANSWER_WAIT_S)
+    return release
+
+
+def test_a_run_stopped_before_the_pipeline_took_its_start_confirms_its_stop_and_frees_its_reads():
+    pipeline, buffer, answers = new_pipeline()
     try:
-        held, release = threading.Event(), threading.Event()
-
-        def hold_the_loop() -> None:
-            held.set()
-            release.wait()
-
-        pipeline.loop_thread.call_soon(hold_the_loop)
-        assert held.wait(ANSWER_WAIT_S)
+        release = hold_the_loop(pipeline)
         rows = [0, 1, 2, 3]
         pipeline.handle(Start(1, 0, None))
         pipeline.handle(Fill(1, 0, 0, rows, np.array([4, 5, 6, 7])))
@@ -88,18 +101,8 @@ def test_a_run_stopped_as_the_pipeline_closes_confirms_its_stop_once():
     """A ``Stop`` and the pipeline's ``close()`` taken in one burst (a Ctrl-C at a run's end): the
     run's own stop and the shutdown's both stop it; ``Stopped`` goes out once per run (the
     shutdown's, one loop turn behind the run's own, found it gone and confirmed it again)."""
-    with AsyncLoader(list(range(8)), batch_size=4, read=read_index, decode=decode_row, io_concurrency=1,
-                     num_threads=1) as loader:
-        settings = loader.settings
-    buffer = BatchBuffer(SampleLayout.of(np.zeros(1, np.int64)), 4)
-    answers = Answers()
-    pipeline = Pipeline(settings, {0: buffer}.__getitem__, answers.send, LoaderStats(), io_concurrency=1)
-    held, release, submitted = threading.Event(), threading.Event(), threading.Event()
-
-    def hold_the_loop() -> None:
-        held.set()
-        release.wait()
-
+    pipeline, _, answers = new_pipeline()
+    submitted = threading.Event()
     submit = pipeline.loop_thread.submit
 
     def submit_and_say(coroutine) -> bool:  # close() hands the loop its shutdown here
@@ -108,8 +111,7 @@ def test_a_run_stopped_as_the_pipeline_closes_confirms_its_stop_once():
         return done
 
     pipeline.loop_thread.submit = submit_and_say
-    pipeline.loop_thread.call_soon(hold_the_loop)
-    assert held.wait(ANSWER_WAIT_S)
+    release = hold_the_loop(pipeline)
     pipeline.handle(Start(1, 0, None))
     pipeline.handle(Start(2, 0, None))
     pipeline.handle(Stop(2))
