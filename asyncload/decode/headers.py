@@ -24,8 +24,8 @@ def _png_chunks_fit(data: bytes) -> None:
     """Raises if a chunk claims more bytes than the file holds. Why: OpenCV's PNG reader
     allocates a chunk's claimed length before it reads it, so a 118-byte file whose second chunk
     claims 2 GB took 2 GB (and a second) to fail, past any ``max_pixels``. A walk over the chunk
-    headers (a few dozen for a large image) up to IEND; a file cut inside a chunk header is left
-    to OpenCV (it needs no large buffer)."""
+    headers up to IEND (one step per chunk: about 1,500 for a 12 MB PNG, 0.5 ms against tens of
+    ms to decode it); a file cut inside a chunk header is left to OpenCV (it needs no large buffer)."""
     at = 8
     while at + 8 <= len(data):
         length, kind = struct.unpack_from(">I4s", data, at)
