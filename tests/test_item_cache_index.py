@@ -37,6 +37,19 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fds_on(folder) -> list[str]:
+    """What this process's open descriptors point at inside ``folder``."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if path.startswith(f"{folder}/"):
+            paths.append(path)
+    return paths
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
 def test_descriptors_stay_bounded_while_every_copy_is_served(tmp_path):
     """A descriptor per segment was kept open for the process's life (a thousand at the default
@@ -236,11 +249,12 @@ def test_the_loaders_close_does_not_close_the_segment_a_pass_still_writes(s3_opt
         finally:
             await reader.aclose()
 
-    before = open_fds()
     asyncio.run(main())
     assert (tmp_path / "other").read_bytes() == b""
     store = SegmentStore(folder, 1 << 20)
     store.refresh()
     assert {u: store.read(entry) for u, entry in store.entries.items()} == objects
     store.close()
-    assert open_fds() == before
+    # the cache's own descriptors, not the process's count: another test's thread left in this
+    # worker may open or close a file meanwhile (27 against 26 once, in a fresh clone's CI)
+    assert fds_on(folder) == [], "a descriptor on the cache's files outlived its store"
